@@ -1,0 +1,65 @@
+"""ddpstate: safe, durable PyTorch checkpoints and model state under DDP."""
+
+from ddpstate._version import __version__
+from ddpstate.dist import (
+    DistContext,
+    all_gather_object,
+    barrier,
+    broadcast_object,
+    default_timeout,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_distributed,
+    is_local_main_process,
+    is_main_process,
+    main_process_first,
+    rank_zero_only,
+)
+from ddpstate.errors import (
+    BarrierTimeoutError,
+    BatchNormPolicyError,
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    DDPStateError,
+    KeyCollisionError,
+    KeyMismatchError,
+    StateDictNotFoundError,
+    UnsafeCheckpointError,
+)
+
+__all__ = [
+    "__version__",
+    # dist
+    "DistContext",
+    "all_gather_object",
+    "barrier",
+    "broadcast_object",
+    "default_timeout",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_distributed",
+    "is_local_main_process",
+    "is_main_process",
+    "main_process_first",
+    "rank_zero_only",
+    # errors
+    "BarrierTimeoutError",
+    "BatchNormPolicyError",
+    "CheckpointCorruptError",
+    "CheckpointExistsError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "DDPStateError",
+    "KeyCollisionError",
+    "KeyMismatchError",
+    "StateDictNotFoundError",
+    "UnsafeCheckpointError",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from ddpstate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,127 @@
+"""The one exception tree every user-caused ddpstate error belongs to.
+
+Catch :class:`DDPStateError` to handle anything ddpstate raises on purpose;
+catch a subclass to handle one case. Each message names the file, key or rank
+involved and says what to do about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "DDPStateError",
+    "CheckpointNotFoundError",
+    "CheckpointFormatError",
+    "CheckpointCorruptError",
+    "UnsafeCheckpointError",
+    "KeyMismatchError",
+    "KeyCollisionError",
+    "StateDictNotFoundError",
+    "BarrierTimeoutError",
+    "CheckpointWriteError",
+    "CheckpointExistsError",
+    "BatchNormPolicyError",
+]
+
+
+class DDPStateError(Exception):
+    """Base class of every error ddpstate raises for a cause the user can fix."""
+
+
+class CheckpointNotFoundError(DDPStateError, FileNotFoundError):
+    """The checkpoint file, folder or URL does not exist.
+
+    Also a :class:`FileNotFoundError`, so existing ``except FileNotFoundError``
+    handlers keep working.
+    """
+
+
+class CheckpointFormatError(DDPStateError):
+    """The bytes are not a checkpoint format ddpstate reads (or not the one asked for)."""
+
+
+class CheckpointCorruptError(DDPStateError):
+    """The file claims a known format but is truncated, damaged or fails verification."""
+
+
+class UnsafeCheckpointError(DDPStateError):
+    """Loading would need arbitrary unpickling, which was not asked for by name.
+
+    Attributes:
+        unsafe_globals: The fully qualified names the pickle would import.
+    """
+
+    def __init__(self, message: str, unsafe_globals: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.unsafe_globals: tuple[str, ...] = tuple(unsafe_globals)
+
+
+class KeyMismatchError(DDPStateError, KeyError):
+    """State-dict keys do not match what the target expects.
+
+    Attributes:
+        missing: Keys the target expects that the source lacks.
+        unexpected: Keys the source has that the target does not expect.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.missing: tuple[str, ...] = tuple(missing)
+        self.unexpected: tuple[str, ...] = tuple(unexpected)
+
+    def __str__(self) -> str:
+        # KeyError.__str__ would repr() the message and wrap it in quotes.
+        return str(self.args[0]) if self.args else ""
+
+
+class KeyCollisionError(KeyMismatchError):
+    """Renaming keys would make two entries share one name.
+
+    Attributes:
+        keys: The colliding pair ``(existing_key, renamed_from_key)``.
+    """
+
+    def __init__(self, message: str, keys: tuple[str, str]) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+class StateDictNotFoundError(DDPStateError, KeyError):
+    """No single model state dict could be located inside a checkpoint container."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class BarrierTimeoutError(DDPStateError, TimeoutError):
+    """Some ranks did not reach a collective within the timeout.
+
+    Attributes:
+        missing_ranks: The global ranks that did not arrive (empty when unknown).
+        timeout: The timeout in seconds that expired.
+    """
+
+    def __init__(
+        self, message: str, missing_ranks: Sequence[int] = (), timeout: float = 0.0
+    ) -> None:
+        super().__init__(message)
+        self.missing_ranks: tuple[int, ...] = tuple(missing_ranks)
+        self.timeout = timeout
+
+
+class CheckpointWriteError(DDPStateError, OSError):
+    """Writing a checkpoint failed; the previous file at the target is untouched."""
+
+
+class CheckpointExistsError(DDPStateError, FileExistsError):
+    """The destination exists and overwriting it was not asked for."""
+
+
+class BatchNormPolicyError(DDPStateError, ValueError):
+    """The BatchNorm policy cannot apply to this model, device or DDP setting."""

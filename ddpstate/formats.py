@@ -1,0 +1,190 @@
+"""Checkpoint formats: telling them apart by their bytes, never by their names."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+from typing import IO, Any, Literal, Optional, Union
+
+from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError
+
+__all__ = [
+    "DCP",
+    "FORMATS",
+    "LEGACY",
+    "SAFETENSORS",
+    "TORCHSCRIPT",
+    "TORCH_ZIP",
+    "FormatName",
+    "detect_format",
+    "sniff_format",
+]
+
+#: torch.save's zip container (torch >= 1.6): ``<root>/data.pkl`` + ``<root>/data/<key>``.
+TORCH_ZIP = "torch_zip"
+#: torch.save's pre-1.6 format: a stream of pickles starting with a magic number.
+LEGACY = "torch_legacy"
+#: The safetensors format: 8-byte little-endian header length, JSON header, raw data.
+SAFETENSORS = "safetensors"
+#: A TorchScript archive (``torch.jit.save``): a zip with ``code/`` and ``constants.pkl``.
+TORCHSCRIPT = "torchscript"
+#: A ``torch.distributed.checkpoint`` folder (has a ``.metadata`` file).
+DCP = "dcp"
+
+FormatName = Literal["torch_zip", "torch_legacy", "safetensors", "torchscript", "dcp"]
+FORMATS: tuple[str, ...] = (TORCH_ZIP, LEGACY, SAFETENSORS, TORCHSCRIPT, DCP)
+
+# torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PREFIX = b"\x80\x02\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little") + b"."
+_ZIP_MAGIC = b"PK\x03\x04"
+# safetensors caps its header at 100 MB; a larger claimed length is not safetensors.
+_SAFETENSORS_MAX_HEADER = 100_000_000
+_SNIFF_BYTES = 64
+
+Source = Union[str, "os.PathLike[str]", IO[bytes]]
+
+
+def _zip_kind(fileobj: IO[bytes], name: str) -> str:
+    try:
+        with zipfile.ZipFile(fileobj) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointFormatError(
+            f"{name}: starts like a zip archive (a torch.save file) but its directory cannot be "
+            f"read ({exc}); the file is probably truncated: re-save or re-download it"
+        ) from exc
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        return TORCHSCRIPT
+    if any(n.endswith("data.pkl") for n in names):
+        return TORCH_ZIP
+    raise CheckpointFormatError(
+        f"{name}: a zip archive without data.pkl, so not a torch.save checkpoint "
+        f"(entries: {', '.join(names[:5])}{'...' if len(names) > 5 else ''})"
+    )
+
+
+def sniff_format(head: bytes, size: Optional[int] = None) -> Optional[str]:
+    """Guess the format from a file's first bytes alone.
+
+    Zip archives come back as ``"torch_zip"``; only :func:`detect_format`, which
+    reads the zip directory, tells a TorchScript archive apart.
+
+    Args:
+        head: At least the first 16 bytes of the file (64 are plenty).
+        size: The file's total size, to reject impossible safetensors headers.
+
+    Returns:
+        A format name, or None when the bytes match no known format.
+
+    Example:
+        >>> from ddpstate.formats import sniff_format
+        >>> sniff_format(b"PK\\x03\\x04" + bytes(60))
+        'torch_zip'
+    """
+    if head.startswith(_ZIP_MAGIC):
+        return TORCH_ZIP
+    if head.startswith(_LEGACY_PREFIX):
+        return LEGACY
+    if len(head) >= 9:
+        (header_len,) = struct.unpack("<Q", head[:8])
+        fits = size is None or 8 + header_len <= size
+        if 2 <= header_len <= _SAFETENSORS_MAX_HEADER and fits and head[8:9] == b"{":
+            return SAFETENSORS
+    return None
+
+
+def _describe(head: bytes) -> str:
+    if head.startswith(b"\x80"):
+        return "a plain pickle, not a torch.save checkpoint"
+    if head.startswith((b"{", b"[")):
+        return "JSON text, not a checkpoint"
+    if head.startswith(b"\x89HDF"):
+        return "an HDF5 file (Keras?), not a PyTorch checkpoint"
+    if head.startswith(b"\x08") or head[:1] == b"\n":
+        return "possibly an ONNX/protobuf file, not a checkpoint"
+    if not head:
+        return "an empty file"
+    return f"unknown bytes {head[:8].hex(' ')}"
+
+
+def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] = None) -> str:
+    """Tell which checkpoint format a file or folder holds, from its bytes.
+
+    Args:
+        source: A local path, an fsspec URL (``s3://...``, ``memory://...``),
+            or a readable, seekable binary file object.
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        One of ``"torch_zip"``, ``"torch_legacy"``, ``"safetensors"``,
+        ``"torchscript"``, ``"dcp"``.
+
+    Raises:
+        CheckpointNotFoundError: The path does not exist.
+        CheckpointFormatError: The bytes match no format ddpstate knows.
+
+    Example:
+        >>> import torch, tempfile, os, ddpstate
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.bin")
+        >>> torch.save({"w": torch.ones(2)}, path)
+        >>> ddpstate.detect_format(path)
+        'torch_zip'
+    """
+    if hasattr(source, "read"):
+        fileobj: IO[bytes] = source  # type: ignore[assignment]
+        start = fileobj.tell()
+        head = fileobj.read(_SNIFF_BYTES)
+        fileobj.seek(0, os.SEEK_END)
+        size = fileobj.tell() - start
+        fileobj.seek(start)
+        return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>"))
+
+    name = os.fspath(source)
+    if "://" in name:
+        from ddpstate import _fs
+
+        fs, path = _fs.url_to_fs(name, storage_options)
+        if not fs.exists(path):
+            raise CheckpointNotFoundError(f"{name}: no such file or folder")
+        if fs.isdir(path):
+            return _folder_kind(name, fs.exists(path.rstrip("/") + "/.metadata"))
+        with fs.open(path, "rb") as remote:
+            head = remote.read(_SNIFF_BYTES)
+            size = fs.size(path)
+            remote.seek(0)
+            return _classify(remote, head, size, name)
+
+    if os.path.isdir(name):
+        return _folder_kind(name, os.path.exists(os.path.join(name, ".metadata")))
+    try:
+        with open(name, "rb") as local:
+            head = local.read(_SNIFF_BYTES)
+            size = os.fstat(local.fileno()).st_size
+            return _classify(local, head, size, name)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
+
+
+def _folder_kind(name: str, has_dcp_metadata: bool) -> str:
+    if has_dcp_metadata:
+        return DCP
+    raise CheckpointFormatError(
+        f"{name}: a folder, not a checkpoint file (no torch.distributed.checkpoint .metadata "
+        f"in it); for a CheckpointManager folder use CheckpointManager.restore or "
+        f"`ddpstate verify`"
+    )
+
+
+def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> str:
+    kind = sniff_format(head, size)
+    if kind == TORCH_ZIP:
+        return _zip_kind(fileobj, name)
+    if kind is None:
+        raise CheckpointFormatError(
+            f"{name}: not a checkpoint ddpstate can read ({_describe(head)}); expected a "
+            f"torch.save file, a legacy torch file, safetensors or a torch.distributed.checkpoint "
+            f"folder"
+        )
+    return kind
