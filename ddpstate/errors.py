@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointWriteError",
     "CheckpointExistsError",
     "BatchNormPolicyError",
+    "BatchNormBufferSyncError",
 ]
 
 
@@ -125,3 +126,10 @@ class CheckpointExistsError(DDPStateError, FileExistsError):
 
 class BatchNormPolicyError(DDPStateError, ValueError):
     """The BatchNorm policy cannot apply to this model, device or DDP setting."""
+
+
+class BatchNormBufferSyncError(BatchNormPolicyError, RuntimeError):
+    """DDP's in-place BatchNorm buffer sync broke autograd; the message names both fixes.
+
+    Also a :class:`RuntimeError`, so handlers written for torch's original error still match.
+    """

@@ -7,6 +7,7 @@ and the other ranks see a proper timeout, as they would under torchrun's agent.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -15,6 +16,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 _CTX = mp.get_context("spawn")
@@ -52,7 +54,11 @@ def _child(
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=120))
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # Tensors sent through a Queue travel as shared-memory handles that die with
+        # this process; torch.save bytes survive it.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -123,4 +129,15 @@ def run_ranks(
     if failures and not expect_failure:
         rank = min(failures)
         raise RankFailed(f"rank {rank} failed:\n{failures[rank]}")
-    return [outcomes[r][1] if r in outcomes else None for r in range(world_size)]
+    if expect_failure:
+        return [
+            (outcomes[r][1] if not outcomes[r][0]
+             else torch.load(io.BytesIO(outcomes[r][1]), weights_only=False))
+            if r in outcomes else None
+            for r in range(world_size)
+        ]
+    # Trusted bytes: written by this test's own child processes just now.
+    return [
+        torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) if r in outcomes else None
+        for r in range(world_size)
+    ]

@@ -1,0 +1,713 @@
+"""BatchNorm under DDP: SyncBatchNorm both ways, synced running statistics, and ``wrap_ddp``."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import inspect
+import warnings
+from collections.abc import Iterator
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.utils.parametrize
+from packaging.version import Version
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpstate.dist import all_gather_object, get_local_rank, get_world_size, is_distributed
+from ddpstate.errors import BatchNormBufferSyncError, BatchNormPolicyError, DDPStateError
+from ddpstate.keys import unwrap_model
+
+__all__ = [
+    "BatchNormBufferSyncError",
+    "BatchNormNd",
+    "BatchNormPolicy",
+    "convert_sync_batchnorm",
+    "explain_ddp_errors",
+    "revert_sync_batchnorm",
+    "sync_batchnorm_stats",
+    "wrap_ddp",
+]
+
+BatchNormPolicy = Literal["auto", "sync", "unsynced", "keep"]
+_POLICIES: tuple[str, ...] = ("auto", "sync", "unsynced", "keep")
+_STATS_OPS: tuple[str, ...] = ("mean", "broadcast")
+
+# Set on every SyncBatchNorm that convert_sync_batchnorm makes; revert reads it
+# to restore BatchNorm1d/2d/3d or the user's own subclass exactly.
+_ORIGINAL_CLASS = "_ddpstate_original_class"
+# SyncBatchNorm-only attributes (ddp_gpu_size: torch < 1.9 set it from DDP).
+_SYNC_ONLY_ATTRS = frozenset({"process_group", "ddp_gpu_size", _ORIGINAL_CLASS})
+# Module registries get their own shallow copies so the old and new layer are
+# independent objects; hook dicts stay shared so existing hook handles still work.
+_REGISTRIES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+# The in-place autograd error text, stable since torch 1.x.
+_INPLACE_TEXT = "modified by an inplace operation"
+# Device types SyncBatchNorm synchronises on (torch raises for the others).
+_SYNC_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name()})
+
+
+def _ddp_init_params() -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a C-implemented or wrapped __init__
+        # torch 2.13 added forward_sync_buffers and deprecated broadcast_buffers.
+        if Version(torch.__version__).release >= (2, 13):
+            return frozenset({"broadcast_buffers", "forward_sync_buffers"})
+        return frozenset({"broadcast_buffers"})
+
+
+def _ddp_sync_keeps_versions() -> bool:
+    # torch 2.6-2.12's DDP copies buffers in place and bumps their version
+    # counters (pytorch#175024); the fix (pytorch#175851, torch 2.13) wraps the
+    # copy in _unsafe_preserve_version_counter. Read the source where it is
+    # available, since a patched older build may carry the fix too.
+    try:
+        return "_unsafe_preserve_version_counter" in inspect.getsource(
+            DistributedDataParallel._sync_buffers
+        )
+    except (AttributeError, OSError, TypeError):  # pragma: no cover - no source shipped
+        return Version(torch.__version__).release >= (2, 13)
+
+
+_DDP_PARAMS = _ddp_init_params()
+#: The name DDP prefers for "sync buffers before each forward" on this torch.
+_BUFFER_SYNC_KWARG = (
+    "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers"
+)
+_BUFFER_SYNC_NAMES = ("broadcast_buffers", "forward_sync_buffers")
+_DDP_SYNC_KEEPS_VERSIONS = _ddp_sync_keeps_versions()
+
+
+class BatchNormNd(_BatchNorm):
+    """BatchNorm over ``(N, C, *)`` input of any dimensionality (2-D and up).
+
+    What :func:`revert_sync_batchnorm` turns a SyncBatchNorm into when ddpstate
+    did not convert it and so does not know whether it was 1-D, 2-D or 3-D.
+    Like SyncBatchNorm it normalises over every dimension but the channel
+    dimension 1, so it computes exactly what SyncBatchNorm computes on one
+    process, for any input a BatchNorm1d/2d/3d would take. Its state-dict keys
+    are the same as theirs, so a state dict moves between them freely.
+
+    Example:
+        >>> import torch, ddpstate
+        >>> bn = ddpstate.BatchNormNd(3)
+        >>> bn(torch.randn(4, 3, 5, 5)).shape
+        torch.Size([4, 3, 5, 5])
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"BatchNormNd expects input of shape (N, C, *) with at least 2 dimensions, "
+                f"got {input.dim()}-D input"
+            )
+
+
+# --------------------------------------------------------------------------- layer swapping
+
+
+def _copy_module_state(src: nn.Module, dst: nn.Module, drop: frozenset[str] = frozenset()) -> None:
+    state = {k: v for k, v in vars(src).items() if k not in drop}
+    for key in _REGISTRIES:
+        if key in state:
+            state[key] = copy.copy(state[key])
+    dst.__dict__.update(state)
+
+
+def _refuse_unconvertible(layer: nn.Module, name: str) -> None:
+    where = name or "the root module"
+    if nn.utils.parametrize.is_parametrized(layer):
+        raise BatchNormPolicyError(
+            f"BatchNorm layer {where!r} has parametrizations ({type(layer).__name__}); "
+            "converting its class would drop them. Remove them first with "
+            "torch.nn.utils.parametrize.remove_parametrizations, convert, then add them back"
+        )
+    if isinstance(layer, nn.modules.lazy.LazyModuleMixin) and layer.has_uninitialized_params():
+        raise BatchNormPolicyError(
+            f"BatchNorm layer {where!r} is a lazy layer whose parameters are not created yet; "
+            "run one forward pass (or pass num_features) before converting it"
+        )
+
+
+def _swap_layers(root: nn.Module, swap: Callable[[nn.Module, str], nn.Module]) -> nn.Module:
+    """Apply ``swap`` to every module, replacing children in their parents' registries.
+
+    A module registered under several parents is swapped once and the same
+    replacement goes everywhere. Writing ``parent._modules`` directly (not
+    ``add_module``/``setattr``) works for modules that override those.
+    """
+    # id -> (old, new); keeping ``old`` alive stops its id being reused mid-walk.
+    memo: dict[int, tuple[nn.Module, nn.Module]] = {}
+
+    def visit(module: nn.Module, name: str) -> nn.Module:
+        seen = memo.get(id(module))
+        if seen is not None:
+            return seen[1]
+        new = swap(module, name)
+        memo[id(module)] = (module, new)
+        for child_name, child in list(new._modules.items()):
+            if child is None:
+                continue
+            replacement = visit(child, f"{name}.{child_name}" if name else child_name)
+            if replacement is not child:
+                new._modules[child_name] = replacement
+        return new
+
+    return visit(root, "")
+
+
+def convert_sync_batchnorm(model: nn.Module, process_group: Any = None) -> nn.Module:
+    """Turn every BatchNorm layer into ``torch.nn.SyncBatchNorm``, keeping all its state.
+
+    Converts in place, like torch's own ``SyncBatchNorm.convert_sync_batchnorm``,
+    but keeps much more: the same Parameter objects (so an optimizer built
+    before still works), the same buffer tensors, ``eps``, ``momentum``,
+    ``affine``, ``track_running_stats``, ``training``, ``requires_grad``,
+    ``qconfig``, hooks and any other attribute, device and dtype. Each new
+    layer remembers its original class, so :func:`revert_sync_batchnorm`
+    restores BatchNorm1d/2d/3d (or your own subclass) exactly. Layers are
+    found at any depth (Sequential, ModuleList, ModuleDict, custom containers,
+    including ones that override ``add_module``); InstanceNorm, LayerNorm and
+    GroupNorm are left alone. Layers that already are SyncBatchNorm are kept,
+    and get ``process_group`` when one is passed.
+
+    Args:
+        model: A module; it may itself be a BatchNorm layer.
+        process_group: The group each SyncBatchNorm synchronises over
+            (default: the whole world).
+
+    Returns:
+        ``model`` (changed in place), or a new SyncBatchNorm when ``model``
+        itself is a BatchNorm layer: always use the return value.
+
+    Raises:
+        BatchNormPolicyError: A BatchNorm layer has parametrizations, or is a
+            lazy layer that has not run yet; the message names it.
+
+    Example:
+        >>> import torch, ddpstate
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+        >>> net = ddpstate.convert_sync_batchnorm(net)
+        >>> type(net[1]).__name__
+        'SyncBatchNorm'
+    """
+
+    def swap(layer: nn.Module, name: str) -> nn.Module:
+        if isinstance(layer, nn.SyncBatchNorm):
+            if process_group is not None:
+                layer.process_group = process_group
+            return layer
+        if not isinstance(layer, _BatchNorm):
+            return layer
+        _refuse_unconvertible(layer, name)
+        sync = nn.SyncBatchNorm.__new__(nn.SyncBatchNorm)
+        _copy_module_state(layer, sync)
+        sync.process_group = process_group
+        setattr(sync, _ORIGINAL_CLASS, type(layer))
+        return sync
+
+    return _swap_layers(model, swap)
+
+
+def _revert_layers(model: nn.Module) -> nn.Module:
+    """Swap every SyncBatchNorm for plain BatchNorm; return the (maybe new) root, still wrapped."""
+
+    def swap(layer: nn.Module, name: str) -> nn.Module:
+        if not isinstance(layer, nn.SyncBatchNorm):
+            return layer
+        original = layer.__dict__.get(_ORIGINAL_CLASS)
+        cls: type[_BatchNorm] = BatchNormNd
+        if (
+            isinstance(original, type)
+            and issubclass(original, _BatchNorm)
+            and not issubclass(original, nn.SyncBatchNorm)
+        ):
+            cls = original
+        plain = cls.__new__(cls)
+        _copy_module_state(layer, plain, drop=_SYNC_ONLY_ATTRS)
+        return plain
+
+    return _swap_layers(model, swap)
+
+
+def revert_sync_batchnorm(model: nn.Module) -> nn.Module:
+    """Turn every SyncBatchNorm back into a plain BatchNorm: the inverse of the conversion.
+
+    A layer that :func:`convert_sync_batchnorm` made gets its exact original
+    class back (BatchNorm1d/2d/3d or your subclass). A SyncBatchNorm that
+    ddpstate did not convert (built directly, or by torch's converter) becomes
+    :class:`BatchNormNd`, which accepts input of any dimensionality just as
+    SyncBatchNorm does, since nothing records whether it was 1-D, 2-D or 3-D.
+    Parameters (the same objects), buffers, flags, ``training``, ``qconfig``,
+    hooks, device and dtype are kept; the process group is dropped. State-dict
+    keys and values, and eval-mode outputs, are bitwise the same as before the
+    round trip. Works in place through DataParallel, DDP and ``torch.compile``
+    wrappers, and returns the plain module, ready for single-device inference
+    or export on CPU.
+
+    Args:
+        model: A plain or wrapped module; it may itself be a SyncBatchNorm.
+
+    Returns:
+        The plain (unwrapped) module with no SyncBatchNorm left. When the
+        model itself is a SyncBatchNorm this is a new object: use the return
+        value.
+
+    Example:
+        >>> import torch, ddpstate
+        >>> net = ddpstate.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(4)))
+        >>> type(ddpstate.revert_sync_batchnorm(net)[0]).__name__
+        'BatchNorm1d'
+        >>> plain = ddpstate.revert_sync_batchnorm(torch.nn.SyncBatchNorm(4))
+        >>> type(plain).__name__
+        'BatchNormNd'
+    """
+    return unwrap_model(_revert_layers(model))
+
+
+# --------------------------------------------------------------------------- running statistics
+
+
+def _stat_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    return [
+        (name, m)
+        for name, m in unwrap_model(model).named_modules()
+        if isinstance(m, _BatchNorm) and m.running_mean is not None and m.running_var is not None
+    ]
+
+
+def _stat_shape(layer: _BatchNorm) -> tuple[int, ...]:
+    return tuple(layer.running_mean.shape) if layer.running_mean is not None else ()
+
+
+def _reduce_in_place(tensors: list[torch.Tensor], op: str, *, counts: bool) -> None:
+    """All-reduce (or broadcast from rank 0) ``tensors`` in one collective per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for same_device in by_device.values():
+        if counts:
+            dtype = torch.int64
+        else:
+            # At least float32: gloo has no bfloat16 sum, and summing float16
+            # statistics over many ranks loses precision.
+            dtype = torch.float32
+            for t in same_device:
+                dtype = torch.promote_types(dtype, t.dtype)
+        flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in same_device])
+        if op == "broadcast":
+            dist.broadcast(flat, src=0)
+        elif counts:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= dist.get_world_size()
+        offset = 0
+        with torch.no_grad():
+            for t in same_device:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def sync_batchnorm_stats(
+    model: nn.Module,
+    *,
+    op: Literal["mean", "broadcast"] = "mean",
+    timeout: Optional[float] = None,
+) -> None:
+    """Make every rank's BatchNorm running statistics the same: a collective.
+
+    For training with plain (unsynchronised) BatchNorm under DDP with
+    ``broadcast_buffers=False`` (``wrap_ddp(..., batchnorm="unsynced")``), where
+    each rank's ``running_mean``/``running_var`` drift apart. Call it on every
+    rank before evaluating and before saving, so every rank evaluates with the
+    same statistics and the checkpoint holds their average, not rank 0's alone.
+    All layers' statistics travel in one ``torch.distributed`` collective per
+    device on the default process group; ``num_batches_tracked`` becomes the
+    largest count of any rank (``op="mean"``) or rank 0's (``op="broadcast"``).
+    A no-op when not distributed. Every rank must call it, with the same
+    BatchNorm layers; this is checked first, with a timeout, so a rank that
+    never arrives or has a different model gives an error, not a hang.
+
+    Args:
+        model: A plain or wrapped (DDP, DataParallel, compiled) module.
+        op: ``"mean"`` averages the statistics over ranks; ``"broadcast"``
+            copies rank 0's to everyone (what DDP's ``broadcast_buffers`` does).
+        timeout: Seconds to wait for the other ranks at the check (default:
+            ``DDPSTATE_TIMEOUT`` or 1800 s).
+
+    Raises:
+        BatchNormPolicyError: ``op`` is not ``"mean"`` or ``"broadcast"``.
+        DDPStateError: The ranks have different BatchNorm layers (names the ranks).
+        BarrierTimeoutError: A rank did not call it within ``timeout`` (named).
+
+    Example:
+        >>> import torch, ddpstate
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        >>> ddpstate.sync_batchnorm_stats(net)  # every rank, e.g. before eval and save
+    """
+    if op not in _STATS_OPS:
+        raise BatchNormPolicyError(
+            f"sync_batchnorm_stats: op={op!r} is not one of {', '.join(map(repr, _STATS_OPS))}"
+        )
+    if not is_distributed():
+        return
+    layers = _stat_layers(model)
+    signature = repr(
+        [(name, _stat_shape(m), m.num_batches_tracked is not None) for name, m in layers]
+    )
+    digests = all_gather_object(
+        (len(layers), hashlib.sha256(signature.encode()).hexdigest()), timeout=timeout
+    )
+    differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        counts = ", ".join(f"rank {r}: {d[0]}" for r, d in enumerate(digests))
+        raise DDPStateError(
+            f"sync_batchnorm_stats: ranks {', '.join(map(str, differ))} have different BatchNorm "
+            f"layers (names or sizes) than rank 0 (layers with running statistics: {counts}); "
+            "every rank must build the same model and call sync_batchnorm_stats with it"
+        )
+    if not layers:
+        return
+    floats: list[torch.Tensor] = []
+    counters: list[torch.Tensor] = []
+    for _, m in layers:
+        floats += [t for t in (m.running_mean, m.running_var) if t is not None]
+        if m.num_batches_tracked is not None:
+            counters.append(m.num_batches_tracked)
+    _reduce_in_place(floats, op, counts=False)
+    if counters:
+        _reduce_in_place(counters, op, counts=True)
+
+
+# --------------------------------------------------------------------------- the in-place error
+
+
+def _find_ddp(model: nn.Module) -> Optional[DistributedDataParallel]:
+    compiled: Optional[type] = None
+    with contextlib.suppress(Exception):
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        compiled = OptimizedModule
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            return model
+        inner: object
+        if isinstance(model, nn.DataParallel):
+            inner = model.module
+        elif compiled is not None and isinstance(model, compiled):
+            inner = model._orig_mod
+        else:
+            return None
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+
+
+def _ddp_syncs_buffers(ddp: DistributedDataParallel) -> bool:
+    value = ddp.__dict__.get("forward_sync_buffers")
+    if value is None:
+        value = getattr(ddp, "broadcast_buffers", True)
+    return bool(value)
+
+
+def _plain_bn_names(model: nn.Module) -> list[str]:
+    return [
+        name or "<root>"
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm)
+        and not isinstance(m, nn.SyncBatchNorm)
+        and m.running_mean is not None
+    ]
+
+
+def _explanation(layer_names: list[str], opening: str) -> str:
+    shown = ", ".join(map(repr, layer_names[:3])) + (
+        f" and {len(layer_names) - 3} more" if len(layer_names) > 3 else ""
+    )
+    torch_note = ""
+    if _DDP_SYNC_KEEPS_VERSIONS:
+        torch_note = (
+            f" (this torch, {torch.__version__}, keeps DDP's own copy from tripping autograd, "
+            "so look also for code that writes BatchNorm buffers in place between forward "
+            "and backward)"
+        )
+    return (
+        f"ddpstate: {opening} This DDP model has BatchNorm layers ({shown}) and buffer "
+        "broadcasting on (broadcast_buffers=True, DDP's default): at the start of every "
+        "forward DDP copies rank 0's running_mean/running_var into each replica in place, so "
+        "when the model runs forward twice before one backward (GANs, siamese nets, two-view "
+        f"losses) the first forward's saved buffers are overwritten{torch_note}. Fix it either "
+        "way: (1) SyncBatchNorm (GPU only): ddpstate.wrap_ddp(model, batchnorm='sync'), or "
+        "ddpstate.convert_sync_batchnorm(model) before wrapping in DDP; or "
+        "(2) no buffer broadcast: ddpstate.wrap_ddp(model, batchnorm='unsynced') or "
+        f"DDP(model, {_BUFFER_SYNC_KWARG}=False), then call ddpstate.sync_batchnorm_stats(model) "
+        "on every rank before evaluating and saving."
+    )
+
+
+def _needs_explanation(model: nn.Module) -> Optional[list[str]]:
+    ddp = _find_ddp(model)
+    if ddp is None or not _ddp_syncs_buffers(ddp):
+        return None
+    names = _plain_bn_names(ddp.module)
+    return names or None
+
+
+@contextlib.contextmanager
+def explain_ddp_errors(model: nn.Module) -> Iterator[None]:
+    """Explain the "modified by an inplace operation" error of DDP with BatchNorm.
+
+    Wrap the backward (or the whole training step) of a DDP model. If torch
+    raises its ``RuntimeError`` "one of the variables needed for gradient
+    computation has been modified by an inplace operation" and ``model`` is
+    DDP (possibly inside DataParallel or ``torch.compile``) with plain
+    BatchNorm layers and buffer broadcasting on, it is re-raised as
+    :class:`BatchNormBufferSyncError` (also a ``RuntimeError``), chained from
+    torch's error, with a message naming the cause, the BatchNorm layers and
+    both fixes: SyncBatchNorm, or ``broadcast_buffers=False`` plus
+    :func:`sync_batchnorm_stats`. Any other exception, or this one on a model
+    where that is not the cause, passes through untouched.
+
+    Args:
+        model: The DDP-wrapped model that ran the forward passes.
+
+    Raises:
+        BatchNormBufferSyncError: The explained error, from torch's ``RuntimeError``.
+
+    Example:
+        >>> import torch, ddpstate
+        >>> net = torch.nn.Linear(2, 1)
+        >>> with ddpstate.explain_ddp_errors(net):
+        ...     net(torch.ones(1, 2)).sum().backward()
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, DDPStateError) or _INPLACE_TEXT not in str(err):
+            raise
+        names = _needs_explanation(model)
+        if names is None:
+            raise
+        first_line = str(err).strip().splitlines()[0]
+        raise BatchNormBufferSyncError(
+            _explanation(names, f"the backward failed with {first_line!r}.")
+        ) from err
+
+
+def _output_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _output_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _output_tensors(item)
+
+
+class _TwoForwardGuard:
+    """Warn once when a DDP model that would hit the in-place error starts a second forward.
+
+    Installed by :func:`wrap_ddp` only where the error can happen: buffer
+    broadcasting on, plain BatchNorm layers, and a torch whose DDP bumps the
+    buffers' version counters. "Pending" means a grad-enabled forward produced
+    outputs that no backward has reached yet.
+    """
+
+    def __init__(self, layer_names: list[str]) -> None:
+        self.layer_names = layer_names
+        self.pending = False
+        self.warned = False
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        if self.pending and not self.warned and torch.is_grad_enabled():
+            self.warned = True
+            opening = (
+                "a forward started before the previous forward's backward; a backward through "
+                "both will fail with 'one of the variables needed for gradient computation has "
+                "been modified by an inplace operation'."
+            )
+            warnings.warn(_explanation(self.layer_names, opening), UserWarning, stacklevel=3)
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        outputs = [t for t in _output_tensors(output) if t.requires_grad]
+        if not outputs:
+            return
+        self.pending = True
+        torch.autograd.graph.register_multi_grad_hook(outputs, self._reached, mode="any")
+
+    def _reached(self, grad: Any) -> None:
+        self.pending = False
+
+
+# --------------------------------------------------------------------------- wrap_ddp
+
+
+def _resolve_device(device: Union[str, int, torch.device, None]) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _explicit_buffer_sync(kwargs: dict[str, Any]) -> tuple[Optional[bool], list[str]]:
+    given = {k: kwargs[k] for k in _BUFFER_SYNC_NAMES if kwargs.get(k) is not None}
+    values = {bool(v) for v in given.values()}
+    if len(values) > 1:
+        raise BatchNormPolicyError(
+            "wrap_ddp: broadcast_buffers and forward_sync_buffers were both passed, with "
+            f"different values ({given}); they are two names for one setting: pass only one"
+        )
+    return (values.pop() if values else None), sorted(given)
+
+
+def _sync_kwarg_name(names_given: list[str]) -> str:
+    # Keep the caller's own spelling where this torch takes it: on torch 2.13
+    # broadcast_buffers=False also skips the init-time buffer sync, which
+    # forward_sync_buffers=False does not.
+    if len(names_given) == 1 and names_given[0] in _DDP_PARAMS:
+        return names_given[0]
+    return _BUFFER_SYNC_KWARG
+
+
+def _resolve_policy(batchnorm: str, device: torch.device, has_bn: bool) -> str:
+    if batchnorm not in _POLICIES:
+        raise BatchNormPolicyError(
+            f"wrap_ddp: batchnorm={batchnorm!r} is not one of {', '.join(map(repr, _POLICIES))}"
+        )
+    if batchnorm != "auto":
+        return batchnorm
+    if not has_bn:
+        return "keep"
+    return "sync" if device.type == "cuda" and get_world_size() > 1 else "unsynced"
+
+
+def wrap_ddp(
+    model: nn.Module,
+    *,
+    batchnorm: BatchNormPolicy = "auto",
+    device: Union[str, int, torch.device, None] = None,
+    **ddp_kwargs: Any,
+) -> nn.Module:
+    """Move a model to this rank's device, apply a BatchNorm policy, and wrap it in DDP.
+
+    Policies (``batchnorm=``):
+
+    - ``"sync"``: convert BatchNorm to SyncBatchNorm (:func:`convert_sync_batchnorm`,
+      with DDP's ``process_group`` if you pass one). GPU only: on CPU it raises.
+    - ``"unsynced"``: plain BatchNorm (SyncBatchNorm layers are reverted) and
+      buffer broadcasting off (``broadcast_buffers=False``; on torch >= 2.13
+      ``forward_sync_buffers=False``, which still syncs buffers once at
+      construction), which avoids the "modified by an inplace operation"
+      error of two forwards before one backward. Each rank's running
+      statistics then drift apart: call :func:`sync_batchnorm_stats` before
+      evaluating and saving.
+    - ``"keep"``: no change to the layers or to what you pass.
+    - ``"auto"`` (default): ``"sync"`` on CUDA with more than one rank, else
+      ``"unsynced"``; ``"keep"`` when the model has no BatchNorm layer.
+
+    ``broadcast_buffers`` and its torch 2.13 name ``forward_sync_buffers`` are
+    both accepted and passed under a name this torch takes; a value that
+    contradicts the policy is an error, never silently overridden. On CUDA,
+    ``device_ids``/``output_device`` default to this rank's device.
+
+    In-place error explanation: under ``"keep"`` with buffer broadcasting on
+    and plain BatchNorm layers, on a torch whose DDP still trips autograd with
+    its buffer copy (2.6 to 2.12), the returned model warns once, naming the
+    cause and both fixes, when a forward starts before the previous forward's
+    backward. To turn the error itself into an explained one, wrap the
+    backward in :func:`explain_ddp_errors`.
+
+    Args:
+        model: The plain model (changed in place: moved, layers converted).
+        batchnorm: The BatchNorm policy, as above.
+        device: Where this rank's replica lives; default ``cuda:LOCAL_RANK``
+            when CUDA is available, else CPU. An int means that CUDA device.
+        **ddp_kwargs: Passed on to ``torch.nn.parallel.DistributedDataParallel``.
+
+    Returns:
+        The DDP model; when not distributed, the model itself on its device
+        (with the same layer conversion, so state dicts match across runs).
+
+    Raises:
+        BatchNormPolicyError: Unknown policy; ``"sync"`` on a device
+            SyncBatchNorm does not run on; ``broadcast_buffers`` contradicting
+            the policy; SyncBatchNorm layers under ``"keep"`` on CPU.
+
+    Example:
+        >>> import torch, ddpstate
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        >>> model = ddpstate.wrap_ddp(net, batchnorm="unsynced")  # under torchrun: DDP
+        >>> model is net  # a plain single process gets the model back
+        True
+    """
+    kwargs = dict(ddp_kwargs)
+    target = _resolve_device(device)
+    has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
+    policy = _resolve_policy(batchnorm, target, has_bn)
+    explicit, names_given = _explicit_buffer_sync(kwargs)
+    chosen = f"batchnorm={batchnorm!r}" + (f" (chose {policy!r})" if batchnorm == "auto" else "")
+
+    if policy == "sync" and target.type not in _SYNC_DEVICE_TYPES:
+        raise BatchNormPolicyError(
+            f"wrap_ddp: {chosen} needs GPU modules: SyncBatchNorm only works with GPU modules "
+            f"under DDP, and this model would run on {target}. Use batchnorm='unsynced' on CPU "
+            "(and call ddpstate.sync_batchnorm_stats(model) before evaluating or saving), or "
+            "batchnorm='auto', which picks 'sync' on CUDA and 'unsynced' elsewhere"
+        )
+    if policy == "unsynced" and explicit is True:
+        raise BatchNormPolicyError(
+            f"wrap_ddp: {chosen} turns DDP's buffer broadcast off, but "
+            f"{names_given[0]}=True was passed. Drop {names_given[0]}, or pass "
+            "batchnorm='keep' to keep broadcasting (and risk the 'modified by an inplace "
+            "operation' error when the model runs forward twice before one backward)"
+        )
+
+    for name in _BUFFER_SYNC_NAMES:
+        kwargs.pop(name, None)
+    buffer_sync = False if policy == "unsynced" else explicit
+    if buffer_sync is not None:
+        kwargs[_sync_kwarg_name(names_given)] = buffer_sync
+
+    if policy == "sync":
+        model = convert_sync_batchnorm(model, kwargs.get("process_group"))
+    elif policy == "unsynced":
+        model = _revert_layers(model)
+    model = model.to(target)
+
+    if not is_distributed():
+        return model
+    if policy == "keep" and target.type not in _SYNC_DEVICE_TYPES:
+        sync_layers = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+        if sync_layers:
+            shown = ", ".join(map(repr, sync_layers[:3]))
+            raise BatchNormPolicyError(
+                f"wrap_ddp: SyncBatchNorm layers ({shown}) only work with GPU modules under DDP, "
+                f"and this model runs on {target}; pass batchnorm='unsynced' (or call "
+                "ddpstate.revert_sync_batchnorm(model) first)"
+            )
+    if target.type == "cuda":
+        kwargs.setdefault("device_ids", [target.index])
+        kwargs.setdefault("output_device", target.index)
+    ddp = DistributedDataParallel(model, **kwargs)
+
+    layer_names = _plain_bn_names(model)
+    if not _DDP_SYNC_KEEPS_VERSIONS and layer_names and _ddp_syncs_buffers(ddp):
+        guard = _TwoForwardGuard(layer_names)
+        ddp.register_forward_pre_hook(guard.before_forward)
+        ddp.register_forward_hook(guard.after_forward)
+    return ddp
