@@ -19,7 +19,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpstate.dist import all_gather_object, get_local_rank, get_world_size, is_distributed
-from ddpstate.errors import BatchNormBufferSyncError, BatchNormPolicyError, DDPStateError
+from ddpstate.errors import (
+    BatchNormBufferSyncError,
+    BatchNormPolicyError,
+    DDPStateError,
+)
 from ddpstate.keys import unwrap_model
 
 __all__ = [
@@ -367,7 +371,7 @@ def sync_batchnorm_stats(
     differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
     if differ:
         counts = ", ".join(f"rank {r}: {d[0]}" for r, d in enumerate(digests))
-        raise DDPStateError(
+        raise BatchNormPolicyError(
             f"sync_batchnorm_stats: ranks {', '.join(map(str, differ))} have different BatchNorm "
             f"layers (names or sizes) than rank 0 (layers with running statistics: {counts}); "
             "every rank must build the same model and call sync_batchnorm_stats with it"

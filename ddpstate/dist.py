@@ -30,7 +30,11 @@ from typing import Any, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpstate.errors import BarrierTimeoutError, DDPStateError
+from ddpstate.errors import (
+    BarrierTimeoutError,
+    InvalidArgumentError,
+    RankFailedError,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -76,7 +80,7 @@ def _env_int(*names: str) -> Optional[int]:
             try:
                 return int(value)
             except ValueError:
-                raise DDPStateError(
+                raise InvalidArgumentError(
                     f"environment variable {name}={value!r} is not an integer; "
                     f"unset it or set it to this process's {name.lower()}"
                 ) from None
@@ -195,7 +199,7 @@ def default_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise DDPStateError(
+        raise InvalidArgumentError(
             f"environment variable {TIMEOUT_ENV}={raw!r} must be a positive number of seconds"
         )
     return value
@@ -206,7 +210,7 @@ def _resolve_timeout(timeout: float | timedelta | None) -> float:
         return default_timeout()
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not seconds > 0:
-        raise DDPStateError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return seconds
 
 
@@ -223,7 +227,7 @@ def _default_store() -> Any:
 
     getter = getattr(c10d, "_get_default_store", None)
     if getter is None:  # pragma: no cover - every supported torch has it
-        raise DDPStateError(
+        raise InvalidArgumentError(
             f"this torch ({torch.__version__}) does not expose the process group's store; "
             "ddpstate needs torch >= 2.5"
         )
@@ -268,7 +272,9 @@ def _missing(store: Any, keys: list[str]) -> list[int]:
     return missing
 
 
-def _timeout_error(name: str, missing: list[int], world: int, seconds: float) -> BarrierTimeoutError:
+def _timeout_error(
+    name: str, missing: list[int], world: int, seconds: float
+) -> BarrierTimeoutError:
     who = ", ".join(str(r) for r in missing) if missing else "unknown"
     plural = "s" if len(missing) != 1 else ""
     return BarrierTimeoutError(
@@ -396,7 +402,9 @@ def broadcast_object(
         return obj
     world = dist.get_world_size()
     if not 0 <= src < world:
-        raise DDPStateError(f"broadcast_object: src={src} is not a rank of a {world}-rank job")
+        raise InvalidArgumentError(
+            f"broadcast_object: src={src} is not a rank of a {world}-rank job"
+        )
     seconds = _resolve_timeout(timeout)
     store = _default_store()
     key = _next_prefix("b", store) + "/value"
@@ -466,7 +474,7 @@ def main_process_first(
         outcomes = _exchange(name, b"", timeout)
         failures = [o.decode() for o in outcomes or [] if o]
         if failures:
-            raise DDPStateError(
+            raise RankFailedError(
                 f"rank {get_rank()}: the main process failed inside main_process_first "
                 f"({'; '.join(failures)}); not running this rank's block"
             )
@@ -516,7 +524,7 @@ def _first_slurm_host(nodelist: str) -> str:
     # "node[01-04,07],gpu3" -> "node01"; a plain "host" -> "host".
     match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
-        raise DDPStateError(f"cannot read the first host of SLURM nodelist {nodelist!r}")
+        raise InvalidArgumentError(f"cannot read the first host of SLURM nodelist {nodelist!r}")
     base, ranges = match.group(1), match.group(2)
     if not ranges:
         return base
@@ -543,7 +551,7 @@ def _slurm_to_env() -> None:
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
         if not nodelist:
-            raise DDPStateError(
+            raise InvalidArgumentError(
                 "launched by srun but neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; "
                 "export MASTER_ADDR=<first node's hostname> in the job script"
             )

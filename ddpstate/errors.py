@@ -23,6 +23,11 @@ __all__ = [
     "CheckpointExistsError",
     "BatchNormPolicyError",
     "BatchNormBufferSyncError",
+    "InvalidArgumentError",
+    "DeviceMapError",
+    "ShapeMismatchError",
+    "CheckpointAccessError",
+    "RankFailedError",
 ]
 
 
@@ -133,3 +138,23 @@ class BatchNormBufferSyncError(BatchNormPolicyError, RuntimeError):
 
     Also a :class:`RuntimeError`, so handlers written for torch's original error still match.
     """
+
+
+class InvalidArgumentError(DDPStateError, ValueError):
+    """An argument or environment variable given to ddpstate has a value it cannot use."""
+
+
+class DeviceMapError(DDPStateError, ValueError):
+    """``map_location`` cannot be understood, or names a device this machine lacks."""
+
+
+class ShapeMismatchError(DDPStateError, ValueError):
+    """A checkpoint's tensors do not fit the model (same keys, different shapes)."""
+
+
+class CheckpointAccessError(DDPStateError, PermissionError):
+    """The checkpoint exists but this process may not read it."""
+
+
+class RankFailedError(DDPStateError):
+    """Another rank failed inside a collective block; this rank stops instead of going on."""

@@ -5,20 +5,66 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
-from typing import IO, Any, Literal, Optional, Union
+from typing import IO, TYPE_CHECKING, Any, Literal, Optional, Union
 
 from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError
 
+if TYPE_CHECKING:
+    from ddpstate._safetensors_io import (
+        ALIASES_KEY,
+        STATE_DICT_METADATA_KEY,
+        SafetensorsHeader,
+        TensorEntry,
+        read_safetensors,
+        read_safetensors_header,
+        safetensors_header_for,
+        write_safetensors,
+    )
+
+# The safetensors helpers import torch; they load on first use so that format
+# detection (and `ddpstate convert`, which streams without torch) stays light.
+_SAFETENSORS_NAMES = frozenset(
+    {
+        "ALIASES_KEY",
+        "STATE_DICT_METADATA_KEY",
+        "SafetensorsHeader",
+        "TensorEntry",
+        "read_safetensors",
+        "read_safetensors_header",
+        "safetensors_header_for",
+        "write_safetensors",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SAFETENSORS_NAMES:
+        from ddpstate import _safetensors_io
+
+        value = getattr(_safetensors_io, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "ALIASES_KEY",
     "DCP",
     "FORMATS",
     "LEGACY",
     "SAFETENSORS",
+    "STATE_DICT_METADATA_KEY",
+    "SafetensorsHeader",
+    "TensorEntry",
     "TORCHSCRIPT",
     "TORCH_ZIP",
     "FormatName",
     "detect_format",
+    "read_safetensors",
+    "read_safetensors_header",
+    "safetensors_header_for",
     "sniff_format",
+    "write_safetensors",
 ]
 
 #: torch.save's zip container (torch >= 1.6): ``<root>/data.pkl`` + ``<root>/data/<key>``.

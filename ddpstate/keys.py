@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import copy
 import difflib
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, TypeVar, cast, overload
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Literal, Optional, TypeVar, cast, overload
 
 from ddpstate.errors import KeyCollisionError, KeyMismatchError, StateDictNotFoundError
+
+# torch is imported only where a model is handled: key rewriting on files
+# (`ddpstate convert`) must stay torch-free to run in the memory of a copy.
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "KNOWN_PREFIXES",
@@ -85,7 +88,24 @@ def _optimized_module_type() -> type | None:
     return OptimizedModule
 
 
+def _is_tensor(value: Any) -> bool:
+    # A torch.Tensor exists only once torch is imported; the streaming
+    # converter's placeholders declare themselves tensor-like instead.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return True
+    return getattr(type(value), "_ddpstate_tensor_like", False) is True
+
+
+def _is_module(value: Any) -> bool:
+    # Same reasoning as _is_tensor: no torch imported means no nn.Module.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.nn.Module)
+
+
 def _wrapper_types() -> tuple[type, ...]:
+    from torch import nn
+
     compiled = _optimized_module_type()
     base: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     return base if compiled is None else (*base, compiled)
@@ -109,6 +129,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         >>> ddpstate.unwrap_model(torch.nn.DataParallel(net)) is net
         True
     """
+    from torch import nn
+
     compiled = _optimized_module_type()
     wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     while True:
@@ -592,7 +614,7 @@ def _model_side(model: nn.Module) -> _Side:
 
 
 def _target_side(target: Any) -> _Side:
-    if isinstance(target, nn.Module):
+    if _is_module(target):
         return _model_side(target)
     if isinstance(target, (str, bytes)) or not isinstance(target, Iterable):
         raise TypeError(
@@ -884,7 +906,7 @@ def _is_state_dict(obj: Any) -> bool:
         return False
     if any(isinstance(v, Mapping) for v in obj.values()):
         return False
-    return len(obj) == 0 or any(isinstance(v, torch.Tensor) for v in obj.values())
+    return len(obj) == 0 or any(_is_tensor(v) for v in obj.values())
 
 
 def _describe_keys(obj: Any) -> str:
@@ -1027,7 +1049,7 @@ def find_state_dict(
         if others
         else ""
     )
-    modules = [repr(k) for k, v in checkpoint.items() if isinstance(v, nn.Module)]
+    modules = [repr(k) for k, v in checkpoint.items() if _is_module(v)]
     if modules:
         hint += (
             f"; {', '.join(modules)} hold(s) a pickled nn.Module: load it with "

@@ -49,10 +49,16 @@ def _child(
     )
     try:
         if init_pg:
-            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                                  timeout=timedelta(seconds=60))
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=120))
+            store = dist.TCPStore(
+                "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=60)
+            )
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=120),
+            )
         value = fn(rank, world_size, *args)
         # Tensors sent through a Queue travel as shared-memory handles that die with
         # this process; torch.save bytes survive it.
@@ -85,8 +91,14 @@ def run_ranks(
     With ``expect_failure=True`` child exceptions are returned (as their
     traceback strings) instead of raised.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )
     port = store.port
     results = _CTX.Queue()
     procs = [
@@ -131,9 +143,13 @@ def run_ranks(
         raise RankFailed(f"rank {rank} failed:\n{failures[rank]}")
     if expect_failure:
         return [
-            (outcomes[r][1] if not outcomes[r][0]
-             else torch.load(io.BytesIO(outcomes[r][1]), weights_only=False))
-            if r in outcomes else None
+            (
+                outcomes[r][1]
+                if not outcomes[r][0]
+                else torch.load(io.BytesIO(outcomes[r][1]), weights_only=False)
+            )
+            if r in outcomes
+            else None
             for r in range(world_size)
         ]
     # Trusted bytes: written by this test's own child processes just now.

@@ -181,7 +181,7 @@ def test_round_trip_composite_model_is_exact() -> None:
     _assert_state_dicts_bitwise_equal(reverted.state_dict(), reference.state_dict())
     reverted.eval()
     reference.eval()
-    for got, want in zip(reverted(*_inputs()), reference(*_inputs())):
+    for got, want in zip(reverted(*_inputs()), reference(*_inputs()), strict=True):
         assert torch.equal(got, want)
     # The user subclass's own forward is back (SyncBatchNorm's would not scale).
     x = torch.randn(2, 4, 5, 5)

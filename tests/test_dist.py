@@ -45,8 +45,14 @@ def test_slurm_variables(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_torchrun_variables_win_over_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     # torchrun launched inside an srun allocation: torchrun's numbering is the real one.
-    for name, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
-                        "RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2"}.items():
+    for name, value in {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "1",
+        "RANK": "6",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "2",
+    }.items():
         monkeypatch.setenv(name, value)
     assert (ddpstate.get_rank(), ddpstate.get_local_rank(), ddpstate.get_world_size()) == (6, 2, 8)
 
@@ -114,8 +120,12 @@ def test_first_slurm_host(nodelist: str, first: str) -> None:
 
 def _queries(rank: int, world: int) -> tuple[int, int, int, bool]:
     assert ddpstate.is_distributed()
-    return (ddpstate.get_rank(), ddpstate.get_local_rank(), ddpstate.get_world_size(),
-            ddpstate.is_main_process())
+    return (
+        ddpstate.get_rank(),
+        ddpstate.get_local_rank(),
+        ddpstate.get_world_size(),
+        ddpstate.is_main_process(),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -228,9 +238,17 @@ def _free_port() -> int:
 def _slurm_launch(rank: int, world: int, port: int) -> tuple[int, int, int, str | None, bool]:
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name)
-    os.environ.update({"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-                       "SLURM_NTASKS": str(world), "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "77",
-                       "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": str(world),
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_ID": "77",
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     ctx = ddpstate.init_distributed(timeout=60)
     again = ddpstate.init_distributed()
     ddpstate.barrier(timeout=30)
@@ -264,9 +282,16 @@ _TORCHRUN_SCRIPT = textwrap.dedent(
 def test_torchrun_launch_and_barrier_timeout(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
-           "--max-restarts=0", str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        "--max-restarts=0",
+        str(script),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     out = proc.stdout

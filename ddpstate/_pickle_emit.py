@@ -1,0 +1,164 @@
+"""Writing a scanned object tree back as a torch.save pickle, storages renumbered, tagged CPU."""
+
+from __future__ import annotations
+
+import collections
+import copyreg
+import io
+import pickle
+import re
+from typing import Any, Optional
+
+from ddpstate._pickle_scan import (
+    DtypeRef,
+    GlobalRef,
+    Opaque,
+    StandIn,
+    StorageRecord,
+    TensorRecord,
+    _OpaqueCall,
+    has_state,
+)
+
+_REBUILD_V2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_V3 = GlobalRef("torch._utils", "_rebuild_tensor_v3")
+_REBUILD_PARAM = GlobalRef("torch._utils", "_rebuild_parameter")
+_REBUILD_PARAM_STATE = GlobalRef("torch._utils", "_rebuild_parameter_with_state")
+_REBUILD_FROM_TYPE = GlobalRef("torch._tensor", "_rebuild_from_type_v2")
+_NEWOBJ_EX = GlobalRef("copyreg", "__newobj_ex__")
+# torch.save's default pickle protocol; torch.load reads any, older tools expect 2.
+_PROTOCOL = 2
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*\Z")
+
+
+class _PlainTensor:
+    """The tensor inside a Parameter, written without the Parameter wrapper."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: TensorRecord) -> None:
+        self.record = record
+
+
+def _storage_ref(record: StorageRecord) -> GlobalRef:
+    if record.type_name == "UntypedStorage":
+        return GlobalRef("torch.storage", "UntypedStorage")
+    return GlobalRef("torch", record.type_name)
+
+
+class _Emitter(pickle._Pickler):
+    """A pure-Python Pickler that writes placeholders back under their original names."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=_PROTOCOL)
+        self.storages: list[StorageRecord] = []
+        self._storage_keys: dict[int, str] = {}
+        self._globals: dict[str, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, StorageRecord):
+            return None
+        key = self._storage_keys.get(id(obj))
+        if key is None:
+            # torch.save numbers storages 0, 1, ... in first-use order and writes
+            # them in that order; torch.load's offset shortcut relies on it.
+            key = str(len(self.storages))
+            self._storage_keys[id(obj)] = key
+            self.storages.append(obj)
+        # "cpu": the output must load on a machine without the original GPU.
+        return ("storage", _storage_ref(obj), key, "cpu", obj.numel)
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        ref: Optional[GlobalRef] = None
+        if isinstance(obj, GlobalRef):
+            ref = obj
+        elif isinstance(obj, StandIn) or (isinstance(obj, type) and issubclass(obj, Opaque)):
+            ref = obj.ref
+        if ref is None:
+            super().save(obj, save_persistent_id)  # type: ignore[misc]
+            return
+        index = self._globals.get(ref.qualname)
+        if index is not None:
+            self.write(self.get(index))  # type: ignore[attr-defined]
+            return
+        if not (_NAME.match(ref.module) and _NAME.match(ref.name)):
+            # A newline in a name would let it smuggle opcodes into the output.
+            raise pickle.PicklingError(f"refusing to write the global name {ref.qualname!r}")
+        self.write(  # type: ignore[attr-defined]
+            pickle.GLOBAL + ref.module.encode("utf-8") + b"\n" + ref.name.encode("utf-8") + b"\n"
+        )
+        # Memo slots are numbered by the memo's size, so the entry goes in there.
+        index = len(self.memo)  # type: ignore[attr-defined]
+        self.write(self.put(index))  # type: ignore[attr-defined]
+        self.memo[id(ref)] = (index, ref)  # type: ignore[attr-defined]
+        self._globals[ref.qualname] = index
+
+    def reducer_override(self, obj: object) -> Any:
+        if isinstance(obj, TensorRecord):
+            return _tensor_reduce(obj)
+        if isinstance(obj, _PlainTensor):
+            return _plain_reduce(obj.record)
+        if isinstance(obj, Opaque):
+            return _opaque_reduce(obj)
+        return NotImplemented
+
+
+def _plain_reduce(record: TensorRecord) -> tuple[Any, tuple[Any, ...]]:
+    hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    extra = (record.metadata,) if record.metadata else ()
+    base = (record.storage, record.offset, record.shape, record.stride, record.requires_grad, hooks)
+    if record.rebuild == "v3":
+        return _REBUILD_V3, (*base, DtypeRef("torch", record.dtype), *extra)
+    return _REBUILD_V2, (*base, *extra)
+
+
+def _tensor_reduce(record: TensorRecord) -> tuple[Any, tuple[Any, ...]]:
+    if record.from_type is not None:
+        func, args = _plain_reduce(record)
+        return _REBUILD_FROM_TYPE, (func, record.from_type[0], args, record.from_type[1])
+    if record.parameter:
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        inner = _PlainTensor(record)
+        if record.param_state is None:
+            return _REBUILD_PARAM, (inner, record.param_requires_grad, hooks)
+        return _REBUILD_PARAM_STATE, (inner, record.param_requires_grad, hooks, record.param_state)
+    return _plain_reduce(record)
+
+
+def _opaque_reduce(obj: Opaque) -> tuple[Any, ...]:
+    state = obj.state if has_state(obj) else None
+    listitems = iter(obj.listitems) if obj.listitems else None
+    dictitems = iter(obj.dictitems) if obj.dictitems else None
+    if isinstance(obj, _OpaqueCall):
+        return (obj.func, obj.args, state, listitems, dictitems)
+    if obj.kwargs:
+        return (_NEWOBJ_EX, (type(obj), obj.args, obj.kwargs), state, listitems, dictitems)
+    if obj.how == "new":
+        # pickle writes NEWOBJ for a reduce whose function is named __newobj__.
+        newobj = copyreg.__newobj__  # type: ignore[attr-defined]
+        return (newobj, (type(obj), *obj.args), state, listitems, dictitems)
+    return (type(obj), obj.args, state, listitems, dictitems)
+
+
+def dump_checkpoint_pickle(obj: Any) -> tuple[bytes, list[StorageRecord]]:
+    """Pickle a scanned object tree the way torch.save would, without torch.
+
+    Tensors become ``_rebuild_tensor_v2``/``v3`` calls on persistent storage
+    ids numbered in first-use order and tagged ``"cpu"``; placeholders of other
+    globals are written back under their original names, unchanged.
+
+    Args:
+        obj: A tree from :func:`ddpstate._pickle_scan.scan_pickle`, possibly rewritten.
+
+    Returns:
+        ``(data.pkl bytes, storages)``: storage ``i`` of the list has key ``str(i)``.
+
+    Example:
+        >>> data, storages = dump_checkpoint_pickle({"epoch": 3})
+        >>> storages
+        []
+    """
+    buffer = io.BytesIO()
+    emitter = _Emitter(buffer)
+    emitter.dump(obj)
+    return buffer.getvalue(), emitter.storages

@@ -1,0 +1,585 @@
+"""Opening a checkpoint file down to its structure: headers and pickle only, never tensor data."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import json
+import pickle
+import struct
+import zipfile
+from typing import IO, Any, Optional
+
+from ddpstate._pickle_scan import (
+    DTYPE_ITEMSIZE,
+    DTYPE_STORAGE,
+    STORAGE_DTYPE,
+    Opaque,
+    StorageRecord,
+    StorageTypeRef,
+    TensorRecord,
+    _StorageView,
+    is_pickled_module,
+    opaque_name,
+    scan_pickle,
+)
+from ddpstate._stream import Source
+from ddpstate.errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    UnsafeCheckpointError,
+)
+
+#: safetensors dtype codes and the torch dtype each stands for (the set
+#: ddpstate's safetensors writer and reader share; see ``ddpstate.formats``).
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64",
+}  # fmt: skip
+SAFETENSORS_CODES: dict[str, str] = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+# The same strings as ddpstate.formats.ALIASES_KEY / STATE_DICT_METADATA_KEY
+# (tests check it); repeated so that streaming never has to import torch.
+ALIASES_KEY = "ddpstate.aliases"
+STATE_DICT_METADATA_KEY = "ddpstate.state_dict_metadata"
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ZipRecord:
+    """One zip entry: where its data starts and what the central directory says of it."""
+
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    compressed_size: int
+    crc32: int
+    method: int
+
+
+@dataclasses.dataclass(eq=False)
+class Checkpoint:
+    """A checkpoint read down to its structure; tensor data stays in the file.
+
+    Attributes:
+        path: The file.
+        format: ``"torch_zip"``, ``"torch_legacy"`` or ``"safetensors"``.
+        size: File size in bytes.
+        obj: The object tree with :class:`~ddpstate._pickle_scan.TensorRecord`
+            placeholders (for safetensors: an OrderedDict of them).
+        storages: Every storage the tree refers to, in first-use order.
+        globals_used: Globals the pickle names.
+        unsafe_globals: Those ``torch.load(weights_only=True)`` refuses.
+        byteorder: Byte order of the tensor data (``"little"`` or ``"big"``).
+        problems: What is wrong with the file's structure (missing records...).
+        zip_records: The zip's entries by name (zip format only).
+        zip_prefix: The archive's top folder, with its ``/``.
+        st_metadata: The safetensors ``__metadata__`` minus ddpstate's own keys.
+        source: The open file; closed by :meth:`close`.
+    """
+
+    path: str
+    format: str
+    size: int
+    obj: Any
+    storages: list[StorageRecord]
+    globals_used: tuple[str, ...]
+    unsafe_globals: tuple[str, ...]
+    byteorder: str
+    problems: list[str]
+    source: Source
+    zip_records: dict[str, ZipRecord] = dataclasses.field(default_factory=dict)
+    zip_prefix: str = ""
+    st_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def close(self) -> None:
+        """Close the file."""
+        self.source.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _corrupt(path: str, what: str, exc: Optional[BaseException] = None) -> CheckpointCorruptError:
+    detail = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+    return CheckpointCorruptError(
+        f"{path}: {what}{detail}; the file is damaged or truncated: re-save or re-download it"
+    )
+
+
+def _scan(file: IO[bytes], persistent: Any, path: str, what: str) -> Any:
+    try:
+        return scan_pickle(file, persistent)
+    except CheckpointCorruptError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+            IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:  # fmt: skip
+        raise _corrupt(path, f"{what} cannot be read", exc) from exc
+
+
+def _no_persistent(pid: Any) -> Any:
+    raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("ascii")
+    if isinstance(value, str):
+        return value
+    raise pickle.UnpicklingError(f"expected a string in a storage id, got {value!r}")
+
+
+def _count(value: Any) -> int:
+    if type(value) is int and value >= 0:
+        return value
+    raise pickle.UnpicklingError(f"expected a size >= 0 in a storage id, got {value!r}")
+
+
+def _storage_type(value: Any, path: str) -> StorageTypeRef:
+    if not isinstance(value, StorageTypeRef):
+        raise _corrupt(path, f"a storage has type {value!r}, not a torch storage class")
+    return value
+
+
+def read_checkpoint(
+    path: str,
+    *,
+    unsafe: bool = False,
+    storage_options: Optional[dict[str, Any]] = None,
+) -> Checkpoint:
+    """Read a checkpoint's structure: the zip directory and pickle, or the safetensors header.
+
+    No tensor data is read and no code from the file runs: globals become
+    placeholders. Structural problems (a missing tensor record, a size that
+    does not match) are collected in ``Checkpoint.problems``.
+
+    Args:
+        path: Local path or fsspec URL of a single checkpoint file.
+        unsafe: Read pickles that name globals ``torch.load(weights_only=True)``
+            refuses (they stay placeholders; nothing runs either way).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        The open :class:`Checkpoint`; close it when done (or use ``with``).
+
+    Raises:
+        CheckpointNotFoundError: No such file.
+        CheckpointFormatError: Not a checkpoint file, or a TorchScript archive
+            or a torch.distributed.checkpoint folder.
+        CheckpointCorruptError: The file is truncated or its structure damaged.
+        UnsafeCheckpointError: The pickle names unsafe globals and ``unsafe`` is False.
+
+    Example:
+        >>> import torch, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "m.pt")
+        >>> torch.save({"module.w": torch.ones(2)}, p)
+        >>> with read_checkpoint(p) as ckpt:
+        ...     ckpt.format, list(ckpt.obj)
+        ('torch_zip', ['module.w'])
+    """
+    from ddpstate import formats
+
+    try:
+        kind = formats.detect_format(path, storage_options=storage_options)
+    except CheckpointFormatError as exc:
+        if _starts_like_zip(path, storage_options):
+            # A zip whose directory cannot be read: a truncated torch.save file.
+            raise CheckpointCorruptError(str(exc)) from exc
+        raise
+    if kind == formats.TORCHSCRIPT:
+        raise CheckpointFormatError(
+            f"{path}: a TorchScript archive (torch.jit.save), not a torch.save checkpoint; "
+            f"load it with torch.jit.load() and torch.save its .state_dict() to use ddpstate on it"
+        )
+    if kind == formats.DCP:
+        raise CheckpointFormatError(
+            f"{path}: a torch.distributed.checkpoint folder; this command reads single "
+            f"checkpoint files (torch.save, legacy torch or safetensors)"
+        )
+    source = Source(path, storage_options)
+    try:
+        if kind == formats.TORCH_ZIP:
+            ckpt = _read_zip(source, path)
+        elif kind == formats.LEGACY:
+            ckpt = _read_legacy(source, path)
+        else:
+            ckpt = _read_safetensors(source, path)
+        if ckpt.unsafe_globals and not unsafe:
+            raise UnsafeCheckpointError(_unsafe_message(ckpt), ckpt.unsafe_globals)
+        return ckpt
+    except BaseException:
+        source.close()
+        raise
+
+
+def _starts_like_zip(path: str, storage_options: Optional[dict[str, Any]]) -> bool:
+    try:
+        with Source(path, storage_options) as source:
+            return source.size >= 4 and source.read_at(0, 4) == b"PK\x03\x04"
+    except Exception:
+        return False
+
+
+def _unsafe_message(ckpt: Checkpoint) -> str:
+    names = ", ".join(ckpt.unsafe_globals[:8])
+    more = f" and {len(ckpt.unsafe_globals) - 8} more" if len(ckpt.unsafe_globals) > 8 else ""
+    what = ""
+    if is_pickled_module(ckpt.obj):
+        what = f" (it is a pickled whole nn.Module, class {opaque_name(ckpt.obj)})"
+    return (
+        f"{ckpt.path}: its pickle names globals that torch.load(weights_only=True) refuses: "
+        f"{names}{more}{what}; ddpstate never runs them, but reads such a file only when "
+        f"told to: pass --unsafe (unsafe=True) if you trust where it came from"
+    )
+
+
+# --------------------------------------------------------------------------- torch zip
+
+
+def _read_zip(source: Source, path: str) -> Checkpoint:
+    try:
+        with zipfile.ZipFile(source.file) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise _corrupt(path, "the zip directory cannot be read", exc) from exc
+    records: dict[str, ZipRecord] = {}
+    problems: list[str] = []
+    for info in infos:
+        header = source.read_at(info.header_offset, _LOCAL_HEADER.size)
+        fields = _LOCAL_HEADER.unpack(header)
+        if fields[0] != 0x04034B50:
+            problems.append(f"zip entry {info.filename}: local header is damaged")
+            continue
+        data_offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        records[info.filename] = ZipRecord(
+            name=info.filename,
+            header_offset=info.header_offset,
+            data_offset=data_offset,
+            size=info.file_size,
+            compressed_size=info.compress_size,
+            crc32=info.CRC,
+            method=info.compress_type,
+        )
+        if data_offset + info.compress_size > source.size:
+            problems.append(
+                f"zip entry {info.filename} runs to byte {data_offset + info.compress_size} "
+                f"but the file ends at {source.size}"
+            )
+    pickles = sorted((n for n in records if n.endswith("data.pkl")), key=len)
+    if not pickles:
+        raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
+    prefix = pickles[0][: -len("data.pkl")]
+    pkl_bytes = _zip_bytes(source, records[pickles[0]], path)
+    byteorder = "little"
+    if prefix + "byteorder" in records:
+        byteorder = _zip_bytes(source, records[prefix + "byteorder"], path).decode(
+            "ascii", "replace"
+        )
+        if byteorder not in ("little", "big"):
+            raise _corrupt(path, f"its byteorder record says {byteorder!r}")
+
+    storages: dict[str, StorageRecord] = {}
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) != 5 or _text(pid[0]) != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        storage_type = _storage_type(pid[1], path)
+        key = _text(pid[2])
+        found = storages.get(key)
+        if found is not None:
+            return found
+        record = StorageRecord(
+            key=key,
+            type_name=storage_type.name,
+            dtype=storage_type.dtype,
+            location=_text(pid[3]),
+            numel=_count(pid[4]),
+            record_name=f"{prefix}data/{key}",
+        )
+        entry = records.get(record.record_name or "")
+        if entry is None:
+            problems.append(f"tensor data record data/{key} is missing")
+        else:
+            record.data_offset = entry.data_offset
+            record.stored_size = entry.size
+            record.crc32 = entry.crc32
+            record.compressed = entry.method != zipfile.ZIP_STORED
+            if entry.size != record.nbytes:
+                problems.append(
+                    f"tensor data record data/{key} holds {entry.size} bytes, "
+                    f"its storage needs {record.nbytes}"
+                )
+        storages[key] = record
+        return record
+
+    result = _scan(io.BytesIO(pkl_bytes), persistent_load, path, "data.pkl")
+    return Checkpoint(
+        path=path,
+        format="torch_zip",
+        size=source.size,
+        obj=result.obj,
+        storages=list(storages.values()),
+        globals_used=result.globals_used,
+        unsafe_globals=result.unsafe_globals,
+        byteorder=byteorder,
+        problems=problems,
+        source=source,
+        zip_records=records,
+        zip_prefix=prefix,
+    )
+
+
+def _zip_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
+    if record.method == zipfile.ZIP_STORED:
+        return source.read_at(record.data_offset, record.size)
+    try:
+        with zipfile.ZipFile(source.file) as archive:
+            return archive.read(record.name)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
+        raise _corrupt(path, f"zip entry {record.name} cannot be read", exc) from exc
+
+
+# --------------------------------------------------------------------------- legacy
+
+
+def _read_legacy(source: Source, path: str) -> Checkpoint:
+    file = source.file
+    file.seek(0)
+    magic = _scan(file, _no_persistent, path, "the magic number").obj
+    version = _scan(file, _no_persistent, path, "the protocol version").obj
+    if magic != _LEGACY_MAGIC or version != _LEGACY_PROTOCOL:
+        raise CheckpointFormatError(
+            f"{path}: starts like a legacy torch file but has magic {magic!r} / protocol "
+            f"{version!r}; it is not a format ddpstate reads"
+        )
+    sys_info = _scan(file, _no_persistent, path, "the system info").obj
+    little = not isinstance(sys_info, dict) or bool(sys_info.get("little_endian", True))
+    storages: dict[str, StorageRecord] = {}
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or not pid:
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        kind = _text(pid[0])
+        if kind == "module" and len(pid) >= 2:
+            return pid[1]  # the pickled module's class placeholder
+        if kind != "storage" or len(pid) != 6:
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        storage_type = _storage_type(pid[1], path)
+        key = _text(pid[2])
+        record = storages.get(key)
+        if record is None:
+            record = StorageRecord(
+                key=key,
+                type_name=storage_type.name,
+                dtype=storage_type.dtype,
+                location=_text(pid[3]),
+                numel=_count(pid[4]),
+            )
+            storages[key] = record
+        view = pid[5]
+        if view is not None:
+            if not isinstance(view, tuple) or len(view) != 3:
+                raise pickle.UnpicklingError(f"unexpected storage view {view!r}")
+            return _StorageView(record, _count(view[1]), _count(view[2]))
+        return record
+
+    result = _scan(file, persistent_load, path, "the pickled object")
+    keys = _scan(file, _no_persistent, path, "the storage list").obj
+    if not isinstance(keys, list):
+        raise _corrupt(path, "the storage list is not a list")
+    problems: list[str] = []
+    offset = file.tell()
+    ordered: list[StorageRecord] = []
+    for raw_key in keys:
+        key = _text(raw_key)
+        record = storages.get(key)
+        if record is None:
+            problems.append(f"storage {key} has data but nothing refers to it")
+            break
+        if offset + 8 > source.size:
+            problems.append(f"storage {key} is missing: the file ends at byte {source.size}")
+            break
+        (numel,) = struct.unpack("<q" if little else ">q", source.read_at(offset, 8))
+        if numel < 0:
+            problems.append(f"storage {key} claims {numel} elements")
+            break
+        record.data_offset = offset + 8
+        record.stored_size = numel * record.itemsize
+        if numel != record.numel:
+            problems.append(f"storage {key} holds {numel} elements, the pickle says {record.numel}")
+        offset = record.data_offset + record.stored_size
+        if offset > source.size:
+            problems.append(
+                f"storage {key} runs to byte {offset} but the file ends at {source.size}"
+            )
+        ordered.append(record)
+    missing = [k for k, r in storages.items() if r.data_offset < 0]
+    if missing and not problems:
+        problems.append(f"storages {', '.join(missing[:5])} have no data in the file")
+    if not problems and offset < source.size:
+        problems.append(f"{source.size - offset} unexpected bytes after the last storage")
+    ordered.extend(r for r in storages.values() if r.data_offset < 0)
+    return Checkpoint(
+        path=path,
+        format="torch_legacy",
+        size=source.size,
+        obj=result.obj,
+        storages=ordered,
+        globals_used=result.globals_used,
+        unsafe_globals=result.unsafe_globals,
+        byteorder="little" if little else "big",
+        problems=problems,
+        source=source,
+    )
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def _read_safetensors(source: Source, path: str) -> Checkpoint:
+    (length,) = struct.unpack("<Q", source.read_at(0, 8))
+    if length > _MAX_SAFETENSORS_HEADER or 8 + length > source.size:
+        raise _corrupt(path, f"its safetensors header claims {length} bytes")
+    try:
+        header = json.loads(source.read_at(8, length).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _corrupt(path, "its safetensors header is not valid JSON", exc) from exc
+    if not isinstance(header, dict):
+        raise _corrupt(path, "its safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise _corrupt(path, "its safetensors __metadata__ is not an object")
+    data_start = 8 + length
+    problems: list[str] = []
+    state_dict: collections.OrderedDict[str, Any] = collections.OrderedDict()
+    storages: list[StorageRecord] = []
+    spans: list[tuple[int, int, str]] = []
+    for key, info in header.items():
+        try:
+            code = info["dtype"]
+            shape = tuple(int(n) for n in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _corrupt(path, f"safetensors entry {key!r} is malformed", exc) from exc
+        dtype = SAFETENSORS_DTYPES.get(code)
+        if dtype is None:
+            raise CheckpointFormatError(
+                f"{path}: tensor {key!r} has safetensors dtype {code!r}, which ddpstate "
+                f"does not know; known: {', '.join(SAFETENSORS_DTYPES)}"
+            )
+        itemsize = DTYPE_ITEMSIZE[dtype]
+        numel = 1
+        for n in shape:
+            numel *= n
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != numel * itemsize:
+            problems.append(
+                f"tensor {key!r}: data_offsets {begin}..{end} do not fit shape {list(shape)} "
+                f"of {dtype}"
+            )
+        if data_start + end > source.size:
+            problems.append(
+                f"tensor {key!r} runs to byte {data_start + end} but the file ends at {source.size}"
+            )
+        spans.append((begin, end, key))
+        typed = dtype in DTYPE_STORAGE
+        record = StorageRecord(
+            key=key,
+            type_name=DTYPE_STORAGE[dtype] if typed else "UntypedStorage",
+            dtype=dtype if typed else "uint8",
+            location="cpu",
+            numel=numel if typed else numel * itemsize,
+            data_offset=data_start + begin,
+            stored_size=max(end - begin, 0),
+        )
+        storages.append(record)
+        state_dict[key] = TensorRecord(
+            storage=record,
+            offset=0,
+            shape=shape,
+            stride=_contiguous_strides(shape),
+            dtype=dtype,
+            rebuild="v2" if typed else "v3",
+        )
+    cursor = 0
+    for begin, end, key in sorted(spans):
+        if begin != cursor:
+            problems.append(
+                f"tensor data is not contiguous at {key!r} (byte {begin}, expected {cursor})"
+            )
+            break
+        cursor = end
+    if not problems and data_start + cursor != source.size:
+        problems.append(
+            f"the data section is {source.size - data_start} bytes but the header describes "
+            f"{cursor}"
+        )
+    own = {k: v for k, v in metadata.items() if not str(k).startswith("ddpstate.")}
+    if ALIASES_KEY in metadata:
+        try:
+            aliases = json.loads(metadata[ALIASES_KEY])
+            for alias, canonical in aliases.items():
+                state_dict[alias] = state_dict[canonical]
+        except (ValueError, KeyError, AttributeError, TypeError) as exc:
+            problems.append(f"{ALIASES_KEY} names a tensor that is not in the file ({exc})")
+    if STATE_DICT_METADATA_KEY in metadata:
+        try:
+            sd_meta = json.loads(metadata[STATE_DICT_METADATA_KEY])
+            state_dict._metadata = collections.OrderedDict(  # type: ignore[attr-defined]
+                (k, dict(v)) for k, v in sd_meta.items()
+            )
+        except (ValueError, AttributeError, TypeError) as exc:
+            problems.append(f"{STATE_DICT_METADATA_KEY} is not valid JSON ({exc})")
+    return Checkpoint(
+        path=path,
+        format="safetensors",
+        size=source.size,
+        obj=state_dict,
+        storages=storages,
+        globals_used=(),
+        unsafe_globals=(),
+        byteorder="little",
+        problems=problems,
+        source=source,
+        st_metadata={str(k): str(v) for k, v in own.items()},
+    )
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def storage_type_for(dtype: str) -> tuple[str, str]:
+    """``(storage class name, storage dtype)`` torch.save uses for tensors of ``dtype``."""
+    if dtype in DTYPE_STORAGE:
+        return DTYPE_STORAGE[dtype], dtype
+    return "UntypedStorage", STORAGE_DTYPE["UntypedStorage"]
+
+
+__all__ = [
+    "ALIASES_KEY",
+    "SAFETENSORS_CODES",
+    "SAFETENSORS_DTYPES",
+    "STATE_DICT_METADATA_KEY",
+    "Checkpoint",
+    "Opaque",
+    "ZipRecord",
+    "read_checkpoint",
+    "storage_type_for",
+]

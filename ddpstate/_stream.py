@@ -1,0 +1,245 @@
+"""Random-access reads from a checkpoint file and copies into an output, in constant memory."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import zlib
+from typing import IO, Any, Optional
+
+from ddpstate import _fs
+from ddpstate._progress import Progress
+from ddpstate.errors import CheckpointCorruptError, CheckpointNotFoundError
+
+# Large enough to run near disk speed, small enough to keep peak memory flat.
+_CHUNK = 4 << 20
+# copy_file_range in slices this size, so the progress bar moves.
+_KERNEL_SLICE = 16 << 20
+# Start the disk write-back of every this many bytes written (see Sink._write_back).
+_WRITE_BACK = 16 << 20
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+class Source:
+    """A checkpoint file open for random-access reads: a local file or an fsspec URL.
+
+    Args:
+        path: Local path or fsspec URL.
+        storage_options: fsspec options for URLs.
+
+    Raises:
+        CheckpointNotFoundError: Nothing exists at ``path``.
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "f")
+        >>> _ = open(path, "wb").write(b"abcdef")
+        >>> with Source(path) as src:
+        ...     src.read_at(2, 3)
+        b'cde'
+    """
+
+    def __init__(self, path: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+        self.name = path
+        self.fd: Optional[int] = None
+        try:
+            if _fs.is_remote(path):
+                fs, inner = _fs.url_to_fs(path, storage_options)
+                self.file: IO[bytes] = fs.open(inner, "rb")
+                self.size = int(fs.size(inner))
+            else:
+                self.file = open(_fs.local_path(path), "rb")  # noqa: SIM115 - closed in close()
+                self.fd = self.file.fileno()
+                self.size = os.fstat(self.fd).st_size
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{path}: no such file; check the path") from exc
+        except IsADirectoryError as exc:
+            raise CheckpointNotFoundError(f"{path}: is a folder, not a checkpoint file") from exc
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the underlying file."""
+        self.file.close()
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """Read exactly ``length`` bytes at ``offset``.
+
+        Raises:
+            CheckpointCorruptError: The file ends first (truncated).
+        """
+        if self.fd is not None:
+            data = os.pread(self.fd, length, offset)
+        else:
+            self.file.seek(offset)
+            data = self.file.read(length)
+        if len(data) != length:
+            raise CheckpointCorruptError(
+                f"{self.name}: ends at byte {self.size} but data runs to byte {offset + length}; "
+                f"the file is truncated: re-save or re-download it"
+            )
+        return data
+
+    def readinto_at(self, offset: int, view: memoryview) -> int:
+        """Fill ``view`` from ``offset``; returns the count read (short only at end of file)."""
+        if self.fd is not None:
+            return os.preadv(self.fd, [view], offset)
+        self.file.seek(offset)
+        return self.file.readinto(view)  # type: ignore[attr-defined, no-any-return]
+
+    def crc32(self, offset: int, length: int, progress: Optional[Progress] = None) -> int:
+        """CRC-32 of ``length`` bytes from ``offset``, read in chunks."""
+        buffer = memoryview(bytearray(min(_CHUNK, max(length, 1))))
+        crc = 0
+        while length > 0:
+            got = self.readinto_at(offset, buffer[: min(length, len(buffer))])
+            if got <= 0:
+                raise CheckpointCorruptError(
+                    f"{self.name}: ends at byte {self.size} before the data it promises; "
+                    f"the file is truncated: re-save or re-download it"
+                )
+            crc = zlib.crc32(buffer[:got], crc)
+            offset += got
+            length -= got
+            if progress is not None:
+                progress.update(got)
+        return crc
+
+
+class Sink:
+    """An output file plus the byte count written so far, with in-kernel range copies.
+
+    Args:
+        file: A writable binary file (the one ``atomic_write`` yields).
+        progress: Advanced by every byte copied from a source.
+
+    Example:
+        >>> import io
+        >>> sink = Sink(io.BytesIO())
+        >>> sink.write(b"abc"); sink.position
+        3
+    """
+
+    def __init__(self, file: IO[bytes], progress: Optional[Progress] = None) -> None:
+        self.file = file
+        self.progress = progress
+        try:
+            self.position = file.tell()
+        except (OSError, ValueError):
+            self.position = 0
+        self._fd: Optional[int] = None
+        try:
+            self._fd = file.fileno()
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            self._fd = None
+        self._kernel_copy = self._fd is not None and hasattr(os, "copy_file_range")
+        self._advise = self._fd is not None and hasattr(os, "posix_fadvise")
+        self._written_back = self.position
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append bytes."""
+        self.file.write(data)
+        self.position += len(data)
+
+    def copy_from(self, source: Source, offset: int, length: int, *, crc: bool) -> int:
+        """Append ``length`` bytes of ``source`` from ``offset``.
+
+        Args:
+            source: Where to read.
+            offset: First byte to copy.
+            length: How many bytes.
+            crc: Also compute the CRC-32 of the bytes (reads them through user space).
+
+        Returns:
+            The CRC-32 when ``crc`` is true, else 0.
+
+        Raises:
+            CheckpointCorruptError: The source ends before ``offset + length``.
+        """
+        if length <= 0:
+            return 0
+        kernel = not crc and self._kernel_copy and source.fd is not None
+        if kernel and self._copy_in_kernel(source, offset, length):
+            return 0
+        return self._copy_through_buffer(source, offset, length, crc)
+
+    def _write_back(self, force: bool = False) -> None:
+        # The output is fsynced at the end (atomic_write); asking the kernel to
+        # start writing each finished stretch now overlaps that disk write with
+        # the copy instead of doing it all at the end, and keeps the copy from
+        # filling the page cache. POSIX_FADV_DONTNEED starts write-back of dirty
+        # pages on Linux. Only a hint: the final fsync reports any I/O error.
+        if not self._advise or self._fd is None:
+            return
+        pending = self.position - self._written_back
+        if pending < _WRITE_BACK and not force:
+            return
+        self.file.flush()
+        try:
+            os.posix_fadvise(self._fd, self._written_back, pending, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            self._advise = False
+        self._written_back = self.position
+
+    def _copy_in_kernel(self, source: Source, offset: int, length: int) -> bool:
+        assert self._fd is not None and source.fd is not None
+        self.file.flush()
+        start = self.position
+        done = 0
+        try:
+            while done < length:
+                count = os.copy_file_range(
+                    source.fd,
+                    self._fd,
+                    min(length - done, _KERNEL_SLICE),
+                    offset + done,
+                    start + done,
+                )
+                if count == 0:
+                    raise CheckpointCorruptError(
+                        f"{source.name}: ends at byte {source.size} but data runs to byte "
+                        f"{offset + length}; the file is truncated: re-save or re-download it"
+                    )
+                done += count
+                self.position = start + done
+                self._write_back()
+                if self.progress is not None:
+                    self.progress.update(count)
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY or done:
+                raise
+            # This filesystem pair cannot copy in the kernel; read and write instead.
+            self._kernel_copy = False
+            self.position = start
+            return False
+        self.position = start + length
+        # copy_file_range wrote through the descriptor at explicit offsets; move
+        # the Python file object's own position past them.
+        self.file.seek(self.position)
+        return True
+
+    def _copy_through_buffer(self, source: Source, offset: int, length: int, crc: bool) -> int:
+        buffer = memoryview(bytearray(min(_CHUNK, length)))
+        value = 0
+        while length > 0:
+            got = source.readinto_at(offset, buffer[: min(length, len(buffer))])
+            if got <= 0:
+                raise CheckpointCorruptError(
+                    f"{source.name}: ends at byte {source.size} but data runs to byte "
+                    f"{offset + length}; the file is truncated: re-save or re-download it"
+                )
+            chunk = buffer[:got]
+            if crc:
+                value = zlib.crc32(chunk, value)
+            self.write(chunk)
+            self._write_back()
+            offset += got
+            length -= got
+            if self.progress is not None:
+                self.progress.update(got)
+        return value

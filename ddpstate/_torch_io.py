@@ -1,0 +1,477 @@
+"""Reading torch.save files and DCP folders safely, turning torch's failures into clear errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import pickletools
+import struct
+import sys
+import zipfile
+from collections.abc import Iterable, Iterator
+from typing import IO, Any, Optional, Union
+
+import torch
+
+from ddpstate.errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    DDPStateError,
+    DeviceMapError,
+    UnsafeCheckpointError,
+)
+from ddpstate.formats import LEGACY, TORCH_ZIP
+
+__all__ = ["load_dcp", "load_torch_file", "module_globals", "unsafe_globals"]
+
+Source = Union[str, IO[bytes]]
+
+_DESCRIBE = {TORCH_ZIP: "torch.save file", LEGACY: "legacy (pre-1.6) torch.save file"}
+_SHOW = 10
+# Exceptions torch.load raises on damaged bytes (zip reader, unpickler, storage reads).
+_DAMAGE = (
+    RuntimeError,
+    EOFError,
+    OSError,
+    ValueError,
+    struct.error,
+    zipfile.BadZipFile,
+    pickle.UnpicklingError,
+    KeyError,
+    IndexError,
+    TypeError,
+    UnicodeDecodeError,
+)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _corrupt(name: str, kind: str, exc: BaseException) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{name}: damaged {_DESCRIBE.get(kind, kind)} ({type(exc).__name__}: {_first_line(exc)}); "
+        f"it is probably truncated or overwritten: re-save or re-download it"
+    )
+
+
+@contextlib.contextmanager
+def _rewound(source: Source) -> Iterator[Source]:
+    if isinstance(source, str):
+        yield source
+        return
+    source.seek(0)
+    try:
+        yield source
+    finally:
+        source.seek(0)
+
+
+# ------------------------------------------------------------------------- unsafe globals
+
+
+def _allowed_globals() -> set[str]:
+    # torch keeps its weights_only allowlist private; without it every global is listed.
+    try:
+        from torch import _weights_only_unpickler as wou
+
+        allowed = set(wou._get_allowed_globals())
+        allowed |= set(wou._get_user_allowed_globals())  # type: ignore[no-untyped-call]
+        return allowed
+    except Exception:  # pragma: no cover - a future torch may move it
+        return set()
+
+
+_STRING_OPS = frozenset(
+    {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING"}
+)
+_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+
+
+def _globals_in_pickle(fileobj: IO[bytes]) -> list[str]:
+    """List the globals one pickle imports, by reading its opcodes (nothing is executed)."""
+    found: list[str] = []
+    memo: dict[int, Any] = {}
+    pushed: list[Any] = []  # the values recent opcodes pushed; strings, or None
+    for op, arg, _pos in pickletools.genops(fileobj):
+        name = op.name
+        if name in ("GLOBAL", "INST"):
+            module, _, attr = str(arg).partition(" ")
+            found.append(f"{module}.{attr}")
+            pushed.append(None)
+        elif name == "STACK_GLOBAL":
+            module, attr = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else ("", "")
+            ok = isinstance(module, str) and isinstance(attr, str)
+            found.append(f"{module}.{attr}" if ok else "<global built at unpickling time>")
+            del pushed[-2:]
+            pushed.append(None)
+        elif name in _STRING_OPS:
+            pushed.append(arg.decode("latin-1") if isinstance(arg, bytes) else arg)
+        elif name in _PUT_OPS:
+            memo[int(arg)] = pushed[-1] if pushed else None  # type: ignore[arg-type]
+        elif name == "MEMOIZE":
+            memo[len(memo)] = pushed[-1] if pushed else None
+        elif name in _GET_OPS:
+            pushed.append(memo.get(int(arg)))  # type: ignore[arg-type]
+        elif name != "STOP":
+            pushed.append(None)
+    return found
+
+
+def _legacy_globals(fileobj: IO[bytes]) -> list[str]:
+    # A legacy file is: magic number, protocol version, sys info, then the object.
+    for _ in range(3):
+        for _op in pickletools.genops(fileobj):
+            pass
+    return _globals_in_pickle(fileobj)
+
+
+def unsafe_globals(source: Source, kind: str) -> list[str]:
+    """List the globals a torch.save file needs beyond torch's weights_only allowlist.
+
+    Nothing in the file is executed: the pickle's opcodes are read statically.
+
+    Args:
+        source: A local path or a readable, seekable binary file.
+        kind: ``"torch_zip"`` or ``"torch_legacy"`` (see :mod:`ddpstate.formats`).
+
+    Returns:
+        Sorted, de-duplicated fully qualified names such as ``"__main__.Net"``.
+
+    Raises:
+        Exception: Whatever the pickle reader raises on damaged bytes.
+
+    Example:
+        >>> import io, torch, collections
+        >>> from ddpstate._torch_io import unsafe_globals
+        >>> buf = io.BytesIO()
+        >>> torch.save({"c": collections.Counter("ab")}, buf)
+        >>> unsafe_globals(buf, "torch_zip")
+        []
+    """
+    with _rewound(source) as src:
+        if kind == TORCH_ZIP:
+            return sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(src)))
+        allowed = _allowed_globals()
+        if isinstance(src, str):
+            with open(src, "rb") as f:
+                names = _legacy_globals(f)
+        else:
+            names = _legacy_globals(src)
+        return sorted({n for n in names if n not in allowed})
+
+
+def _resolve_loaded(qualname: str) -> Any:
+    """The object a global names, if its module is already imported (nothing is imported)."""
+    parts = qualname.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:cut]))
+        if module is None:
+            continue
+        obj: Any = module
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def module_globals(names: Iterable[str]) -> list[str]:
+    """Return the names among ``names`` that are ``nn.Module`` classes.
+
+    Only modules that are already imported are looked at, so nothing new runs.
+
+    Example:
+        >>> from ddpstate._torch_io import module_globals
+        >>> module_globals(["torch.nn.modules.linear.Linear", "__main__.Config"])
+        ['torch.nn.modules.linear.Linear']
+    """
+    found = []
+    for name in names:
+        obj = _resolve_loaded(name)
+        if name.startswith(("torch.nn.modules.", "torch.nn.parallel.")) or (
+            isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+        ):
+            found.append(name)
+    return found
+
+
+def _unsafe_error(source: Source, kind: str, name: str, exc: BaseException) -> DDPStateError:
+    try:
+        needed = unsafe_globals(source, kind)
+    except Exception as scan_exc:
+        # The static scan reads the same bytes; if it cannot, they are damaged.
+        return _corrupt(name, kind, scan_exc)
+    if not needed:
+        reason = str(exc).strip().splitlines()
+        detail = next((r for r in reason if "WeightsUnpickler error" in r), reason[-1:])
+        if "Unsupported operand" in str(detail):
+            return _corrupt(name, kind, exc)
+        return UnsafeCheckpointError(
+            f"{name}: loading needs more than weights_only=True allows ({str(detail).strip()}). "
+            f"Only if you trust the file's source, pass weights_only=False",
+        )
+    shown = ", ".join(needed[:_SHOW]) + (
+        f" and {len(needed) - _SHOW} more" if len(needed) > _SHOW else ""
+    )
+    modules = module_globals(needed)
+    if modules:
+        return UnsafeCheckpointError(
+            f"{name}: this file is a whole pickled nn.Module ({', '.join(modules[:3])}), not a "
+            f"state dict; unpickling it would run code from the file, so it is refused with "
+            f"weights_only=True. Only if you trust its source: load it with weights_only=False, "
+            f"then save model.state_dict() (e.g. ddpstate.save_model_state(model, path)) so it "
+            f"loads safely from then on. It needs: {shown}",
+            unsafe_globals=needed,
+        )
+    return UnsafeCheckpointError(
+        f"{name}: loading would import and call {shown}, which weights_only=True refuses "
+        f"because unpickling them can run arbitrary code. Only if you trust the file's source: "
+        f"pass weights_only=False, or allow just these with "
+        f"torch.serialization.add_safe_globals([...]) / the torch.serialization.safe_globals "
+        f"context manager",
+        unsafe_globals=needed,
+    )
+
+
+# ------------------------------------------------------------------------- torch.load
+
+
+def load_torch_file(
+    source: Source,
+    *,
+    kind: str,
+    name: str,
+    map_location: Any,
+    weights_only: bool,
+    mmap: bool,
+) -> Any:
+    """Run ``torch.load`` and turn each of its failures into the matching ddpstate error.
+
+    Args:
+        source: A local path or a readable, seekable binary file.
+        kind: ``"torch_zip"`` or ``"torch_legacy"``.
+        name: How to name the file in messages.
+        map_location: Passed to ``torch.load`` (already resolved).
+        weights_only: Passed to ``torch.load``.
+        mmap: Passed to ``torch.load`` (zip files on a local path only).
+
+    Returns:
+        The loaded object.
+
+    Raises:
+        UnsafeCheckpointError: weights_only=True refused the file; the error
+            lists the globals it needs.
+        CheckpointCorruptError: The bytes are damaged.
+        DDPStateError: Tensors were saved on a CUDA device this machine lacks,
+            or (weights_only=False) a class the file needs cannot be imported.
+
+    Example:
+        >>> import io, torch
+        >>> from ddpstate._torch_io import load_torch_file
+        >>> buf = io.BytesIO()
+        >>> torch.save({"w": torch.ones(1)}, buf)
+        >>> load_torch_file(buf, kind="torch_zip", name="buf", map_location="cpu",
+        ...                 weights_only=True, mmap=False)
+        {'w': tensor([1.])}
+    """
+    try:
+        with _rewound(source) as src:
+            return torch.load(src, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
+    except pickle.UnpicklingError as exc:
+        if weights_only and "Weights only load failed" in str(exc):
+            raise _unsafe_error(source, kind, name, exc) from exc
+        raise _corrupt(name, kind, exc) from exc
+    except RuntimeError as exc:
+        if "Attempting to deserialize object on" in str(exc):
+            raise DeviceMapError(
+                f"{name}: its tensors were saved on a CUDA device this machine does not have "
+                f"({_first_line(exc)}); load with map_location='auto' (this rank's device), "
+                f"'cpu', or a dict such as {{'cuda:0': 'cpu'}}"
+            ) from exc
+        raise _corrupt(name, kind, exc) from exc
+    except (AttributeError, ImportError) as exc:
+        if weights_only:
+            raise _corrupt(name, kind, exc) from exc
+        raise DDPStateError(
+            f"{name}: unpickling needs a class or function that cannot be found here "
+            f"({type(exc).__name__}: {exc}); import the code that defined it before loading"
+        ) from exc
+    except _DAMAGE as exc:
+        raise _corrupt(name, kind, exc) from exc
+
+
+# ------------------------------------------------------------------------- DCP folders
+
+_DCP_METADATA_MODULES = frozenset({"torch.distributed.checkpoint.metadata"})
+_DCP_ALLOWED = frozenset(
+    {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+        ("builtins", "complex"),
+    }
+)
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickle a DCP ``.metadata`` file, allowing only the classes such files use."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_METADATA_MODULES:
+            obj = getattr(sys.modules.get(module), name, None)
+            if isinstance(obj, type):
+                return obj
+        elif (module, name) in _DCP_ALLOWED:
+            return super().find_class(module, name)
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _UnsafeGlobal(f"{module}.{name}")
+
+
+class _UnsafeGlobal(Exception):
+    pass
+
+
+def _check_dcp_metadata(data: bytes, name: str) -> None:
+    import torch.distributed.checkpoint.metadata  # noqa: F401 - the allowed classes live there
+
+    try:
+        _DCPMetadataUnpickler(io.BytesIO(data)).load()
+    except _UnsafeGlobal as exc:
+        raise UnsafeCheckpointError(
+            f"{name}: the .metadata of this torch.distributed.checkpoint folder would import "
+            f"{exc}, which is not a DCP metadata class; only if you trust the folder, pass "
+            f"weights_only=False",
+            unsafe_globals=[str(exc)],
+        ) from exc
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"{name}: the .metadata of this torch.distributed.checkpoint folder is damaged "
+            f"({type(exc).__name__}: {exc}); re-save the checkpoint"
+        ) from exc
+
+
+def _dcp_failure(exc: BaseException) -> Optional[BaseException]:
+    # DCP wraps each rank's exception in CheckpointException.failures[rank] = (exc, trace).
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for value in failures.values():
+            inner = value[0] if isinstance(value, tuple) and value else value
+            if isinstance(inner, BaseException):
+                return inner
+    return None
+
+
+def load_dcp(
+    path: str,
+    *,
+    name: str,
+    weights_only: bool,
+    storage_options: Optional[dict[str, Any]] = None,
+    remote: bool = False,
+) -> dict[str, Any]:
+    """Read a whole ``torch.distributed.checkpoint`` folder into this process.
+
+    Uses torch's own DCP reader without a process group, so every rank (or one
+    rank) can call it independently. With ``weights_only=True`` the folder's
+    ``.metadata`` pickle may only name DCP's metadata classes, and every
+    non-tensor item is loaded with ``torch.load(weights_only=True)``.
+
+    Args:
+        path: The folder (local path, or fsspec URL when ``remote``).
+        name: How to name it in messages.
+        weights_only: Refuse arbitrary unpickling.
+        storage_options: fsspec options for a remote folder.
+        remote: ``path`` is an fsspec URL.
+
+    Returns:
+        The state dict, nested as it was saved, tensors on the CPU.
+
+    Raises:
+        UnsafeCheckpointError: Something in the folder needs arbitrary unpickling.
+        CheckpointCorruptError: The folder's files are damaged or missing.
+        CheckpointFormatError: This torch cannot read DCP folders without a process group.
+
+    Example:
+        >>> import tempfile, torch, warnings
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from ddpstate._torch_io import load_dcp
+        >>> folder = tempfile.mkdtemp()
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"w": torch.ones(2)}, checkpoint_id=folder)
+        >>> load_dcp(folder, name=folder, weights_only=True)
+        {'w': tensor([1., 1.])}
+    """
+    try:
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError as exc:  # pragma: no cover - every torch >= 2.5 has them
+        raise CheckpointFormatError(
+            f"{name}: this torch ({torch.__version__}) cannot read a "
+            f"torch.distributed.checkpoint folder without a process group; convert it with "
+            f"torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
+        ) from exc
+    from ddpstate import storage
+
+    if weights_only:
+        with storage.open_read(
+            storage.join(path, ".metadata"), storage_options=storage_options
+        ) as f:
+            _check_dcp_metadata(f.read(), name)
+
+    class _Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            if weights_only:
+                key = read_item.dest_index.fqn
+                try:
+                    torch.load(value, weights_only=True)
+                except pickle.UnpicklingError as exc:
+                    raise UnsafeCheckpointError(
+                        f"{name}: item {key!r} needs arbitrary unpickling "
+                        f"({_first_line(exc)}); only if you trust the folder, pass "
+                        f"weights_only=False"
+                    ) from exc
+                # The bytes passed the weights_only check, so torch's own reader may take them.
+                value.seek(0)
+            super().load_bytes(read_item, value)
+
+    if remote:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader: Any = FsspecReader(path, **(storage_options or {}))
+    else:
+        reader = FileSystemReader(path)
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_Planner(), no_dist=True)  # type: ignore[no-untyped-call]
+    except BaseException as exc:
+        inner = _dcp_failure(exc) or exc
+        if isinstance(inner, DDPStateError):
+            raise inner from exc
+        if isinstance(inner, (KeyboardInterrupt, SystemExit, MemoryError)):
+            raise
+        raise CheckpointCorruptError(
+            f"{name}: reading this torch.distributed.checkpoint folder failed "
+            f"({type(inner).__name__}: {_first_line(inner)}); a shard file may be missing or "
+            f"damaged: re-save the checkpoint"
+        ) from exc
+    return state

@@ -1,0 +1,645 @@
+"""The collective save and load: one durable writer, every rank told the outcome, safe reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import posixpath
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as torch_dist
+
+from ddpstate import _fs, _torch_io, errors, storage
+from ddpstate.dist import (
+    _exchange,
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
+from ddpstate.dist import (
+    barrier as _barrier,
+)
+from ddpstate.errors import (
+    CheckpointAccessError,
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointWriteError,
+    DDPStateError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+    UnsafeCheckpointError,
+)
+from ddpstate.formats import (
+    DCP,
+    LEGACY,
+    SAFETENSORS,
+    TORCH_ZIP,
+    TORCHSCRIPT,
+    detect_format,
+    read_safetensors,
+    sniff_format,
+    write_safetensors,
+)
+from ddpstate.location import (
+    MapLocation,
+    ResolvedMapLocation,
+    _map_nested,
+    _place,
+    _place_all,
+    resolve_map_location,
+)
+
+__all__ = ["IncompatibleKeys", "load", "load_model_state", "save", "save_model_state"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+Timeout = Union[float, timedelta, None]
+
+#: Barrier names, so a timeout message says which call a rank is missing from.
+SAVE_COLLECTIVE = "ddpstate.save"
+LOAD_COLLECTIVE = "ddpstate.load"
+
+_SAFETENSORS_SUFFIXES = (".safetensors",)
+_FORMAT_ALIASES = {
+    "torch": TORCH_ZIP,
+    "torch_zip": TORCH_ZIP,
+    "pt": TORCH_ZIP,
+    "safetensors": SAFETENSORS,
+}
+# Error texts travel through the rendezvous store; keep them small.
+_MAX_MESSAGE = 4000
+
+
+# ------------------------------------------------------------------------------- save
+
+
+def _save_format(path: str, format: Optional[str]) -> str:
+    if format is None:
+        return SAFETENSORS if path.lower().endswith(_SAFETENSORS_SUFFIXES) else TORCH_ZIP
+    chosen = _FORMAT_ALIASES.get(str(format).lower())
+    if chosen is None:
+        raise CheckpointFormatError(
+            f"cannot save {path} as format={format!r}; choose 'torch' (torch.save's zip "
+            f"format) or 'safetensors'"
+        )
+    return chosen
+
+
+def _check_rank(value: int, what: str) -> None:
+    world = get_world_size() if is_distributed() else 1
+    if not isinstance(value, int) or not 0 <= value < world:
+        raise InvalidArgumentError(f"{what}={value!r} is not a rank of this {world}-rank job")
+
+
+def _write(
+    obj: Any,
+    path: str,
+    fmt: str,
+    storage_options: Optional[dict[str, Any]],
+    metadata: Optional[Mapping[str, str]],
+) -> None:
+    remote = _fs.is_remote(path)
+    parent = posixpath.dirname(path) if remote else os.path.dirname(_fs.local_path(path))
+    if parent and not parent.endswith("://"):
+        storage.makedirs(parent, storage_options=storage_options)
+    with storage.atomic_write(path, storage_options=storage_options) as fileobj:
+        if fmt == SAFETENSORS:
+            write_safetensors(fileobj, obj, metadata, name=path)
+        else:
+            torch.save(obj, fileobj)
+
+
+def _save_error(exc: BaseException, path: str, writer: int) -> DDPStateError:
+    if isinstance(exc, DDPStateError):
+        cls: type[DDPStateError] = type(exc)
+        detail = str(exc)
+    else:
+        cls = CheckpointWriteError
+        detail = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            detail = f"the writer was interrupted ({type(exc).__name__})"
+    message = (
+        f"saving {path} failed on rank {writer} (the writer): {detail}. The previous file at "
+        f"{path}, if any, is untouched"
+    )
+    return _rebuild(cls.__name__, message[:_MAX_MESSAGE])
+
+
+def _rebuild(class_name: str, message: str) -> DDPStateError:
+    cls = getattr(errors, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, DDPStateError)):
+        cls = CheckpointWriteError
+    try:
+        return cls(message)
+    except TypeError:  # a subclass whose constructor needs more than a message
+        return CheckpointWriteError(message)
+
+
+def _encode(error: DDPStateError) -> bytes:
+    return json.dumps({"type": type(error).__name__, "message": str(error)}).encode()
+
+
+def _decode(outcomes: Optional[list[bytes]]) -> Optional[DDPStateError]:
+    for raw in outcomes or []:
+        if raw:
+            sent = json.loads(raw.decode())
+            error = _rebuild(sent["type"], sent["message"])
+            if isinstance(error, UnsafeCheckpointError):
+                error.unsafe_globals = tuple(sent.get("unsafe_globals", ()))
+            return error
+    return None
+
+
+def save(
+    obj: Any,
+    path: PathLike,
+    *,
+    format: Optional[str] = None,
+    src_rank: int = 0,
+    barrier: bool = True,
+    storage_options: Optional[dict[str, Any]] = None,
+    metadata: Optional[Mapping[str, str]] = None,
+    timeout: Timeout = None,
+) -> None:
+    """Save an object durably and atomically; a collective, only ``src_rank`` writes.
+
+    Every rank calls it. ``src_rank`` streams the object to a temporary file
+    next to the target, fsyncs it, renames it onto ``path`` and fsyncs the
+    folder (object stores: one upload that appears only when complete). The
+    outcome is then shared, so either every rank returns, or every rank raises
+    the same error, which names the file and the writer; nobody hangs. A failed
+    save leaves the previous file byte-for-byte as it was.
+
+    Args:
+        obj: What to save; read on ``src_rank`` only (other ranks may pass None).
+        path: Local path or fsspec URL (``s3://``, ``gs://``, ``memory://``...).
+            Missing local parent folders are created.
+        format: ``"torch"`` (torch.save's zip format) or ``"safetensors"``.
+            Default: safetensors for a ``.safetensors`` suffix, else torch.
+        src_rank: The rank that writes.
+        barrier: Share the outcome with every rank (and wait for the writer).
+            With False, only the writer does anything and only it can raise.
+        storage_options: fsspec options (credentials, endpoint) for URLs.
+        metadata: str -> str entries for the safetensors header.
+        timeout: Seconds to wait for the writer (default ``DDPSTATE_TIMEOUT`` or 1800).
+
+    Raises:
+        CheckpointWriteError: Writing failed (folder not writable, disk full,
+            an object that cannot be pickled...), on every rank.
+        CheckpointFormatError: The format cannot hold ``obj`` or ``metadata``
+            (e.g. non-tensor values for safetensors; the message names the keys).
+        BarrierTimeoutError: Some rank never arrived.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from ddpstate.checkpoint import load, save
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.pt")
+        >>> save({"w": torch.ones(2)}, path)
+        >>> load(path)["w"]
+        tensor([1., 1.])
+    """
+    text = os.fspath(path)
+    fmt = _save_format(text, format)
+    if metadata is not None and fmt != SAFETENSORS:
+        raise CheckpointFormatError(
+            f"{text}: metadata= is stored in safetensors headers only; save with "
+            f"format='safetensors', or put the metadata inside the saved object"
+        )
+    _check_rank(src_rank, "src_rank")
+    distributed = is_distributed()
+    rank = get_rank() if distributed else src_rank
+    error: Optional[DDPStateError] = None
+    cause: Optional[BaseException] = None
+    if rank == src_rank:
+        try:
+            _write(obj, text, fmt, storage_options, metadata)
+        except BaseException as exc:
+            cause = exc
+            error = _save_error(exc, text, src_rank)
+            if not (distributed and barrier):
+                raise error from exc
+            if not isinstance(exc, Exception):
+                _exchange(SAVE_COLLECTIVE, _encode(error), timeout)
+                raise
+    if not (distributed and barrier):
+        return
+    outcomes = _exchange(SAVE_COLLECTIVE, _encode(error) if error is not None else b"", timeout)
+    if error is not None:
+        raise error from cause
+    shared = _decode(outcomes)
+    if shared is not None:
+        raise shared
+
+
+# ------------------------------------------------------------------------------- load
+
+
+def _detect(text: str, storage_options: Optional[dict[str, Any]]) -> str:
+    try:
+        return detect_format(text, storage_options=storage_options)
+    except PermissionError as exc:
+        raise CheckpointAccessError(
+            f"{text}: permission denied ({exc}); check the file's permissions"
+        ) from exc
+    except CheckpointFormatError as exc:
+        # detect_format says "format" for a zip whose directory is unreadable;
+        # for load, bytes that start like a checkpoint but do not parse are damage.
+        head = b""
+        try:
+            with storage.open_read(text, storage_options=storage_options) as f:
+                head = f.read(64)
+        except DDPStateError:
+            pass
+        if sniff_format(head) == TORCH_ZIP:
+            raise CheckpointCorruptError(
+                f"{text}: starts like a torch.save zip archive but its directory cannot be "
+                f"read, so the file is truncated or damaged; re-save or re-download it"
+            ) from exc
+        if len(head) >= 9 and head[8:9] == b"{":
+            claimed = int.from_bytes(head[:8], "little")
+            if 2 <= claimed <= 100_000_000:
+                raise CheckpointCorruptError(
+                    f"{text}: starts like a safetensors file whose {claimed}-byte header is "
+                    f"cut short, so the file is truncated; re-save or re-download it"
+                ) from exc
+        raise
+
+
+def _mmap_refused(text: str, why: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"{text}: mmap=True is not possible here ({why}); pass mmap=None")
+
+
+def _read(
+    text: str,
+    resolved: ResolvedMapLocation,
+    weights_only: bool,
+    mmap: Optional[bool],
+    storage_options: Optional[dict[str, Any]],
+) -> Any:
+    kind = _detect(text, storage_options)
+    remote = _fs.is_remote(text)
+    local = _fs.local_path(text)
+    if kind == TORCHSCRIPT:
+        raise CheckpointFormatError(
+            f"{text}: this is a TorchScript archive, not a checkpoint: use torch.jit.load"
+        )
+    if kind == DCP:
+        if mmap:
+            raise _mmap_refused(text, "a torch.distributed.checkpoint folder")
+        state = _torch_io.load_dcp(
+            text if remote else local,
+            name=text,
+            weights_only=weights_only,
+            storage_options=storage_options,
+            remote=remote,
+        )
+        return _place_all(state, "cpu", resolved)
+    if kind == SAFETENSORS:
+        if mmap and remote:
+            raise _mmap_refused(text, "the file is remote")
+        if remote:
+            with storage.open_read(text, storage_options=storage_options) as f:
+                tensors = read_safetensors(f, mmap=False)
+        else:
+            tensors = read_safetensors(local, mmap=mmap is None or mmap)
+        return _place_all(tensors, "cpu", resolved)
+    # torch.save's zip or legacy format
+    if mmap and (remote or kind == LEGACY):
+        raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
+    use_mmap = kind == TORCH_ZIP and not remote if mmap is None else bool(mmap)
+    if remote:
+        with storage.open_read(text, storage_options=storage_options) as f:
+            return _torch_io.load_torch_file(
+                f,
+                kind=kind,
+                name=text,
+                map_location=resolved,
+                weights_only=weights_only,
+                mmap=False,
+            )
+    return _torch_io.load_torch_file(
+        local,
+        kind=kind,
+        name=text,
+        map_location=resolved,
+        weights_only=weights_only,
+        mmap=use_mmap,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorRef:
+    """Stands in for a tensor in the structure ``src_rank`` broadcasts."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    location: str
+
+
+def _split(obj: Any, locations: dict[int, str]) -> tuple[Any, list[torch.Tensor]]:
+    """Replace tensors by references; identical views of one tensor share a reference."""
+    tensors: list[torch.Tensor] = []
+    seen: dict[Any, _TensorRef] = {}
+
+    def leaf(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        ptr = value.untyped_storage().data_ptr()
+        key = (ptr, value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
+        if value.numel() and key in seen:
+            return seen[key]
+        ref = _TensorRef(len(tensors), value.dtype, tuple(value.shape), locations.get(ptr, "cpu"))
+        tensors.append(value)
+        if value.numel():  # empty tensors all have data pointer 0; never tie them
+            seen[key] = ref
+        return ref
+
+    return _map_nested(obj, leaf), tensors
+
+
+def _refs(skeleton: Any) -> list[_TensorRef]:
+    found: dict[int, _TensorRef] = {}
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, _TensorRef):
+            found[value.index] = value
+        return value
+
+    _map_nested(skeleton, leaf)
+    return [found[i] for i in sorted(found)]
+
+
+def _comm_device() -> torch.device:
+    backend = str(torch_dist.get_backend()).lower()
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _load_and_broadcast(
+    text: str,
+    resolved: ResolvedMapLocation,
+    weights_only: bool,
+    mmap: Optional[bool],
+    storage_options: Optional[dict[str, Any]],
+    src_rank: int,
+    timeout: Timeout,
+) -> Any:
+    rank = get_rank()
+    obj: Any = None
+    error: Optional[DDPStateError] = None
+    cause: Optional[BaseException] = None
+    locations: dict[int, str] = {}
+    if rank == src_rank:
+
+        def remember(stored: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+            # Keep each storage on the CPU for the broadcast, and remember where it
+            # was saved so every rank can apply map_location to it afterwards.
+            locations[stored.data_ptr()] = location
+            return stored
+
+        try:
+            obj = _read(text, remember, weights_only, mmap, storage_options)
+        except Exception as exc:
+            cause = exc
+            error = (
+                exc
+                if isinstance(exc, DDPStateError)
+                else CheckpointCorruptError(f"{text}: {type(exc).__name__}: {exc}")
+            )
+    payload = b""
+    if error is not None:
+        message = f"loading {text} failed on rank {src_rank} (the reader): {error}"
+        sent = {
+            "type": type(error).__name__,
+            "message": message[:_MAX_MESSAGE],
+            "unsafe_globals": list(getattr(error, "unsafe_globals", ()))[:100],
+        }
+        payload = json.dumps(sent).encode()
+    outcome = _decode(_exchange(LOAD_COLLECTIVE, payload, timeout))
+    if outcome is not None:
+        if cause is not None:
+            raise outcome from cause
+        raise outcome
+    if rank == src_rank:
+        skeleton, local_tensors = _split(obj, locations)
+    else:
+        skeleton, local_tensors = None, []
+    skeleton = broadcast_object(skeleton, src=src_rank, timeout=timeout)
+    device = _comm_device()
+    placed: dict[int, torch.Tensor] = {}
+    for ref in _refs(skeleton):
+        if rank == src_rank:
+            tensor = local_tensors[ref.index].detach()
+        else:
+            tensor = torch.empty(ref.shape, dtype=ref.dtype, device=device)
+        if tensor.numel():
+            # Bytes, not values: every dtype (float8, bool, complex...) travels alike.
+            flat = tensor.to(device).contiguous().reshape(-1).view(torch.uint8)
+            torch_dist.broadcast(flat, src=src_rank)
+            tensor = flat.view(ref.dtype).reshape(ref.shape)
+        placed[ref.index] = _place(tensor, ref.location, resolved)
+    return _map_nested(skeleton, lambda v: placed[v.index] if isinstance(v, _TensorRef) else v)
+
+
+def load(
+    path: PathLike,
+    *,
+    map_location: MapLocation = "auto",
+    weights_only: bool = True,
+    mmap: Optional[bool] = None,
+    barrier: bool = True,
+    src_rank: Optional[int] = None,
+    storage_options: Optional[dict[str, Any]] = None,
+    timeout: Timeout = None,
+) -> Any:
+    """Load a checkpoint safely onto this rank's device; a collective.
+
+    Every rank first meets the others at a barrier (named ``ddpstate.load``),
+    so nobody reads before the writer of a preceding :func:`save` is done.
+    The format comes from the file's bytes, whatever its name: torch.save zip,
+    legacy (pre-1.6) torch pickle, safetensors, or a
+    ``torch.distributed.checkpoint`` folder (read with torch's own reader).
+
+    Args:
+        path: Local path or fsspec URL of the file (or DCP folder).
+        map_location: ``"auto"`` (this rank's device: ``cuda:LOCAL_RANK`` with
+            CUDA, else CPU), a device or string, a dict such as
+            ``{"cuda:0": "cuda:1"}``, a ``torch.load``-style callable, or None
+            (where the tensors were saved).
+        weights_only: Refuse anything that needs arbitrary unpickling. Only
+            pass False for files you trust; there is never a silent fallback.
+        mmap: Map the file instead of reading it (only the tensors you touch
+            cost memory). Default: on for local zip and safetensors files.
+        barrier: Meet the other ranks first. With False this is a plain local read.
+        src_rank: Only this rank reads the file; the others receive the object
+            from it (for nodes without a shared filesystem), one tensor at a time.
+        storage_options: fsspec options for URLs.
+        timeout: Seconds to wait at the barrier (default ``DDPSTATE_TIMEOUT`` or 1800).
+
+    Returns:
+        The saved object, tensors placed by ``map_location``; tied safetensors
+        entries are the same tensor again.
+
+    Raises:
+        CheckpointNotFoundError: Nothing at ``path``.
+        CheckpointFormatError: Not a checkpoint (a TorchScript archive is named as such).
+        CheckpointCorruptError: The file is truncated or damaged.
+        UnsafeCheckpointError: The file needs arbitrary unpickling; the error
+            lists the globals and says how to opt in.
+        BarrierTimeoutError: Some rank never arrived.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from ddpstate.checkpoint import load, save
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> save({"w": torch.zeros(2)}, path)
+        >>> load(path, map_location="cpu")["w"]
+        tensor([0., 0.])
+    """
+    text = os.fspath(path)
+    resolved = resolve_map_location(map_location)
+    if src_rank is not None:
+        _check_rank(src_rank, "src_rank")
+    distributed = is_distributed()
+    if barrier and distributed:
+        _barrier(timeout=timeout, name=LOAD_COLLECTIVE)
+    if src_rank is None or not distributed:
+        return _read(text, resolved, weights_only, mmap, storage_options)
+    return _load_and_broadcast(
+        text, resolved, weights_only, mmap, storage_options, src_rank, timeout
+    )
+
+
+# ------------------------------------------------------------------------------- model state
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :func:`load_model_state` could not match (empty when strict).
+
+    Attributes:
+        missing_keys: Keys the model expects that the checkpoint lacks.
+        unexpected_keys: Keys the checkpoint has that the model does not expect.
+    """
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any) -> None:
+    """Save a model's state dict with wrapper-free keys; a collective like :func:`save`.
+
+    The model is unwrapped (DataParallel, DDP, ``torch.compile``, in any
+    nesting) and the keys normalized (``module.``/``_orig_mod.`` segments
+    removed, ``_metadata`` kept), so the file loads into any wrapping later.
+
+    Args:
+        model: A plain or wrapped module (call it on every rank).
+        path: Local path or fsspec URL; a ``.safetensors`` suffix picks safetensors.
+        **save_kwargs: Passed to :func:`save` (``format``, ``src_rank``,
+            ``storage_options``, ``metadata``, ``timeout``...).
+
+    Raises:
+        KeyCollisionError: Two keys become one after removing wrapper segments.
+        CheckpointWriteError: As for :func:`save`.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from ddpstate.checkpoint import load, save_model_state
+        >>> path = os.path.join(tempfile.mkdtemp(), "net.safetensors")
+        >>> save_model_state(torch.nn.DataParallel(torch.nn.Linear(2, 2)), path)
+        >>> sorted(load(path))
+        ['bias', 'weight']
+    """
+    from ddpstate.keys import normalize_keys, unwrap_model
+
+    state = normalize_keys(unwrap_model(model).state_dict())
+    save(state, path, **save_kwargs)
+
+
+def load_model_state(
+    model: torch.nn.Module,
+    source: Union[PathLike, Mapping[str, Any]],
+    *,
+    strict: bool = True,
+    key: Optional[str] = None,
+    map_location: MapLocation = "auto",
+    weights_only: bool = True,
+    mmap: Optional[bool] = None,
+    barrier: bool = True,
+    src_rank: Optional[int] = None,
+    storage_options: Optional[dict[str, Any]] = None,
+    timeout: Timeout = None,
+) -> IncompatibleKeys:
+    """Load a checkpoint into a model, whatever wrapping either side had.
+
+    A collective when ``source`` is a path (it calls :func:`load`). The model
+    state dict is located inside the checkpoint (a bare state dict, or under
+    ``"state_dict"``, ``"model"``... see :func:`ddpstate.keys.find_state_dict`),
+    its keys are renamed to the ones ``model`` expects (plain, ``module.``,
+    ``_orig_mod.``, in any nesting), and ``model.load_state_dict`` is called.
+
+    Args:
+        model: The target module, plain or wrapped.
+        source: A path/URL, or an already loaded checkpoint or state dict.
+        strict: Require every key to match; with False, load what matches and
+            report the rest.
+        key: Dotted path of the state dict inside the checkpoint
+            (e.g. ``"model.state_dict"``); default: found automatically.
+        map_location, weights_only, mmap, barrier, src_rank, storage_options,
+            timeout: As for :func:`load` (used when ``source`` is a path).
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``, both empty when strict.
+
+    Raises:
+        KeyMismatchError: ``strict`` and the keys do not pair up; the message
+            shows the nearest names.
+        StateDictNotFoundError: No single state dict in the checkpoint (pass ``key``).
+        DDPStateError: A tensor's shape does not fit the model's.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from ddpstate.checkpoint import load_model_state, save
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> wrapped = torch.nn.DataParallel(torch.nn.Linear(2, 2))
+        >>> save({"epoch": 1, "model": wrapped.state_dict()}, path)
+        >>> load_model_state(torch.nn.Linear(2, 2), path)
+        IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+    """
+    from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
+
+    if isinstance(source, (str, os.PathLike)):
+        name = os.fspath(source)
+        checkpoint = load(
+            source,
+            map_location=map_location,
+            weights_only=weights_only,
+            mmap=mmap,
+            barrier=barrier,
+            src_rank=src_rank,
+            storage_options=storage_options,
+            timeout=timeout,
+        )
+    else:
+        name, checkpoint = "the given state dict", source
+    _, state_dict = find_state_dict(checkpoint, key)
+    adapted = adapt_state_dict(state_dict, model, strict=strict)
+    try:
+        model.load_state_dict(adapted, strict=strict)
+    except RuntimeError as exc:
+        raise ShapeMismatchError(
+            f"{name} does not fit {type(model).__name__}: {exc}; check that the checkpoint "
+            f"was saved from the same architecture"
+        ) from exc
+    if strict:
+        return IncompatibleKeys([], [])
+    match = match_keys(state_dict, model)
+    return IncompatibleKeys(
+        list(match.missing), [k if isinstance(k, str) else repr(k) for k in match.unexpected]
+    )

@@ -1,0 +1,452 @@
+"""The ``ddpstate`` command: convert, inspect, diff and verify checkpoint files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import IO, NoReturn, Optional
+
+from ddpstate._version import __version__
+
+__all__ = ["main"]
+
+_FORMAT_NAMES = {
+    "torch_zip": "torch.save zip",
+    "torch_legacy": "legacy torch.save (pre-1.6)",
+    "safetensors": "safetensors",
+    "pt": "torch.save zip",
+    "manager": "CheckpointManager folder",
+}
+
+_MAIN_EPILOG = """\
+examples:
+  ddpstate convert ckpt.pt --strip-module          # DataParallel/DDP keys -> plain model keys
+  ddpstate convert ckpt.pt model.safetensors --to safetensors --normalize
+  ddpstate inspect ckpt.pt                         # structure, dtypes, devices, keys; no data read
+  ddpstate diff a.pt b.safetensors --atol 1e-6     # exit 0 when equal, 1 when not
+  ddpstate verify ckpt.pt                          # exit 0 when intact, 1 when damaged
+
+Every command reads headers and pickle structure without running any code from
+the file; files that name unsafe globals are refused unless --unsafe is given.
+Set DDPSTATE_DEBUG=1 to see tracebacks.
+"""
+
+_CONVERT_EPILOG = """\
+examples:
+  ddpstate convert ckpt.pt --strip-module                  # writes ckpt.converted.pt
+  ddpstate convert ckpt.pt plain.pt --normalize            # drop module. and _orig_mod. anywhere
+  ddpstate convert ckpt.pt --key model.ema --add-prefix net.
+  ddpstate convert ckpt.pt --to safetensors                # model weights only -> ckpt.safetensors
+  ddpstate convert model.safetensors --to pt               # -> model.pt, a plain state dict
+  ddpstate convert ckpt.pt --drop-optimizer --in-place     # shrink a checkpoint for release
+
+The model state dict is found the way ddpstate.keys.find_state_dict finds it
+(state_dict, model, model_state_dict, ...; --key names it); everything else
+(epoch, optimizer, metrics) is kept as it is. Tensor data is copied byte for
+byte; the output is written atomically with every storage tagged cpu.
+"""
+
+_INSPECT_EPILOG = """\
+examples:
+  ddpstate inspect ckpt.pt
+  ddpstate inspect model.safetensors --json | python -m json.tool
+"""
+
+_DIFF_EPILOG = """\
+examples:
+  ddpstate diff dp_ckpt.pt plain.pt              # module. prefixes are ignored by default
+  ddpstate diff a.pt b.pt --raw-keys --atol 1e-5
+
+Exit status: 0 when the model state dicts are equal within --atol, 1 when not.
+"""
+
+_VERIFY_EPILOG = """\
+examples:
+  ddpstate verify ckpt.pt && cp ckpt.pt /backup/
+  ddpstate verify runs/exp1/step_0000001200        # one CheckpointManager checkpoint
+  ddpstate verify runs/exp1                         # every committed step, and `latest`
+
+Exit status: 0 when intact, 1 when something is wrong (one line per problem).
+"""
+
+
+class _UsageError(Exception):
+    """A command-line mistake; printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        where = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+        hint = f" (see {self.prog} --help)"
+        raise _UsageError(f"{where + ': ' if where else ''}{message}{hint}")
+
+
+def _add_common(parser: argparse.ArgumentParser, *, progress: bool = True) -> None:
+    parser.add_argument(
+        "--unsafe",
+        action="store_true",
+        help="read files whose pickle names globals torch.load(weights_only=True) refuses "
+        "(they are never run; only for files you trust)",
+    )
+    if progress:
+        parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog="ddpstate",
+        description="Convert, inspect, compare and verify PyTorch checkpoint files, streaming.",
+        epilog=_MAIN_EPILOG,
+        formatter_class=formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ddpstate {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    convert = commands.add_parser(
+        "convert",
+        help="rewrite keys or format without loading the file into memory",
+        description="Rewrite a checkpoint's model keys or format, streaming: constant memory, "
+        "about the time of a copy.",
+        epilog=_CONVERT_EPILOG,
+        formatter_class=formatter,
+    )
+    convert.add_argument("src", metavar="SRC", help="checkpoint file to read")
+    convert.add_argument(
+        "dst",
+        metavar="DST",
+        nargs="?",
+        help="file to write (default: derived from SRC, e.g. ckpt.converted.pt)",
+    )
+    rule = convert.add_mutually_exclusive_group()
+    rule.add_argument(
+        "--strip-module", "--strip_module", action="store_true",
+        help="remove the 'module.' prefix DataParallel/DDP add",
+    )  # fmt: skip
+    rule.add_argument(
+        "--add-module", "--add_module", action="store_true",
+        help="add 'module.' (to load into a DataParallel/DDP-wrapped model)",
+    )  # fmt: skip
+    rule.add_argument(
+        "--strip-prefix", "--strip_prefix", metavar="P",
+        help="remove prefix P (ending in '.', e.g. '_orig_mod.')",
+    )  # fmt: skip
+    rule.add_argument(
+        "--add-prefix", "--add_prefix", metavar="P", help="add prefix P (ending in '.')"
+    )
+    rule.add_argument(
+        "--normalize", action="store_true",
+        help="remove every wrapper prefix (module., _orig_mod.) wherever torch puts them",
+    )  # fmt: skip
+    convert.add_argument(
+        "--key", metavar="PATH",
+        help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'",
+    )  # fmt: skip
+    convert.add_argument(
+        "--to", choices=("pt", "safetensors"),
+        help="output format (default: the source's); safetensors keeps the model state dict only",
+    )  # fmt: skip
+    convert.add_argument(
+        "--drop-optimizer", "--drop_optimizer", action="store_true",
+        help="leave optimizer state out of the output",
+    )  # fmt: skip
+    convert.add_argument(
+        "--in-place", "--in_place", action="store_true", help="replace SRC (atomically)"
+    )
+    convert.add_argument("--force", action="store_true", help="overwrite an existing DST")
+    _add_common(convert)
+    convert.set_defaults(func=_cmd_convert)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="describe a checkpoint from its headers only",
+        description="Show format, sizes, dtypes, devices, wrapper prefixes, structure and keys. "
+        "Reads headers and the pickle structure only, never tensor data.",
+        epilog=_INSPECT_EPILOG,
+        formatter_class=formatter,
+    )
+    inspect.add_argument("src", metavar="SRC", help="checkpoint file")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_common(inspect, progress=False)
+    inspect.set_defaults(func=_cmd_inspect)
+
+    diff = commands.add_parser(
+        "diff",
+        help="compare two checkpoints' model weights",
+        description="Compare the model state dicts of two checkpoints: keys only in one, "
+        "shape/dtype mismatches, and the largest absolute difference per tensor.",
+        epilog=_DIFF_EPILOG,
+        formatter_class=formatter,
+    )
+    diff.add_argument("a", metavar="A", help="first checkpoint file")
+    diff.add_argument("b", metavar="B", help="second checkpoint file")
+    diff.add_argument(
+        "--raw-keys", "--raw_keys", action="store_true",
+        help="compare keys as stored (default: ignore wrapper prefixes)",
+    )  # fmt: skip
+    diff.add_argument(
+        "--atol", type=_non_negative_float, default=0.0, metavar="X",
+        help="absolute tolerance: differences up to X count as equal (default 0)",
+    )  # fmt: skip
+    diff.add_argument("--json", action="store_true", help="print JSON")
+    _add_common(diff)
+    diff.set_defaults(func=_cmd_diff)
+
+    verify = commands.add_parser(
+        "verify",
+        help="check a checkpoint file or CheckpointManager folder is intact",
+        description="Read a checkpoint end to end: every record present, of the right size, "
+        "and matching its CRC-32 (torch.save files). For a CheckpointManager step folder or "
+        "directory: the manifest (commit marker), every file's size and CRC-32, and the latest "
+        "pointer.",
+        epilog=_VERIFY_EPILOG,
+        formatter_class=formatter,
+    )
+    verify.add_argument(
+        "src", metavar="SRC", help="checkpoint file, or CheckpointManager step folder or directory"
+    )
+    verify.add_argument("--json", action="store_true", help="print JSON")
+    _add_common(verify)
+    verify.set_defaults(func=_cmd_verify)
+    return parser
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
+    return value
+
+
+def _human(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def _list(items: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
+    from ddpstate.convert import convert_file
+
+    if args.in_place and args.dst is not None:
+        raise _UsageError("convert: pass DST or --in-place, not both (see ddpstate convert --help)")
+    strip = "module." if args.strip_module else args.strip_prefix
+    add = "module." if args.add_module else args.add_prefix
+    result = convert_file(
+        args.src,
+        args.dst,
+        strip_prefix=strip,
+        add_prefix=add,
+        normalize=args.normalize,
+        key=args.key,
+        to=args.to,
+        drop_optimizer=args.drop_optimizer,
+        in_place=args.in_place,
+        overwrite=args.force,
+        unsafe=args.unsafe,
+        progress=not args.quiet,
+    )
+    if not result.written:
+        print(f"{result.dst}: nothing to change; left as it is", file=out)
+    else:
+        where = ""
+        if result.state_dict_path is not None:
+            where = f" in '{result.state_dict_path}'" if result.state_dict_path else ""
+            where = f"; {result.renamed} key(s) renamed{where}"
+        print(
+            f"wrote {result.dst} ({_FORMAT_NAMES[result.dst_format]}, {result.tensors} tensors, "
+            f"{_human(result.bytes_copied)} of tensor data{where})",
+            file=out,
+        )
+    if result.left_out:
+        print(
+            f"left out of the safetensors file (it holds the model state dict only): "
+            f"{_list(result.left_out)}",
+            file=out,
+        )
+    if result.dropped:
+        print(f"dropped: {_list(result.dropped)}", file=out)
+    for note in result.notes:
+        print(f"note: {note}", file=out)
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
+    from ddpstate.convert import inspect_file
+
+    info = inspect_file(args.src, unsafe=args.unsafe)
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2), file=out)
+        return 0
+    dtypes = ", ".join(f"{d} {_human(n)}" for d, n in sorted(info.dtype_bytes.items()))
+    devices = ", ".join(f"{d} ({n} storages)" for d, n in sorted(info.devices.items()))
+    lines = [
+        f"file       {info.path}",
+        f"format     {_FORMAT_NAMES.get(info.format, info.format)}, {_human(info.file_size)}",
+        f"tensors    {info.tensor_count} ({_human(info.tensor_bytes)}): {dtypes or '-'}",
+        f"devices    {devices or '-'}",
+        f"prefixes   {' '.join(info.prefixes) or '(none)'}",
+    ]
+    if info.state_dict_path is not None:
+        model = f"'{info.state_dict_path}'" if info.state_dict_path else "the whole file"
+        lines.append(f"model      {model} ({len(info.tensors)} keys)")
+    if info.unsafe_globals:
+        lines.append(f"unsafe     {_list(list(info.unsafe_globals))}")
+    if info.structure:
+        lines.append("structure")
+        width = max(len(k) for k, _ in info.structure)
+        lines.extend(f"  {k:<{width}}  {v}" for k, v in info.structure)
+    for note in info.notes:
+        lines.append(f"note: {note}")
+    for problem in info.problems:
+        lines.append(f"warning: {problem} (run `ddpstate verify`)")
+    if info.tensors:
+        rows = [("name", "dtype", "shape", "bytes")] + [
+            (
+                t.name,
+                t.dtype,
+                str(list(t.shape)) if t.device else "",
+                str(t.nbytes) if t.device else "",
+            )
+            for t in info.tensors
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines.append("keys")
+        lines.extend(
+            f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>}".rstrip()
+            for r in rows
+        )
+    print("\n".join(lines), file=out)
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
+    from ddpstate.convert import diff_files
+
+    result = diff_files(
+        args.a, args.b, raw_keys=args.raw_keys, atol=args.atol, unsafe=args.unsafe,
+        progress=not args.quiet,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2), file=out)
+        return 0 if result.equal else 1
+    lines = list(result.notes)
+    if result.only_a:
+        lines.append(f"only in A ({len(result.only_a)}): {_list(list(result.only_a))}")
+    if result.only_b:
+        lines.append(f"only in B ({len(result.only_b)}): {_list(list(result.only_b))}")
+    for key, a, b in result.mismatched:
+        lines.append(f"mismatch {key}: A has {a}, B has {b}")
+    for key in result.different_values:
+        lines.append(f"differs  {key}: max |A-B| = {result.max_abs_diff[key]:.6g}")
+    worst = max(result.max_abs_diff.values(), default=0.0)
+    verdict = "equal" if result.equal else "different"
+    lines.append(
+        f"{verdict}: {len(result.max_abs_diff)} shared tensors compared, largest |A-B| = "
+        f"{worst:.6g} (atol {result.atol:g})"
+    )
+    print("\n".join(lines), file=out)
+    return 0 if result.equal else 1
+
+
+def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
+    from ddpstate.convert import verify_file
+
+    result = verify_file(args.src, unsafe=args.unsafe, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2), file=out)
+        return 0 if result.ok else 1
+    kind = _FORMAT_NAMES.get(result.format or "", "unreadable")
+    if result.ok:
+        counted = "" if result.format == "manager" else f"{result.tensors} tensors, "
+        print(
+            f"ok: {result.path} ({kind}, {counted}{_human(result.bytes_read)} read and checked)",
+            file=out,
+        )
+    else:
+        print(f"BAD: {result.path} ({kind}): {len(result.problems)} problem(s)", file=out)
+        for problem in result.problems:
+            print(f"  - {problem}", file=out)
+    for note in result.notes:
+        print(f"note: {note}", file=out)
+    return 0 if result.ok else 1
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``ddpstate`` command line; returns the exit status.
+
+    Args:
+        argv: The arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 on success; 1 when ``diff`` finds differences or ``verify`` finds
+        damage; 2 on any error (printed as one line ``ddpstate: error: ...``
+        on stderr; ``DDPSTATE_DEBUG=1`` adds the traceback).
+
+    Example:
+        >>> from ddpstate.cli import main
+        >>> main(["--version"])  # doctest: +SKIP
+        ddpstate 0.1.0
+        0
+    """
+    from ddpstate.errors import DDPStateError
+
+    debug = os.environ.get("DDPSTATE_DEBUG", "") not in ("", "0")
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args, sys.stdout))
+    except SystemExit as exc:  # --help and --version end here
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        print("ddpstate: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `ddpstate inspect big.pt | head`: the reader left; not an error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except (_UsageError, DDPStateError, ValueError, OSError) as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"ddpstate: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        print(
+            f"ddpstate: error: unexpected {type(exc).__name__}: {_one_line(exc)} "
+            f"(set DDPSTATE_DEBUG=1 for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,545 @@
+"""Bytes to durable places: atomic, fsynced writes to local paths and fsspec URLs."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import posixpath
+import re
+import secrets
+import shutil
+import stat
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import IO, Any, Optional, Union
+
+from ddpstate import _fs
+from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
+
+__all__ = [
+    "OBJECT_STORE_PROTOCOLS",
+    "TEMP_MARKER",
+    "atomic_write",
+    "exists",
+    "is_temp_name",
+    "isdir",
+    "join",
+    "listdir",
+    "makedirs",
+    "open_read",
+    "remove",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Marker in every temporary file name: ``.<target name>.ddpstate-tmp-<16 hex digits>``.
+#: The leading dot hides it from ``ls`` and glob patterns such as ``*.pt``.
+TEMP_MARKER = ".ddpstate-tmp-"
+# A replaced checkpoint, renamed aside while its blocks are freed in the background.
+_RETIRED_MARKER = ".ddpstate-old-"
+_TEMP_RE = re.compile(r"^\..+\.ddpstate-(?:tmp|old)-[0-9a-f]{16}$")
+# Freeing a large file's blocks is slow on some filesystems (ext4 mounted with
+# `discard` spends ~0.5 s per GiB); below this size it is not worth a thread.
+_RETIRE_MIN_BYTES = 32 << 20
+_retiring: list[threading.Thread] = []
+_retiring_lock = threading.Lock()
+
+#: fsspec protocols whose files are single objects that appear only when the
+#: upload completes; writing the target name directly is already atomic there,
+#: and their "rename" is a copy, so no temporary name is used.
+OBJECT_STORE_PROTOCOLS = frozenset(
+    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "tos", "cos", "obs"}
+)
+
+# Big enough that torch.save's many small zip-header writes do not each become a
+# system call, small enough to be irrelevant next to a checkpoint.
+_WRITE_BUFFER = 1 << 20
+
+
+def is_temp_name(name: str) -> bool:
+    """Tell whether a file name is one of ddpstate's in-progress temporary files.
+
+    Such files are left behind only when a writer is killed mid-write (or just
+    after replacing a large checkpoint, whose old copy is freed in the
+    background as ``.<target>.ddpstate-old-<random>``); they are never a
+    checkpoint and are safe to delete once no save is running.
+
+    Args:
+        name: A file name or path (only the last component is looked at).
+
+    Returns:
+        True for ``.<target>.ddpstate-tmp-<16 hex digits>`` (and ``-old-``) names.
+
+    Example:
+        >>> from ddpstate.storage import is_temp_name
+        >>> is_temp_name(".model.pt.ddpstate-tmp-0123456789abcdef")
+        True
+        >>> is_temp_name("model.pt")
+        False
+    """
+    base = posixpath.basename(os.fspath(name).replace(os.sep, "/").rstrip("/"))
+    return bool(_TEMP_RE.match(base))
+
+
+def _temp_name_for(base: str) -> str:
+    return f".{base}{TEMP_MARKER}{secrets.token_hex(8)}"
+
+
+def _protocol(fs: Any) -> str:
+    proto = fs.protocol
+    return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    # BaseException.add_note exists from Python 3.11 on; older versions lose the note.
+    adder = getattr(exc, "add_note", None)
+    if adder is not None:
+        adder(note)
+
+
+def join(base: PathLike, *names: str) -> str:
+    """Join path components, with ``/`` for URLs and ``os.path.join`` for local paths.
+
+    Args:
+        base: A local folder or an fsspec URL.
+        *names: Components to append.
+
+    Returns:
+        The joined path as a string.
+
+    Example:
+        >>> from ddpstate.storage import join
+        >>> join("s3://bucket/run", "step-10.pt")
+        's3://bucket/run/step-10.pt'
+    """
+    text = os.fspath(base)
+    if _fs.is_remote(text):
+        return posixpath.join(text, *names)
+    return os.path.join(text, *names)
+
+
+def _fsync_dir(folder: str) -> None:
+    if os.name == "nt":  # Windows cannot open a directory to fsync it.
+        return
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some filesystems (certain network and FUSE mounts) refuse fsync on a
+        # directory; the rename is then as durable as that filesystem makes it.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _cleanup(exc: BaseException, what: str, *steps: Any) -> None:
+    # Runs the clean-up steps of a failed write; the original error is what the
+    # caller must see, so a failing step is only recorded as a note on it.
+    for step in steps:
+        try:
+            step()
+        except Exception as cleanup_exc:
+            _add_note(exc, f"cleaning up {what} also failed: {cleanup_exc!r}")
+
+
+def _retire(target: str) -> Optional[str]:
+    """Give a large previous file a second, hidden name, so replacing it frees nothing.
+
+    The blocks are then freed by :func:`_free_later` after the new file is
+    committed, off the caller's critical path. Returns None (plain replace) for
+    small or missing targets, symlinks, and filesystems without hard links.
+    """
+    try:
+        info = os.lstat(target)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size < _RETIRE_MIN_BYTES or info.st_nlink != 1:
+        return None
+    folder, base = os.path.split(target)
+    retired = os.path.join(folder, f".{base}{_RETIRED_MARKER}{secrets.token_hex(8)}")
+    try:
+        os.link(target, retired)
+    except OSError:
+        return None
+    return retired
+
+
+def _free_later(retired: str) -> None:
+    def unlink() -> None:
+        try:
+            os.unlink(retired)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(
+                f"could not delete the replaced checkpoint {retired} ({exc}); it is safe to "
+                f"delete by hand",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+    # Not a daemon: the interpreter waits for it at exit, so no copy is left behind.
+    thread = threading.Thread(target=unlink, name="ddpstate-free-replaced", daemon=False)
+    with _retiring_lock:
+        _retiring[:] = [t for t in _retiring if t.is_alive()]
+        _retiring.append(thread)
+    thread.start()
+
+
+def _wait_for_freed() -> None:
+    """Block until replaced checkpoints being freed in the background are gone."""
+    with _retiring_lock:
+        pending = list(_retiring)
+    for thread in pending:
+        thread.join()
+
+
+def _unlink_missing_ok(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def _atomic_write_local(path: str) -> Iterator[IO[bytes]]:
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    temp = os.path.join(folder, _temp_name_for(os.path.basename(target)))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    try:
+        # 0o666 lets the umask decide, as for any new file; O_EXCL refuses to
+        # follow a planted symlink or reuse someone else's file.
+        fd = os.open(temp, flags, 0o666)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"cannot create a file in {folder} to write {path} ({type(exc).__name__}: {exc}); "
+            f"check that the folder exists and is writable"
+        ) from exc
+    try:
+        if hasattr(os, "fchmod"):  # not on Windows before Python 3.13
+            with contextlib.suppress(FileNotFoundError):
+                # Keep a restrictive mode the user gave the previous checkpoint.
+                os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+        fileobj = os.fdopen(fd, "wb", buffering=_WRITE_BUFFER)
+    except BaseException as exc:
+        _cleanup(exc, temp, lambda: os.close(fd), lambda: _unlink_missing_ok(temp))
+        raise
+    try:
+        yield fileobj
+    except BaseException as exc:
+        _cleanup(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
+        raise
+    retired: Optional[str] = None
+    try:
+        fileobj.flush()
+        os.fsync(fileobj.fileno())
+        fileobj.close()
+        retired = _retire(target)
+        os.replace(temp, target)
+    except BaseException as exc:
+        _cleanup(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
+        if retired is not None:
+            # The target still has its own name; drop only the second one.
+            _cleanup(exc, retired, lambda: _unlink_missing_ok(retired))
+        if isinstance(exc, OSError):
+            raise CheckpointWriteError(
+                f"writing {path} failed ({type(exc).__name__}: {exc}); the previous file is "
+                f"untouched; check free space and permissions"
+            ) from exc
+        raise
+    try:
+        _fsync_dir(folder)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"{path} was written and renamed into place, but syncing its folder failed "
+            f"({type(exc).__name__}: {exc}); the new file may not survive a power loss"
+        ) from exc
+    finally:
+        if retired is not None and os.path.exists(retired):
+            _free_later(retired)
+
+
+@contextlib.contextmanager
+def _atomic_write_object_store(fs: Any, url: str, path: str) -> Iterator[IO[bytes]]:
+    # autocommit=False is fsspec's transaction protocol: the upload becomes the
+    # object only on commit(), and discard() aborts it (e.g. the S3 multipart upload).
+    try:
+        fileobj = fs.open(path, "wb", autocommit=False)
+    except Exception as exc:
+        raise CheckpointWriteError(
+            f"cannot start writing {url} ({type(exc).__name__}: {exc}); check the bucket, "
+            f"credentials and storage_options"
+        ) from exc
+    try:
+        yield fileobj
+    except BaseException as exc:
+        _cleanup(exc, f"the partial upload of {url}", fileobj.close, fileobj.discard)
+        raise
+    try:
+        fileobj.close()
+        fileobj.commit()
+    except Exception as exc:
+        _cleanup(exc, f"the partial upload of {url}", fileobj.discard)
+        raise CheckpointWriteError(
+            f"uploading {url} failed ({type(exc).__name__}: {exc}); the previous object is "
+            f"untouched"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _atomic_write_rename(fs: Any, url: str, path: str) -> Iterator[IO[bytes]]:
+    parent, base = posixpath.split(path.rstrip("/"))
+    temp = posixpath.join(parent, _temp_name_for(base))
+
+    def remove_temp() -> None:
+        if fs.exists(temp):
+            fs.rm(temp)
+
+    try:
+        fileobj = fs.open(temp, "wb")
+    except Exception as exc:
+        raise CheckpointWriteError(
+            f"cannot create a temporary file next to {url} ({type(exc).__name__}: {exc}); "
+            f"check the folder and storage_options"
+        ) from exc
+    try:
+        yield fileobj
+    except BaseException as exc:
+        _cleanup(exc, f"the temporary file {temp}", fileobj.close, remove_temp)
+        raise
+    try:
+        fileobj.close()
+        fs.mv(temp, path)
+    except Exception as exc:
+        _cleanup(exc, f"the temporary file {temp}", remove_temp)
+        raise CheckpointWriteError(
+            f"finishing {url} failed ({type(exc).__name__}: {exc}); the previous file is untouched"
+        ) from exc
+
+
+@contextlib.contextmanager
+def atomic_write(
+    path: PathLike, *, storage_options: Optional[dict[str, Any]] = None
+) -> Iterator[IO[bytes]]:
+    """Open a binary file whose contents replace ``path`` only if the block succeeds.
+
+    Local paths: the data goes to a temporary file in the target's own folder
+    (named ``.<name>.ddpstate-tmp-<random>``, see :func:`is_temp_name`), which
+    is flushed, fsynced, renamed onto the target with ``os.replace``, and the
+    folder is fsynced. Object stores (``s3://``, ``gs://``, ``az://``...): one
+    object, which appears only when the upload completes. Other fsspec
+    filesystems (``memory://``, ``sftp://``...): a temporary name, then a
+    rename. If the block raises, the temporary data is removed and the previous
+    file is untouched; the block's exception propagates unchanged. When a large
+    local file is replaced, its blocks are freed by a background thread after
+    the new file is committed (the interpreter waits for it before exiting).
+
+    Args:
+        path: Local path (or ``file://`` URL) or any fsspec URL.
+        storage_options: Options for the fsspec filesystem (ignored for local paths).
+
+    Returns:
+        A context manager yielding a writable binary file object.
+
+    Raises:
+        CheckpointWriteError: The temporary file could not be created, or
+            flushing, syncing or renaming it failed.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.storage import atomic_write
+        >>> path = os.path.join(tempfile.mkdtemp(), "notes.bin")
+        >>> with atomic_write(path) as f:
+        ...     _ = f.write(b"all or nothing")
+        >>> open(path, "rb").read()
+        b'all or nothing'
+    """
+    text = os.fspath(path)
+    if not _fs.is_remote(text):
+        with _atomic_write_local(_fs.local_path(text)) as local_file:
+            yield local_file
+        return
+    fs, inner = _fs.url_to_fs(text, storage_options)
+    if _protocol(fs) in OBJECT_STORE_PROTOCOLS:
+        manager = _atomic_write_object_store(fs, text, inner)
+    else:
+        manager = _atomic_write_rename(fs, text, inner)
+    with manager as remote_file:
+        yield remote_file
+
+
+def open_read(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) -> IO[bytes]:
+    """Open a local file or fsspec URL for binary reading.
+
+    Args:
+        path: Local path (or ``file://`` URL) or any fsspec URL.
+        storage_options: Options for the fsspec filesystem.
+
+    Returns:
+        A readable, seekable binary file object; close it (or use ``with``).
+
+    Raises:
+        CheckpointNotFoundError: Nothing exists at ``path``.
+        DDPStateError: ``path`` is a folder, or cannot be read.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.storage import open_read
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
+        >>> _ = open(path, "wb").write(b"abc")
+        >>> with open_read(path) as f:
+        ...     f.read()
+        b'abc'
+    """
+    text = os.fspath(path)
+    try:
+        if not _fs.is_remote(text):
+            return open(_fs.local_path(text), "rb")
+        fs, inner = _fs.url_to_fs(text, storage_options)
+        return fs.open(inner, "rb")  # type: ignore[no-any-return]
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{text}: no such file; check the path") from exc
+    except IsADirectoryError as exc:
+        raise DDPStateError(f"{text} is a folder, not a file") from exc
+    except PermissionError as exc:
+        raise DDPStateError(f"{text}: permission denied ({exc}); check its permissions") from exc
+
+
+def exists(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) -> bool:
+    """Tell whether a file or folder exists at a local path or fsspec URL.
+
+    Example:
+        >>> from ddpstate.storage import exists
+        >>> exists("/definitely/not/here.pt")
+        False
+    """
+    text = os.fspath(path)
+    if not _fs.is_remote(text):
+        return os.path.exists(_fs.local_path(text))
+    fs, inner = _fs.url_to_fs(text, storage_options)
+    return bool(fs.exists(inner))
+
+
+def isdir(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) -> bool:
+    """Tell whether a local path or fsspec URL is a folder (a prefix on object stores).
+
+    Example:
+        >>> import tempfile
+        >>> from ddpstate.storage import isdir
+        >>> isdir(tempfile.gettempdir())
+        True
+    """
+    text = os.fspath(path)
+    if not _fs.is_remote(text):
+        return os.path.isdir(_fs.local_path(text))
+    fs, inner = _fs.url_to_fs(text, storage_options)
+    return bool(fs.isdir(inner))
+
+
+def remove(
+    path: PathLike,
+    *,
+    storage_options: Optional[dict[str, Any]] = None,
+    recursive: bool = False,
+    missing_ok: bool = False,
+) -> None:
+    """Delete a file, or with ``recursive=True`` a folder and everything in it.
+
+    Args:
+        path: Local path or fsspec URL.
+        storage_options: Options for the fsspec filesystem.
+        recursive: Also delete folders (e.g. a ``torch.distributed.checkpoint`` folder).
+        missing_ok: Do nothing when ``path`` does not exist.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist and ``missing_ok`` is False.
+        DDPStateError: ``path`` is a folder and ``recursive`` is False.
+
+    Example:
+        >>> from ddpstate.storage import remove
+        >>> remove("/tmp/ddpstate-doctest-missing.pt", missing_ok=True)
+    """
+    text = os.fspath(path)
+    if not exists(text, storage_options=storage_options):
+        if missing_ok:
+            return
+        raise CheckpointNotFoundError(f"{text}: no such file or folder to remove")
+    folder = isdir(text, storage_options=storage_options)
+    if folder and not recursive:
+        raise DDPStateError(f"{text} is a folder; pass recursive=True to delete it and its files")
+    if not _fs.is_remote(text):
+        local = _fs.local_path(text)
+        if folder:
+            shutil.rmtree(local)
+        else:
+            os.unlink(local)
+        return
+    fs, inner = _fs.url_to_fs(text, storage_options)
+    fs.rm(inner, recursive=folder)
+
+
+def listdir(
+    path: PathLike,
+    *,
+    storage_options: Optional[dict[str, Any]] = None,
+    include_temp: bool = False,
+) -> list[str]:
+    """List the names in a folder, without ddpstate's in-progress temporary files.
+
+    Args:
+        path: Local folder or fsspec URL of a folder (prefix).
+        storage_options: Options for the fsspec filesystem.
+        include_temp: Also list temporary files left by killed writers.
+
+    Returns:
+        The sorted entry names (not full paths).
+
+    Raises:
+        CheckpointNotFoundError: The folder does not exist.
+
+    Example:
+        >>> import tempfile
+        >>> from ddpstate.storage import listdir
+        >>> listdir(tempfile.mkdtemp())
+        []
+    """
+    text = os.fspath(path)
+    try:
+        if not _fs.is_remote(text):
+            names = os.listdir(_fs.local_path(text))
+        else:
+            fs, inner = _fs.url_to_fs(text, storage_options)
+            names = [posixpath.basename(p.rstrip("/")) for p in fs.ls(inner, detail=False)]
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{text}: no such folder") from exc
+    return sorted(n for n in names if n and (include_temp or not is_temp_name(n)))
+
+
+def makedirs(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) -> None:
+    """Create a folder and its parents if missing (no-op on object stores).
+
+    Object stores have no folders, and creating a missing bucket behind the
+    user's back would be wrong, so nothing is done there.
+
+    Raises:
+        CheckpointWriteError: The folder cannot be created.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.storage import makedirs
+        >>> makedirs(os.path.join(tempfile.mkdtemp(), "a", "b"))
+    """
+    text = os.fspath(path)
+    try:
+        if not _fs.is_remote(text):
+            os.makedirs(_fs.local_path(text), exist_ok=True)
+            return
+        fs, inner = _fs.url_to_fs(text, storage_options)
+        if _protocol(fs) not in OBJECT_STORE_PROTOCOLS:
+            fs.makedirs(inner, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"cannot create folder {text} ({type(exc).__name__}: {exc}); check permissions"
+        ) from exc

@@ -1,0 +1,35 @@
+"""README's commands are the ones CI and users run: keep them in step with .ci/run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    head = text.split("\n## ", 2)  # the commands come before the second section
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", "\n## ".join(head[:2]), flags=re.S)
+    return [
+        line.strip()
+        for block in blocks
+        for line in block.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+
+def test_readme_opens_with_install_main_job_and_test_commands() -> None:
+    commands = _readme_commands()
+    assert len(commands) >= 3, commands
+    install, main_job, tests = commands[:3]
+    assert install.startswith("pip install")
+    assert "examples/train_ddp.py" in main_job and main_job.startswith("pip install")
+    assert "pytest" in tests and tests.startswith("pip install")
+
+
+def test_ci_runs_readme_test_command_verbatim() -> None:
+    tests = _readme_commands()[2]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests in [line.strip() for line in ci], f"{tests!r} not in .ci/run"

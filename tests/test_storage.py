@@ -1,0 +1,226 @@
+"""Atomic, durable writes and the storage helpers, on real local files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpstate import storage
+from ddpstate.checkpoint import load
+from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_atomic_write_replaces_target_and_leaves_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt.bin"
+    target.write_bytes(b"old")
+    with storage.atomic_write(target) as f:
+        f.write(b"new contents")
+        # While writing, the target still holds the old bytes.
+        assert target.read_bytes() == b"old"
+        temps = [p.name for p in tmp_path.iterdir() if storage.is_temp_name(p.name)]
+        assert len(temps) == 1 and temps[0].startswith(".ckpt.bin.ddpstate-tmp-")
+    assert target.read_bytes() == b"new contents"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.bin"]
+
+
+def test_atomic_write_failure_keeps_previous_file(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt.bin"
+    target.write_bytes(b"precious")
+    before = _sha(target)
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), storage.atomic_write(target) as f:
+        f.write(b"x" * 5_000_000)
+        raise Boom("serializer died half-way")
+    assert _sha(target) == before
+    assert os.listdir(tmp_path) == ["ckpt.bin"]
+
+
+def test_atomic_write_keeps_restrictive_mode(tmp_path: Path) -> None:
+    target = tmp_path / "secret.pt"
+    target.write_bytes(b"old")
+    target.chmod(0o600)
+    with storage.atomic_write(target) as f:
+        f.write(b"new")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+
+
+def test_atomic_write_into_missing_or_non_folder_raises_write_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_bytes(b"")
+    with (
+        pytest.raises(CheckpointWriteError, match="a_file"),
+        storage.atomic_write(blocker / "ckpt.pt") as f,
+    ):
+        f.write(b"never")
+    with (
+        pytest.raises(CheckpointWriteError, match="missing"),
+        storage.atomic_write(tmp_path / "missing" / "ckpt.pt") as f,
+    ):
+        f.write(b"never")
+
+
+def test_atomic_write_syncs_file_then_renames_then_syncs_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A spy that records and then calls the real functions: the order is the contract.
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        events.append(("fsync", kind))
+        real_fsync(fd)
+
+    def replace(src: str, dst: str) -> None:
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    with storage.atomic_write(tmp_path / "x.pt") as f:
+        f.write(b"data")
+    assert events == [("fsync", "file"), ("replace", "x.pt"), ("fsync", "dir")]
+
+
+def test_is_temp_name() -> None:
+    assert storage.is_temp_name(".model.pt.ddpstate-tmp-0123456789abcdef")
+    assert storage.is_temp_name("/some/dir/.m.safetensors.ddpstate-tmp-ffffffffffffffff")
+    assert not storage.is_temp_name("model.pt")
+    assert not storage.is_temp_name(".model.pt")
+    assert not storage.is_temp_name("model.pt.ddpstate-tmp-0123456789abcdef")  # no dot
+    assert not storage.is_temp_name(".model.pt.ddpstate-tmp-xyz")
+    assert storage.is_temp_name(".model.pt.ddpstate-old-0123456789abcdef")
+
+
+def test_helpers_on_local_paths(tmp_path: Path) -> None:
+    folder = storage.join(str(tmp_path), "run", "ckpts")
+    storage.makedirs(folder)
+    storage.makedirs(folder)  # exists already: fine
+    assert storage.isdir(folder)
+    for name in ("b.pt", "a.pt", ".a.pt.ddpstate-tmp-00000000000000aa"):
+        Path(folder, name).write_bytes(b"1")
+    assert storage.listdir(folder) == ["a.pt", "b.pt"]
+    assert storage.listdir(folder, include_temp=True)[0].startswith(".a.pt.ddpstate-tmp-")
+    assert storage.exists(storage.join(folder, "a.pt"))
+    storage.remove(storage.join(folder, "a.pt"))
+    assert not storage.exists(storage.join(folder, "a.pt"))
+    storage.remove(storage.join(folder, "a.pt"), missing_ok=True)
+    with pytest.raises(CheckpointNotFoundError):
+        storage.remove(storage.join(folder, "a.pt"))
+    with pytest.raises(DDPStateError, match="recursive=True"):
+        storage.remove(folder)
+    storage.remove(str(tmp_path / "run"), recursive=True)
+    assert not storage.exists(str(tmp_path / "run"))
+    with pytest.raises(CheckpointNotFoundError):
+        storage.listdir(str(tmp_path / "run"))
+    with pytest.raises(CheckpointNotFoundError):
+        storage.open_read(tmp_path / "nope.pt")
+    assert storage.join("memory://bucket/run", "x.pt") == "memory://bucket/run/x.pt"
+
+
+def test_file_url_is_treated_as_local(tmp_path: Path) -> None:
+    url = "file://" + str(tmp_path / "u.bin")
+    with storage.atomic_write(url) as f:
+        f.write(b"via file url")
+    with storage.open_read(url) as f:
+        assert f.read() == b"via file url"
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from ddpstate.checkpoint import save
+    # ~320 MB in 80 tensors: long enough to be caught in the middle of writing.
+    state = {f"layer{i}.weight": torch.full((1024, 1024), float(i)) for i in range(80)}
+    print("ready", flush=True)
+    save(state, sys.argv[1])
+    print("done", flush=True)
+    """
+)
+
+
+def test_sigkill_mid_write_leaves_old_bytes_and_no_mistakable_temp(tmp_path: Path) -> None:
+    target = tmp_path / "model.pt"
+    torch.save({"old": torch.arange(10)}, target)
+    old_hash = _sha(target)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(target)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 60
+        killed_at = None
+        while time.monotonic() < deadline and killed_at is None:
+            for entry in os.scandir(tmp_path):
+                if storage.is_temp_name(entry.name) and entry.stat().st_size > 32 << 20:
+                    child.send_signal(signal.SIGKILL)
+                    killed_at = entry.stat().st_size
+                    break
+            if child.poll() is not None:
+                break
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert killed_at is not None, "the writer finished before it could be killed"
+    assert child.returncode == -signal.SIGKILL
+    # The target is the old file, whole; the partial data sits only in a hidden temp file.
+    assert _sha(target) == old_hash
+    leftovers = [n for n in os.listdir(tmp_path) if n != "model.pt"]
+    assert leftovers and all(storage.is_temp_name(n) and n.startswith(".") for n in leftovers)
+    assert storage.listdir(tmp_path) == ["model.pt"]
+    assert torch.equal(load(target)["old"], torch.arange(10))
+    # A later save still works and replaces the target with the complete new bytes.
+    from ddpstate.checkpoint import save
+
+    save({"new": torch.ones(3)}, target)
+    assert list(load(target)) == ["new"]
+
+
+def test_large_replaced_file_is_freed_after_commit(tmp_path: Path) -> None:
+    target = tmp_path / "big.bin"
+    old = b"o" * (storage._RETIRE_MIN_BYTES + 1)
+    target.write_bytes(old)
+    inode = target.stat().st_ino
+    with storage.atomic_write(target) as f:
+        f.write(b"new")
+    assert target.read_bytes() == b"new"
+    # The old copy may still exist under a hidden temp name while it is freed...
+    assert storage.listdir(tmp_path) == ["big.bin"]
+    storage._wait_for_freed()
+    # ...and is gone once the background thread is done.
+    assert os.listdir(tmp_path) == ["big.bin"]
+    assert target.stat().st_ino != inode
+
+
+def test_failed_write_over_large_file_leaves_it_alone(tmp_path: Path) -> None:
+    target = tmp_path / "big.bin"
+    target.write_bytes(b"o" * (storage._RETIRE_MIN_BYTES + 1))
+    before = _sha(target)
+    with pytest.raises(ValueError), storage.atomic_write(target) as f:
+        f.write(b"partial")
+        raise ValueError("stop")
+    storage._wait_for_freed()
+    assert _sha(target) == before and os.listdir(tmp_path) == ["big.bin"]
+    assert target.stat().st_nlink == 1
