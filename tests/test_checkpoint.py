@@ -23,8 +23,9 @@ from ddpstate.errors import (
 )
 from ddpstate.formats import detect_format, read_safetensors_header
 from ddpstate.storage import listdir
+from tests.samples import RESNET20
 
-SAMPLE = Path("/work/shared/samples/resnet20-12fca82f.th")
+SAMPLE = RESNET20
 
 
 class Custom:

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from ddpstate import keys
+from tests.samples import RESNET20
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "samples" / "resnet20-12fca82f.th"
+SAMPLE = RESNET20
 EXE = shutil.which("ddpstate")
 
 

@@ -44,8 +44,9 @@ from ddpstate.errors import (
     UnsafeCheckpointError,
 )
 from ddpstate.formats import read_safetensors
+from tests.samples import RESNET20
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "samples" / "resnet20-12fca82f.th"
+SAMPLE = RESNET20
 
 
 def data_offset(path: Path, suffix: str) -> tuple[int, int]:

@@ -29,8 +29,9 @@ from ddpstate.formats import (
     sniff_format,
     write_safetensors,
 )
+from tests.samples import RESNET20
 
-SAMPLE = Path("/work/shared/samples/resnet20-12fca82f.th")
+SAMPLE = RESNET20
 
 
 def _write(path: Path, sd: Any, metadata: Any = None) -> dict[str, str]:

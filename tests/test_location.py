@@ -12,8 +12,9 @@ import torch
 from ddpstate.checkpoint import load
 from ddpstate.errors import DDPStateError
 from ddpstate.location import _place_all, resolve_map_location
+from tests.samples import RESNET20
 
-SAMPLE = Path("/work/shared/samples/resnet20-12fca82f.th")
+SAMPLE = RESNET20
 
 
 def _save_tagged(obj: Any, path: Path, tag: str, monkeypatch: pytest.MonkeyPatch) -> None:
