@@ -66,7 +66,7 @@ class Progress:
         rate = self.done / max(now - self._start, 1e-9)
         line = (
             f"\r{self.label} [{'#' * filled}{'.' * (_WIDTH - filled)}] {fraction:6.1%} "
-            f"{_human(self.done)}/{_human(self.total)} {_human(int(rate))}/s"
+            f"{human_bytes(self.done)}/{human_bytes(self.total)} {human_bytes(int(rate))}/s"
         )
         self._stream.write(line)
         self._stream.flush()
@@ -80,7 +80,8 @@ class Progress:
             self._drawn = False
 
 
-def _human(count: int) -> str:
+def human_bytes(count: float) -> str:
+    """Format a byte count for people: ``512 B``, ``1.5 KiB``, ``3.0 GiB``."""
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024 or unit == "GiB":

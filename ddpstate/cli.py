@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Sequence
 from typing import IO, NoReturn, Optional
 
+from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 
 __all__ = ["main"]
@@ -226,15 +227,6 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _human(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # pragma: no cover
-
-
 def _list(items: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
@@ -273,7 +265,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
             where = f"; {result.renamed} key(s) renamed{where}"
         print(
             f"wrote {result.dst} ({_FORMAT_NAMES[result.dst_format]}, {result.tensors} tensors, "
-            f"{_human(result.bytes_copied)} of tensor data{where})",
+            f"{human_bytes(result.bytes_copied)} of tensor data{where})",
             file=out,
         )
     if result.left_out:
@@ -296,12 +288,12 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     if args.json:
         print(json.dumps(info.to_dict(), indent=2), file=out)
         return 0
-    dtypes = ", ".join(f"{d} {_human(n)}" for d, n in sorted(info.dtype_bytes.items()))
+    dtypes = ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(info.dtype_bytes.items()))
     devices = ", ".join(f"{d} ({n} storages)" for d, n in sorted(info.devices.items()))
     lines = [
         f"file       {info.path}",
-        f"format     {_FORMAT_NAMES.get(info.format, info.format)}, {_human(info.file_size)}",
-        f"tensors    {info.tensor_count} ({_human(info.tensor_bytes)}): {dtypes or '-'}",
+        f"format     {_FORMAT_NAMES.get(info.format, info.format)}, {human_bytes(info.file_size)}",
+        f"tensors    {info.tensor_count} ({human_bytes(info.tensor_bytes)}): {dtypes or '-'}",
         f"devices    {devices or '-'}",
         f"prefixes   {' '.join(info.prefixes) or '(none)'}",
     ]
@@ -378,7 +370,8 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
     if result.ok:
         counted = "" if result.format == "manager" else f"{result.tensors} tensors, "
         print(
-            f"ok: {result.path} ({kind}, {counted}{_human(result.bytes_read)} read and checked)",
+            f"ok: {result.path} ({kind}, {counted}"
+            f"{human_bytes(result.bytes_read)} read and checked)",
             file=out,
         )
     else:

@@ -27,7 +27,7 @@ from ddpstate._pickle_scan import (
     module_state_dict,
     opaque_name,
 )
-from ddpstate._progress import Progress
+from ddpstate._progress import Progress, human_bytes
 from ddpstate._reader import (
     ALIASES_KEY,
     SAFETENSORS_CODES,
@@ -863,7 +863,7 @@ def _summary(value: Any, role: Optional[str]) -> str:
     tensors = [r for _, r in iter_tensors(value) if isinstance(r, TensorRecord)]
     size = sum(r.nbytes for r in tensors)
     if role is not None:
-        return f"{role}: {len(tensors)} tensors, {_human(size)}"
+        return f"{role}: {len(tensors)} tensors, {human_bytes(size)}"
     if _is_optimizer_state(value):
         if isinstance(value, Mapping) and "param_groups" in value:
             groups = value.get("param_groups")
@@ -872,22 +872,13 @@ def _summary(value: Any, role: Optional[str]) -> str:
             n_state = len(state) if isinstance(state, Mapping) else "?"
             return (
                 f"optimizer state: {n_state} parameter states, {n_groups} param group(s), "
-                f"{len(tensors)} tensors, {_human(size)}"
+                f"{len(tensors)} tensors, {human_bytes(size)}"
             )
-        return f"optimizer states: {len(tensors)} tensors, {_human(size)}"
+        return f"optimizer states: {len(tensors)} tensors, {human_bytes(size)}"
     text = _describe(value)
     if tensors and not isinstance(value, TensorRecord):
-        text += f" ({len(tensors)} tensors, {_human(size)})"
+        text += f" ({len(tensors)} tensors, {human_bytes(size)})"
     return text
-
-
-def _human(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # pragma: no cover
 
 
 def inspect_file(
