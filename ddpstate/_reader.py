@@ -30,6 +30,7 @@ from ddpstate.errors import (
     CheckpointFormatError,
     UnsafeCheckpointError,
 )
+from ddpstate.formats import SAFETENSORS_MAX_HEADER
 
 #: safetensors dtype codes and the torch dtype each stands for (the set
 #: ddpstate's safetensors writer and reader share; see ``ddpstate.formats``).
@@ -50,7 +51,6 @@ STATE_DICT_METADATA_KEY = "ddpstate.state_dict_metadata"
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
-_MAX_SAFETENSORS_HEADER = 100_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,7 +450,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
 
 def _read_safetensors(source: Source, path: str) -> Checkpoint:
     (length,) = struct.unpack("<Q", source.read_at(0, 8))
-    if length > _MAX_SAFETENSORS_HEADER or 8 + length > source.size:
+    if length > SAFETENSORS_MAX_HEADER or 8 + length > source.size:
         raise _corrupt(path, f"its safetensors header claims {length} bytes")
     try:
         header = json.loads(source.read_at(8, length).decode("utf-8"))
@@ -494,10 +494,11 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
             )
         spans.append((begin, end, key))
         typed = dtype in DTYPE_STORAGE
+        type_name, storage_dtype = storage_type_for(dtype)
         record = StorageRecord(
             key=key,
-            type_name=DTYPE_STORAGE[dtype] if typed else "UntypedStorage",
-            dtype=dtype if typed else "uint8",
+            type_name=type_name,
+            dtype=storage_dtype,
             location="cpu",
             numel=numel if typed else numel * itemsize,
             data_offset=data_start + begin,

@@ -15,6 +15,7 @@ from typing import IO, Any, Optional, Union, cast
 import torch
 
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
+from ddpstate.formats import SAFETENSORS_MAX_HEADER
 
 __all__ = [
     "ALIASES_KEY",
@@ -66,7 +67,6 @@ for _attr, _name in (
 _DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 # safetensors refuses headers above 100 MB; so does this reader.
-_MAX_HEADER = 100_000_000
 _SHOW = 8  # how many offending keys an error message lists
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes]]
@@ -363,7 +363,7 @@ def _parse_header(head8: bytes, read_json: Any, size: int, name: str) -> Safeten
     if len(head8) < 8:
         raise _corrupt(name, f"only {len(head8)} bytes long")
     (length,) = struct.unpack("<Q", head8)
-    if length > _MAX_HEADER or 8 + length > size:
+    if length > SAFETENSORS_MAX_HEADER or 8 + length > size:
         raise _corrupt(name, f"header length {length} does not fit in {size} bytes")
     raw = read_json(length)
     try:

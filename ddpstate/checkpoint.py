@@ -38,6 +38,7 @@ from ddpstate.formats import (
     DCP,
     LEGACY,
     SAFETENSORS,
+    SAFETENSORS_MAX_HEADER,
     TORCH_ZIP,
     TORCHSCRIPT,
     detect_format,
@@ -261,7 +262,7 @@ def _detect(text: str, storage_options: Optional[dict[str, Any]]) -> str:
             ) from exc
         if len(head) >= 9 and head[8:9] == b"{":
             claimed = int.from_bytes(head[:8], "little")
-            if 2 <= claimed <= 100_000_000:
+            if 2 <= claimed <= SAFETENSORS_MAX_HEADER:
                 raise CheckpointCorruptError(
                     f"{text}: starts like a safetensors file whose {claimed}-byte header is "
                     f"cut short, so the file is truncated; re-save or re-download it"

@@ -7,6 +7,7 @@ import struct
 import zipfile
 from typing import IO, TYPE_CHECKING, Any, Literal, Optional, Union
 
+from ddpstate import _fs
 from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PREFIX = b"\x80\x02\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little") + b"."
 _ZIP_MAGIC = b"PK\x03\x04"
 # safetensors caps its header at 100 MB; a larger claimed length is not safetensors.
-_SAFETENSORS_MAX_HEADER = 100_000_000
+SAFETENSORS_MAX_HEADER = 100_000_000
 _SNIFF_BYTES = 64
 
 Source = Union[str, "os.PathLike[str]", IO[bytes]]
@@ -136,7 +137,7 @@ def sniff_format(head: bytes, size: Optional[int] = None) -> Optional[str]:
     if len(head) >= 9:
         (header_len,) = struct.unpack("<Q", head[:8])
         fits = size is None or 8 + header_len <= size
-        if 2 <= header_len <= _SAFETENSORS_MAX_HEADER and fits and head[8:9] == b"{":
+        if 2 <= header_len <= SAFETENSORS_MAX_HEADER and fits and head[8:9] == b"{":
             return SAFETENSORS
     return None
 
@@ -188,9 +189,7 @@ def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] =
         return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>"))
 
     name = os.fspath(source)
-    if "://" in name:
-        from ddpstate import _fs
-
+    if _fs.is_remote(name):
         fs, path = _fs.url_to_fs(name, storage_options)
         if not fs.exists(path):
             raise CheckpointNotFoundError(f"{name}: no such file or folder")
@@ -202,6 +201,7 @@ def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] =
             remote.seek(0)
             return _classify(remote, head, size, name)
 
+    name = _fs.local_path(name)
     if os.path.isdir(name):
         return _folder_kind(name, os.path.exists(os.path.join(name, ".metadata")))
     try:
