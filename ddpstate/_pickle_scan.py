@@ -433,7 +433,7 @@ def _as_view(size: Any, stride: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return shape, strides
 
 
-def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any) -> TensorRecord:
+def _view(storage: Any, offset: int, size: Any, stride: Any, dtype: Optional[str]) -> TensorRecord:
     record, base = _as_storage(storage)
     shape, strides = _as_view(size, stride)
     return TensorRecord(
@@ -441,8 +441,12 @@ def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any) -> Tensor
         offset=base + _as_offset(offset),
         shape=shape,
         stride=strides,
-        dtype=record.dtype,
+        dtype=record.dtype if dtype is None else dtype,
     )
+
+
+def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any) -> TensorRecord:
+    return _view(storage, offset, size, stride, None)
 
 
 def _rebuild_tensor_v2(
@@ -472,18 +476,11 @@ def _rebuild_tensor_v3(
 ) -> TensorRecord:
     if not isinstance(dtype, DtypeRef):
         raise pickle.UnpicklingError(f"a tensor's dtype is {dtype!r}, not a torch dtype")
-    record, base = _as_storage(storage)
-    shape, strides = _as_view(size, stride)
-    return TensorRecord(
-        storage=record,
-        offset=base + _as_offset(offset),
-        shape=shape,
-        stride=strides,
-        dtype=dtype.dtype,
-        requires_grad=bool(requires_grad),
-        rebuild="v3",
-        metadata=metadata,
-    )
+    tensor = _view(storage, offset, size, stride, dtype.dtype)
+    tensor.requires_grad = bool(requires_grad)
+    tensor.rebuild = "v3"
+    tensor.metadata = metadata
+    return tensor
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> TensorRecord:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ddpstate import keys
+from tests.payloads import RunsCommand
 from tests.samples import RESNET20
 
 SAMPLE = RESNET20
@@ -229,20 +230,10 @@ def test_error_paths_leave_no_output(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["cut.pt", "full.pt", "notes.txt", "scripted.pt"]
 
 
-class Evil:
-    """Pickles as a call to os.system: plain unpickling would run the command."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> Any:
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_unsafe_pickle_refused_then_read_without_running(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     evil = tmp_path / "evil.pt"
-    torch.save({"state_dict": {"module.w": torch.ones(2)}, "hook": Evil(marker)}, evil)
+    torch.save({"state_dict": {"module.w": torch.ones(2)}, "hook": RunsCommand(marker)}, evil)
     assert_error(run("convert", evil, "--strip-module"), "posix.system", "--unsafe")
     assert not (tmp_path / "evil.converted.pt").exists()
     shown = run("inspect", evil, "--unsafe")

@@ -44,6 +44,7 @@ from ddpstate.errors import (
     UnsafeCheckpointError,
 )
 from ddpstate.formats import read_safetensors
+from tests.payloads import RunsCommand
 from tests.samples import RESNET20
 
 SAMPLE = RESNET20
@@ -418,18 +419,10 @@ def test_verify_finds_damage(tmp_path: Path) -> None:
         verify_file(tmp_path)
 
 
-class _Marker:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> Any:
-        return (os.system, (f"touch {self.path}",))
-
-
 def test_unsafe_pickles_are_refused_and_never_run(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     src = tmp_path / "evil.pt"
-    torch.save({"state_dict": {"module.w": torch.ones(2)}, "x": _Marker(str(marker))}, src)
+    torch.save({"state_dict": {"module.w": torch.ones(2)}, "x": RunsCommand(str(marker))}, src)
     with pytest.raises(UnsafeCheckpointError, match="--unsafe") as info:
         inspect_file(src)
     assert info.value.unsafe_globals == (f"{os.system.__module__}.system",)
@@ -438,7 +431,7 @@ def test_unsafe_pickles_are_refused_and_never_run(tmp_path: Path) -> None:
     assert verify_file(result.dst, unsafe=True).ok
     # The call is carried through untouched, still never made by ddpstate.
     assert not marker.exists()
-    data = scan_pickle(io.BytesIO(pickle.dumps(_Marker(str(marker)))), lambda pid: pid)
+    data = scan_pickle(io.BytesIO(pickle.dumps(RunsCommand(str(marker)))), lambda pid: pid)
     assert data.unsafe_globals and not marker.exists()
 
 

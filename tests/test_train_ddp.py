@@ -102,6 +102,12 @@ def test_trains_checkpoints_and_exports_a_plain_model(tmp_path: Path) -> None:
     assert float(res.stdout.strip()) == pytest.approx(acc, abs=1e-9)
 
 
+def _start(cmd: list[str]) -> subprocess.Popen[str]:
+    """Start a job in its own session, so _killpg reaches torchrun and every worker."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=ROOT, start_new_session=True)
+
+
 def _killpg(proc: subprocess.Popen[str], sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
@@ -114,15 +120,7 @@ def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path: Path) -
 
     out = tmp_path / "killed"
     cmd = _torchrun(*args, f"--out-dir={out}")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = _start(cmd)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not [s for s in _steps(out) if s >= 30]:
@@ -146,15 +144,7 @@ def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path: Path) -
 def test_sigterm_saves_a_final_checkpoint_and_exits_zero(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = _torchrun("--epochs=20", "--save-every=5", f"--out-dir={out}", *FAST)
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = _start(cmd)
     try:
         # Wait until both workers are training (the first epoch line is printed by rank 0).
         workers: list[psutil.Process] = []
@@ -206,15 +196,7 @@ def test_two_nodes_one_process_each_with_c10d_rendezvous(tmp_path: Path) -> None
         "--no-progress",
     ]
     nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *common, f"--node-rank={n}", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-            cwd=ROOT,
-            start_new_session=True,
-        )
+        _start([sys.executable, "-m", "torch.distributed.run", *common, f"--node-rank={n}", *args])
         for n in (0, 1)
     ]
     try:
