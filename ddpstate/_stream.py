@@ -125,7 +125,9 @@ class Sink:
         3
     """
 
-    def __init__(self, file: IO[bytes], progress: Optional[Progress] = None) -> None:
+    def __init__(
+        self, file: IO[bytes], progress: Optional[Progress] = None, *, write_back: bool = True
+    ) -> None:
         self.file = file
         self.progress = progress
         try:
@@ -138,7 +140,9 @@ class Sink:
         except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
             self._fd = None
         self._kernel_copy = self._fd is not None and hasattr(os, "copy_file_range")
-        self._advise = self._fd is not None and hasattr(os, "posix_fadvise")
+        # Write-back hints only pay off when an fsync follows; without one they
+        # would make the copy wait for the disk that the caller chose not to wait for.
+        self._advise = write_back and self._fd is not None and hasattr(os, "posix_fadvise")
         self._written_back = self.position
 
     def write(self, data: bytes | memoryview) -> None:

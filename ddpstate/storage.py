@@ -203,7 +203,7 @@ def _unlink_missing_ok(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _atomic_write_local(path: str) -> Iterator[IO[bytes]]:
+def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
     target = os.path.abspath(path)
     folder = os.path.dirname(target)
     temp = os.path.join(folder, _temp_name_for(os.path.basename(target)))
@@ -234,7 +234,8 @@ def _atomic_write_local(path: str) -> Iterator[IO[bytes]]:
     retired: Optional[str] = None
     try:
         fileobj.flush()
-        os.fsync(fileobj.fileno())
+        if fsync:
+            os.fsync(fileobj.fileno())
         fileobj.close()
         retired = _retire(target)
         os.replace(temp, target)
@@ -250,7 +251,8 @@ def _atomic_write_local(path: str) -> Iterator[IO[bytes]]:
             ) from exc
         raise
     try:
-        _fsync_dir(folder)
+        if fsync:
+            _fsync_dir(folder)
     except OSError as exc:
         raise CheckpointWriteError(
             f"{path} was written and renamed into place, but syncing its folder failed "
@@ -321,7 +323,7 @@ def _atomic_write_rename(fs: Any, url: str, path: str) -> Iterator[IO[bytes]]:
 
 @contextlib.contextmanager
 def atomic_write(
-    path: PathLike, *, storage_options: Optional[dict[str, Any]] = None
+    path: PathLike, *, storage_options: Optional[dict[str, Any]] = None, fsync: bool = True
 ) -> Iterator[IO[bytes]]:
     """Open a binary file whose contents replace ``path`` only if the block succeeds.
 
@@ -339,6 +341,11 @@ def atomic_write(
     Args:
         path: Local path (or ``file://`` URL) or any fsspec URL.
         storage_options: Options for the fsspec filesystem (ignored for local paths).
+        fsync: Local paths only: ``False`` skips both fsyncs. The rename stays
+            atomic, so a crashed *process* still leaves the old or the new
+            file, but after a power loss or OS crash the new file may be
+            empty or missing. For scratch outputs that can be made again;
+            never when the target is the only copy of its data.
 
     Returns:
         A context manager yielding a writable binary file object.
@@ -358,7 +365,7 @@ def atomic_write(
     """
     text = os.fspath(path)
     if not _fs.is_remote(text):
-        with _atomic_write_local(_fs.local_path(text)) as local_file:
+        with _atomic_write_local(_fs.local_path(text), fsync) as local_file:
             yield local_file
         return
     fs, inner = _fs.url_to_fs(text, storage_options)

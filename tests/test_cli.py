@@ -113,6 +113,20 @@ def test_convert_strip_module_derives_dst_and_refuses_to_overwrite(
     assert sorted(os.listdir(tmp_path)) == ["ckpt.converted.pt", "ckpt.pt"]
 
 
+def test_no_fsync_writes_the_same_bytes_and_is_refused_in_place(
+    nested: tuple[Path, Net, Any], tmp_path: Path
+) -> None:
+    path, _, _ = nested
+    durable = run("convert", path, tmp_path / "durable.pt", "--strip-module")
+    fast = run("convert", path, tmp_path / "fast.pt", "--strip-module", "--no-fsync")
+    assert durable.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert (tmp_path / "fast.pt").read_bytes() == (tmp_path / "durable.pt").read_bytes()
+    before = path.read_bytes()
+    assert_error(run("convert", path, "--in-place", "--strip-module", "--no-fsync"), "--in-place")
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "durable.pt", "fast.pt"]
+
+
 def test_convert_to_safetensors_says_what_it_left_out(nested: tuple[Path, Net, Any]) -> None:
     path, net, _ = nested
     proc = run("convert", path, "--to", "safetensors", "--strip-module")

@@ -40,6 +40,7 @@ from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointFormatError,
+    InvalidArgumentError,
     StateDictNotFoundError,
     UnsafeCheckpointError,
 )
@@ -160,6 +161,17 @@ def test_strip_matches_the_in_memory_rules(tmp_path: Path, name: str) -> None:
     again = convert_file(result.dst, tmp_path / "again.pt", strip_prefix=prefix)
     assert again.renamed == 0
     assert (tmp_path / "again.pt").read_bytes() == Path(result.dst).read_bytes()
+
+
+def test_conflicting_arguments_are_named_and_leave_the_source_alone(tmp_path: Path) -> None:
+    src = tmp_path / "dp.pt"
+    torch.save({"module.w": torch.ones(3)}, src)
+    before = src.read_bytes()
+    with pytest.raises(InvalidArgumentError, match="needs fsync"):
+        convert_file(src, in_place=True, strip_prefix="module.", fsync=False)
+    with pytest.raises(ValueError, match="at most one"):  # still a ValueError for old handlers
+        convert_file(src, strip_prefix="module.", normalize=True)
+    assert src.read_bytes() == before and os.listdir(tmp_path) == ["dp.pt"]
 
 
 def test_normalize_and_add_prefix_match_keys(tmp_path: Path) -> None:

@@ -99,6 +99,32 @@ def test_atomic_write_syncs_file_then_renames_then_syncs_folder(
     assert events == [("fsync", "file"), ("replace", "x.pt"), ("fsync", "dir")]
 
 
+def test_atomic_write_without_fsync_still_renames_atomically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fsync=False (convert --no-fsync) drops both syncs, never the temp file + rename.
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync")
+        real_fsync(fd)
+
+    def replace(src: str, dst: str) -> None:
+        assert storage.is_temp_name(os.path.basename(src))
+        events.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "x.pt"
+    target.write_bytes(b"old")
+    with storage.atomic_write(target, fsync=False) as f:
+        f.write(b"new")
+    assert events == ["replace"]
+    assert target.read_bytes() == b"new" and os.listdir(tmp_path) == ["x.pt"]
+
+
 def test_is_temp_name() -> None:
     assert storage.is_temp_name(".model.pt.ddpstate-tmp-0123456789abcdef")
     assert storage.is_temp_name("/some/dir/.m.safetensors.ddpstate-tmp-ffffffffffffffff")
