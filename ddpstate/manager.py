@@ -42,7 +42,7 @@ from typing import IO, Any, Optional, Union
 import torch
 from torch import nn
 
-from ddpstate import checkpoint, errors, storage
+from ddpstate import _fs, checkpoint, errors, storage
 from ddpstate._version import __version__
 from ddpstate.dist import (
     _exchange,
@@ -1184,18 +1184,24 @@ class CheckpointManager:
         opts = self.storage_options
         storage.makedirs(self.directory, storage_options=opts)
         self._clean_stale(step)
-        folder = self.checkpoint_path(step)
-        if storage.exists(folder, storage_options=opts):
-            if not storage.isdir(folder, storage_options=opts):
+        target = self.checkpoint_path(step)
+        folder = target
+        if storage.exists(target, storage_options=opts):
+            if not storage.isdir(target, storage_options=opts):
                 raise CheckpointWriteError(
-                    f"{folder} exists and is not a folder, so step {step} cannot be saved there; "
+                    f"{target} exists and is not a folder, so step {step} cannot be saved there; "
                     f"move that file away (ddpstate never deletes files it did not write)"
                 )
-            # Re-saving a step: uncommit it before touching its files.
-            storage.remove(
-                storage.join(folder, MANIFEST_NAME), storage_options=opts, missing_ok=True
-            )
-            storage.remove(folder, storage_options=opts, recursive=True)
+            if _fs.is_remote(target):
+                # Object stores cannot swap folders: uncommit the old copy first.
+                storage.remove(
+                    storage.join(target, MANIFEST_NAME), storage_options=opts, missing_ok=True
+                )
+                storage.remove(target, storage_options=opts, recursive=True)
+            else:
+                # Re-saving a step: write beside it, then swap, so the old copy stays
+                # committed until the new one is.
+                folder = storage.temp_path_for(target)
         storage.makedirs(folder, storage_options=opts)
         try:
             files: dict[str, dict[str, Any]] = {}
@@ -1234,6 +1240,8 @@ class CheckpointManager:
                 storage.join(folder, MANIFEST_NAME), storage_options=opts
             ) as f:
                 f.write(data)
+            if folder != target:
+                storage.replace_folder(folder, target)
         except BaseException as exc:
             self._discard(folder, exc)
             raise
@@ -1272,9 +1280,20 @@ class CheckpointManager:
     def _clean_stale(self, step: int) -> None:
         """Delete temporary files and uncommitted step folders left by crashed saves."""
         opts = self.storage_options
+        kw: dict[str, Any] = {"storage_options": opts}
         for name in storage.listdir(self.directory, storage_options=opts, include_temp=True):
             path = storage.join(self.directory, name)
             if storage.is_temp_name(name):
+                original = storage.retired_original(name)
+                if (
+                    original is not None
+                    and _parse_step(original) is not None
+                    and not storage.exists(storage.join(self.directory, original), **kw)
+                    and storage.exists(storage.join(path, MANIFEST_NAME), **kw)
+                ):
+                    # A re-save crashed between its two renames: put the old copy back.
+                    os.rename(path, storage.join(self.directory, original))
+                    continue
                 storage.remove(path, storage_options=opts, recursive=True, missing_ok=True)
                 continue
             found = _parse_step(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import posixpath
@@ -10,6 +11,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -30,6 +32,9 @@ __all__ = [
     "makedirs",
     "open_read",
     "remove",
+    "replace_folder",
+    "retired_original",
+    "temp_path_for",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -195,6 +200,122 @@ def _wait_for_freed() -> None:
         pending = list(_retiring)
     for thread in pending:
         thread.join()
+
+
+def temp_path_for(target: PathLike) -> str:
+    """A fresh hidden temporary name next to a local ``target`` (see :func:`is_temp_name`).
+
+    Args:
+        target: Local path whose folder gets the temporary name.
+
+    Returns:
+        ``<folder>/.<name>.ddpstate-tmp-<16 hex digits>``.
+
+    Example:
+        >>> from ddpstate.storage import is_temp_name, temp_path_for
+        >>> is_temp_name(temp_path_for("/runs/step_0000000010"))
+        True
+    """
+    folder, base = os.path.split(os.path.abspath(_fs.local_path(os.fspath(target))))
+    return os.path.join(folder, _temp_name_for(base))
+
+
+def retired_original(name: str) -> Optional[str]:
+    """The target name a retired copy (``.<name>.ddpstate-old-<hex>``) was taken from.
+
+    Args:
+        name: A file or folder name.
+
+    Returns:
+        ``<name>``, or None when ``name`` is not a retired copy.
+
+    Example:
+        >>> from ddpstate.storage import retired_original
+        >>> retired_original(".step_0000000010.ddpstate-old-0123456789abcdef")
+        'step_0000000010'
+    """
+    base = posixpath.basename(name.replace(os.sep, "/").rstrip("/"))
+    if not is_temp_name(base) or _RETIRED_MARKER not in base:
+        return None
+    return base[1 : base.rindex(_RETIRED_MARKER)]
+
+
+# renameat2(2) flag: swap two existing paths in one step (Linux >= 3.15, most
+# local filesystems).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _rename_exchange(first: str, second: str) -> bool:
+    """Swap two paths atomically; False where the OS or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if function is None:  # glibc before 2.28, or another libc
+        return False
+    result = function(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), 2)
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), first, None, second)
+
+
+def replace_folder(staging: PathLike, target: PathLike) -> None:
+    """Put the complete local folder ``staging`` at ``target``, then delete the old ``target``.
+
+    Where Linux can swap the two names in one step (``renameat2`` with
+    ``RENAME_EXCHANGE``), no moment exists without a complete ``target``.
+    Elsewhere the old folder is first renamed to ``.<name>.ddpstate-old-<hex>``
+    (:func:`retired_original` names its target, so a crash between the two
+    renames can be undone), then ``staging`` takes the name. The parent folder
+    is fsynced before the old copy is deleted.
+
+    Args:
+        staging: A finished folder in the same parent as ``target``.
+        target: Where it should be; may exist (it is replaced) or not.
+
+    Raises:
+        CheckpointWriteError: A rename failed; ``target`` is then unchanged.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.storage import replace_folder, temp_path_for
+        >>> target = os.path.join(tempfile.mkdtemp(), "step_1")
+        >>> os.makedirs(target)
+        >>> staging = temp_path_for(target)
+        >>> os.makedirs(staging); open(os.path.join(staging, "new"), "w").close()
+        >>> replace_folder(staging, target); os.listdir(target)
+        ['new']
+    """
+    new = os.path.abspath(_fs.local_path(os.fspath(staging)))
+    old = os.path.abspath(_fs.local_path(os.fspath(target)))
+    parent = os.path.dirname(old)
+    try:
+        if not os.path.lexists(old):
+            os.rename(new, old)
+            _fsync_dir(parent)
+            return
+        if _rename_exchange(new, old):
+            leftover = new
+        else:
+            leftover = os.path.join(
+                parent, f".{os.path.basename(old)}{_RETIRED_MARKER}{secrets.token_hex(8)}"
+            )
+            os.rename(old, leftover)
+            try:
+                os.rename(new, old)
+            except OSError:
+                os.rename(leftover, old)
+                raise
+        _fsync_dir(parent)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"putting the new {old} in place failed ({type(exc).__name__}: {exc}); the previous "
+            f"folder is untouched; check permissions and free space"
+        ) from exc
+    shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _unlink_missing_ok(path: str) -> None:

@@ -338,6 +338,42 @@ def test_saving_an_existing_step_replaces_it(tmp_path: Path) -> None:
         assert not (Path(manager.checkpoint_path(5)) / "old.pt").exists()
 
 
+def test_a_failed_re_save_keeps_the_old_copy_committed(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(5, {"w": torch.zeros(4)})
+        before = {p.name: p.read_bytes() for p in Path(manager.checkpoint_path(5)).iterdir()}
+        with _file_size_limit(64 << 10), pytest.raises(CheckpointWriteError, match="too large"):
+            manager.save(5, {"w": torch.ones(1 << 20)})
+        after = {p.name: p.read_bytes() for p in Path(manager.checkpoint_path(5)).iterdir()}
+        assert after == before and manager.steps() == [5]
+        assert not any(is_temp_name(n) for n in _all_names(tmp_path))
+        state = {"w": None}
+        assert manager.restore(state) == 5 and torch.equal(state["w"], torch.zeros(4))
+
+
+def test_re_save_without_an_atomic_swap_and_recovery_of_a_crash_between_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Filesystems without renameat2(RENAME_EXCHANGE) take two renames; a crash
+    # between them leaves the old copy under a retired name, which the next save
+    # puts back.
+    from ddpstate import storage
+
+    monkeypatch.setattr(storage, "_rename_exchange", lambda first, second: False)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(5, {"x": 1})
+        manager.save(5, {"x": 2})
+        state = {"x": 0}
+        assert manager.restore(state) == 5 and state["x"] == 2
+        folder = Path(manager.checkpoint_path(5))
+        folder.rename(tmp_path / f".{folder.name}.ddpstate-old-0123456789abcdef")
+        assert manager.steps() == []
+        manager.save(6, {"x": 3})
+        assert manager.steps() == [5, 6]
+        assert manager.restore(state, step=5) == 5 and state["x"] == 2
+    assert not any(is_temp_name(n) for n in _all_names(tmp_path))
+
+
 # --------------------------------------------------------------------------- write failures
 
 
