@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +16,10 @@ from torch import nn
 
 from ddpstate import keys
 from tests.payloads import RunsCommand
-from tests.samples import RESNET20
+from tests.samples import RESNET20, data_offset
 
 SAMPLE = RESNET20
 EXE = shutil.which("ddpstate")
-
-
-def data_offset(path: Path, suffix: str) -> tuple[int, int]:
-    """(offset, size) of the data of the zip record whose name ends with ``suffix``."""
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
-    raw = path.read_bytes()
-    name_len, extra_len = struct.unpack(
-        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
-    )
-    return info.header_offset + 30 + name_len + extra_len, info.file_size
 
 
 def run(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -46,20 +46,9 @@ from ddpstate.errors import (
 )
 from ddpstate.formats import read_safetensors
 from tests.payloads import RunsCommand
-from tests.samples import RESNET20
+from tests.samples import RESNET20, data_offset
 
 SAMPLE = RESNET20
-
-
-def data_offset(path: Path, suffix: str) -> tuple[int, int]:
-    """(offset, size) of the data of the zip record whose name ends with ``suffix``."""
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
-    raw = path.read_bytes()
-    name_len, extra_len = struct.unpack(
-        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
-    )
-    return info.header_offset + 30 + name_len + extra_len, info.file_size
 
 
 class Net(nn.Module):
