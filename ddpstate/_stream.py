@@ -8,9 +8,9 @@ import os
 import zlib
 from typing import IO, Any, Optional
 
-from ddpstate import _fs
+from ddpstate import _fs, storage
 from ddpstate._progress import Progress
-from ddpstate.errors import CheckpointCorruptError, CheckpointNotFoundError
+from ddpstate.errors import CheckpointCorruptError
 
 # Large enough to run near disk speed, small enough to keep peak memory flat.
 _CHUNK = 4 << 20
@@ -30,6 +30,7 @@ class Source:
 
     Raises:
         CheckpointNotFoundError: Nothing exists at ``path``.
+        DDPStateError: ``path`` is a folder or cannot be read.
 
     Example:
         >>> import tempfile, os
@@ -42,20 +43,13 @@ class Source:
 
     def __init__(self, path: str, storage_options: Optional[dict[str, Any]] = None) -> None:
         self.name = path
+        self.file: IO[bytes] = storage.open_read(path, storage_options=storage_options)
         self.fd: Optional[int] = None
-        try:
-            if _fs.is_remote(path):
-                fs, inner = _fs.url_to_fs(path, storage_options)
-                self.file: IO[bytes] = fs.open(inner, "rb")
-                self.size = int(fs.size(inner))
-            else:
-                self.file = open(_fs.local_path(path), "rb")  # noqa: SIM115 - closed in close()
-                self.fd = self.file.fileno()
-                self.size = os.fstat(self.fd).st_size
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{path}: no such file; check the path") from exc
-        except IsADirectoryError as exc:
-            raise CheckpointNotFoundError(f"{path}: is a folder, not a checkpoint file") from exc
+        if not _fs.is_remote(path):
+            self.fd = self.file.fileno()
+            self.size = os.fstat(self.fd).st_size
+        else:
+            self.size = int(self.file.seek(0, io.SEEK_END))
 
     def __enter__(self) -> Source:
         return self
