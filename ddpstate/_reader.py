@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
-import json
 import pickle
 import struct
 import zipfile
@@ -24,29 +23,13 @@ from ddpstate._pickle_scan import (
     opaque_name,
     scan_pickle,
 )
+from ddpstate._safetensors_layout import parse_header, restore_extras
 from ddpstate._stream import Source
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
     UnsafeCheckpointError,
 )
-from ddpstate.formats import SAFETENSORS_MAX_HEADER
-
-#: safetensors dtype codes and the torch dtype each stands for (the set
-#: ddpstate's safetensors writer and reader share; see ``ddpstate.formats``).
-SAFETENSORS_DTYPES: dict[str, str] = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "BOOL": "bool", "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "U16": "uint16", "U32": "uint32", "U64": "uint64",
-}  # fmt: skip
-SAFETENSORS_CODES: dict[str, str] = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
-# The same strings as ddpstate.formats.ALIASES_KEY / STATE_DICT_METADATA_KEY
-# (tests check it); repeated so that streaming never has to import torch.
-ALIASES_KEY = "ddpstate.aliases"
-STATE_DICT_METADATA_KEY = "ddpstate.state_dict_metadata"
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
@@ -449,50 +432,15 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
 
 
 def _read_safetensors(source: Source, path: str) -> Checkpoint:
-    (length,) = struct.unpack("<Q", source.read_at(0, 8))
-    if length > SAFETENSORS_MAX_HEADER or 8 + length > source.size:
-        raise _corrupt(path, f"its safetensors header claims {length} bytes")
-    try:
-        header = json.loads(source.read_at(8, length).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _corrupt(path, "its safetensors header is not valid JSON", exc) from exc
-    if not isinstance(header, dict):
-        raise _corrupt(path, "its safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise _corrupt(path, "its safetensors __metadata__ is not an object")
-    data_start = 8 + length
-    problems: list[str] = []
+    header = parse_header(source.read_at, source.size, path)
+    problems = list(header.problems)
     state_dict: collections.OrderedDict[str, Any] = collections.OrderedDict()
     storages: list[StorageRecord] = []
-    spans: list[tuple[int, int, str]] = []
-    for key, info in header.items():
-        try:
-            code = info["dtype"]
-            shape = tuple(int(n) for n in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _corrupt(path, f"safetensors entry {key!r} is malformed", exc) from exc
-        dtype = SAFETENSORS_DTYPES.get(code)
-        if dtype is None:
-            raise CheckpointFormatError(
-                f"{path}: tensor {key!r} has safetensors dtype {code!r}, which ddpstate "
-                f"does not know; known: {', '.join(SAFETENSORS_DTYPES)}"
-            )
-        itemsize = DTYPE_ITEMSIZE[dtype]
+    for key, entry in header.entries.items():
+        dtype = entry.dtype
         numel = 1
-        for n in shape:
+        for n in entry.shape:
             numel *= n
-        if min(shape, default=0) < 0 or begin < 0 or end - begin != numel * itemsize:
-            problems.append(
-                f"tensor {key!r}: data_offsets {begin}..{end} do not fit shape {list(shape)} "
-                f"of {dtype}"
-            )
-        if data_start + end > source.size:
-            problems.append(
-                f"tensor {key!r} runs to byte {data_start + end} but the file ends at {source.size}"
-            )
-        spans.append((begin, end, key))
         typed = dtype in DTYPE_STORAGE
         type_name, storage_dtype = storage_type_for(dtype)
         record = StorageRecord(
@@ -500,48 +448,20 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
             type_name=type_name,
             dtype=storage_dtype,
             location="cpu",
-            numel=numel if typed else numel * itemsize,
-            data_offset=data_start + begin,
-            stored_size=max(end - begin, 0),
+            numel=numel if typed else numel * DTYPE_ITEMSIZE[dtype],
+            data_offset=header.data_start + entry.begin,
+            stored_size=max(entry.end - entry.begin, 0),
         )
         storages.append(record)
         state_dict[key] = TensorRecord(
             storage=record,
             offset=0,
-            shape=shape,
-            stride=_contiguous_strides(shape),
+            shape=entry.shape,
+            stride=_contiguous_strides(entry.shape),
             dtype=dtype,
             rebuild="v2" if typed else "v3",
         )
-    cursor = 0
-    for begin, end, key in sorted(spans):
-        if begin != cursor:
-            problems.append(
-                f"tensor data is not contiguous at {key!r} (byte {begin}, expected {cursor})"
-            )
-            break
-        cursor = end
-    if not problems and data_start + cursor != source.size:
-        problems.append(
-            f"the data section is {source.size - data_start} bytes but the header describes "
-            f"{cursor}"
-        )
-    own = {k: v for k, v in metadata.items() if not str(k).startswith("ddpstate.")}
-    if ALIASES_KEY in metadata:
-        try:
-            aliases = json.loads(metadata[ALIASES_KEY])
-            for alias, canonical in aliases.items():
-                state_dict[alias] = state_dict[canonical]
-        except (ValueError, KeyError, AttributeError, TypeError) as exc:
-            problems.append(f"{ALIASES_KEY} names a tensor that is not in the file ({exc})")
-    if STATE_DICT_METADATA_KEY in metadata:
-        try:
-            sd_meta = json.loads(metadata[STATE_DICT_METADATA_KEY])
-            state_dict._metadata = collections.OrderedDict(  # type: ignore[attr-defined]
-                (k, dict(v)) for k, v in sd_meta.items()
-            )
-        except (ValueError, AttributeError, TypeError) as exc:
-            problems.append(f"{STATE_DICT_METADATA_KEY} is not valid JSON ({exc})")
+    problems += restore_extras(state_dict, header.metadata)
     return Checkpoint(
         path=path,
         format="safetensors",
@@ -553,7 +473,7 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
         byteorder="little",
         problems=problems,
         source=source,
-        st_metadata={str(k): str(v) for k, v in own.items()},
+        st_metadata={k: v for k, v in header.metadata.items() if not k.startswith("ddpstate.")},
     )
 
 
@@ -574,10 +494,6 @@ def storage_type_for(dtype: str) -> tuple[str, str]:
 
 
 __all__ = [
-    "ALIASES_KEY",
-    "SAFETENSORS_CODES",
-    "SAFETENSORS_DTYPES",
-    "STATE_DICT_METADATA_KEY",
     "Checkpoint",
     "Opaque",
     "ZipRecord",

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
-import json
 import os
-import struct
 import warnings
 from collections.abc import Mapping
 from typing import IO, Any, Optional, Union, cast
 
 import torch
 
+from ddpstate._safetensors_layout import (
+    ALIASES_KEY,
+    DTYPES,
+    RESERVED_PREFIX,
+    STATE_DICT_METADATA_KEY,
+    View,
+    build_header,
+    find_aliases,
+    parse_header,
+    restore_extras,
+    state_dict_metadata_json,
+)
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
-from ddpstate.formats import SAFETENSORS_MAX_HEADER
 
 __all__ = [
     "ALIASES_KEY",
@@ -30,43 +38,11 @@ __all__ = [
     "write_safetensors",
 ]
 
-#: Header metadata key: JSON object ``{alias_key: canonical_key}`` for tensors
-#: that shared memory with an earlier entry and were written once.
-ALIASES_KEY = "ddpstate.aliases"
-#: Header metadata key: JSON of the state dict's ``_metadata`` (module path ->
-#: ``{"version": ...}``), which ``nn.Module.load_state_dict`` consults.
-STATE_DICT_METADATA_KEY = "ddpstate.state_dict_metadata"
-#: Caller metadata keys may not start with this; ddpstate owns that namespace.
-RESERVED_PREFIX = "ddpstate."
-
-#: The safetensors dtype names of every dtype torch and safetensors share.
+#: torch dtype -> safetensors dtype code, for every dtype both know (on this torch).
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
+    getattr(torch, name): code for code, (name, _) in DTYPES.items() if hasattr(torch, name)
 }
-for _attr, _name in (
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-):
-    if hasattr(torch, _attr):
-        DTYPE_NAMES[getattr(torch, _attr)] = _name
-_DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
-# safetensors refuses headers above 100 MB; so does this reader.
 _SHOW = 8  # how many offending keys an error message lists
 
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes]]
@@ -163,9 +139,7 @@ def _metadata_entries(
     sd_meta = getattr(state_dict, "_metadata", None)
     if sd_meta is not None:
         try:
-            out[STATE_DICT_METADATA_KEY] = json.dumps(
-                {str(k): dict(v) for k, v in sd_meta.items()}, separators=(",", ":")
-            )
+            out[STATE_DICT_METADATA_KEY] = state_dict_metadata_json(sd_meta)
         except (TypeError, ValueError) as exc:
             raise CheckpointFormatError(
                 f"{name}: the state dict's _metadata cannot be stored as JSON ({exc}); "
@@ -174,43 +148,15 @@ def _metadata_entries(
     return out
 
 
-def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (
-        t.device,
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-    )
-
-
-def _find_aliases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, str], list[str]]:
-    """Identical views become aliases; other overlaps are reported, then copied."""
-    canonical_of: dict[tuple[Any, ...], str] = {}
-    aliases: dict[str, str] = {}
-    spans: dict[tuple[Any, int], list[tuple[int, int, str]]] = {}
-    for key, t in state_dict.items():
-        if t.numel() == 0:
-            continue  # empty tensors all share data pointer 0; there is nothing to tie
-        view = _view_key(t)
-        if view in canonical_of:
-            aliases[key] = canonical_of[view]
-            continue
-        canonical_of[view] = key
-        size = t.element_size()
-        extent = 1 + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-        start = int(t.storage_offset()) * size
-        spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
-            (start, start + extent * size, key)
-        )
-    overlaps = []
-    for entries in spans.values():
-        entries.sort()
-        for (_, end_a, key_a), (start_b, _, key_b) in itertools.pairwise(entries):
-            if start_b < end_a:
-                overlaps.append(f"{key_b!r} overlaps {key_a!r}")
-    return aliases, overlaps
+def _view(key: str, t: torch.Tensor) -> Optional[View]:
+    if t.numel() == 0:
+        return None  # empty tensors all share data pointer 0; there is nothing to tie
+    storage = (t.device, t.untyped_storage().data_ptr())
+    size = t.element_size()
+    extent = 1 + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    start = int(t.storage_offset()) * size
+    identity = (*storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return View(key, identity, storage, start, start + extent * size)
 
 
 def safetensors_header_for(
@@ -249,7 +195,7 @@ def safetensors_header_for(
     """
     _validate(state_dict, name)
     meta = _metadata_entries(state_dict, metadata, name)
-    aliases, overlaps = _find_aliases(state_dict)
+    aliases, overlaps = find_aliases(_view(k, t) for k, t in state_dict.items())
     if overlaps:
         warnings.warn(
             f"{name}: tensors overlap in memory without being identical "
@@ -258,28 +204,16 @@ def safetensors_header_for(
             UserWarning,
             stacklevel=3,
         )
-    if aliases:
-        meta[ALIASES_KEY] = json.dumps(aliases, separators=(",", ":"))
-    written = [(k, t) for k, t in state_dict.items() if k not in aliases]
-    order = sorted(written, key=lambda kv: -kv[1].element_size())
-    offsets: dict[str, tuple[int, int]] = {}
-    cursor = 0
-    for key, t in order:
-        nbytes = t.numel() * t.element_size()
-        offsets[key] = (cursor, cursor + nbytes)
-        cursor += nbytes
-    entries: dict[str, Any] = {}
-    if meta:
-        entries["__metadata__"] = meta
-    for key, t in written:
-        entries[key] = {
-            "dtype": DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": list(offsets[key]),
-        }
-    text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-(8 + len(text)) % 8)
-    return struct.pack("<Q", len(text)) + text, order, aliases
+    written = {k: t for k, t in state_dict.items() if k not in aliases}
+    header, order, _ = build_header(
+        [
+            (k, DTYPE_NAMES[t.dtype], t.shape, t.numel() * t.element_size())
+            for k, t in written.items()
+        ],
+        meta,
+        aliases,
+    )
+    return header, [(k, written[k]) for k in order], aliases
 
 
 def _write_all(fileobj: IO[bytes], data: memoryview) -> None:
@@ -359,49 +293,6 @@ def _corrupt(name: str, detail: str) -> CheckpointCorruptError:
     )
 
 
-def _parse_header(head8: bytes, read_json: Any, size: int, name: str) -> SafetensorsHeader:
-    if len(head8) < 8:
-        raise _corrupt(name, f"only {len(head8)} bytes long")
-    (length,) = struct.unpack("<Q", head8)
-    if length > SAFETENSORS_MAX_HEADER or 8 + length > size:
-        raise _corrupt(name, f"header length {length} does not fit in {size} bytes")
-    raw = read_json(length)
-    try:
-        parsed = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _corrupt(name, f"header is not valid JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise _corrupt(name, "header is not a JSON object")
-    meta = parsed.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
-        raise _corrupt(name, "__metadata__ is not a map of str -> str")
-    tensors: dict[str, TensorEntry] = {}
-    for key, info in parsed.items():
-        try:
-            dtype = _DTYPES_BY_NAME[info["dtype"]]
-            shape = tuple(int(n) for n in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _corrupt(name, f"entry {key!r} is malformed or has an unknown dtype") from exc
-        numel = 1
-        for n in shape:
-            numel *= n
-        if min(shape, default=0) < 0 or begin < 0 or end - begin != numel * _itemsize(dtype):
-            raise _corrupt(name, f"entry {key!r} has offsets that do not match its shape")
-        tensors[key] = TensorEntry(dtype, shape, begin, end)
-    data_len = size - 8 - length
-    cursor = 0
-    for key, entry in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if entry.begin != cursor:
-            raise _corrupt(name, f"tensor data is not contiguous at {key!r}")
-        cursor = entry.end
-    if cursor != data_len:
-        raise _corrupt(name, f"data section is {data_len} bytes but the header describes {cursor}")
-    return SafetensorsHeader(tensors, dict(meta), 8 + length)
-
-
 def _source_name(source: Source) -> str:
     if isinstance(source, (str, os.PathLike)):
         return os.fspath(source)
@@ -432,19 +323,36 @@ def read_safetensors_header(source: Source) -> SafetensorsHeader:
     name = _source_name(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
         view = memoryview(source)
-        return _parse_header(bytes(view[:8]), lambda n: view[8 : 8 + n], len(view), name)
-    if isinstance(source, (str, os.PathLike)):
+        parsed = parse_header(lambda at, n: bytes(view[at : at + n]), len(view), name)
+    elif isinstance(source, (str, os.PathLike)):
         with open(source, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            return _parse_header(f.read(8), f.read, size, name)
-    start = source.tell()
-    source.seek(0, os.SEEK_END)
-    size = source.tell()
-    source.seek(0)
-    try:
-        return _parse_header(source.read(8), source.read, size, name)
-    finally:
-        source.seek(start)
+            parsed = parse_header(_reader_of(f), os.fstat(f.fileno()).st_size, name)
+    else:
+        start = source.tell()
+        try:
+            parsed = parse_header(_reader_of(source), source.seek(0, os.SEEK_END), name)
+        finally:
+            source.seek(start)
+    if parsed.problems:
+        raise _corrupt(name, parsed.problems[0])
+    tensors = {}
+    for key, entry in parsed.entries.items():
+        dtype = getattr(torch, entry.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointFormatError(
+                f"{name}: tensor {key!r} has dtype {entry.dtype}, which this torch "
+                f"({torch.__version__}) does not have; load it with a newer torch"
+            )
+        tensors[key] = TensorEntry(dtype, entry.shape, entry.begin, entry.end)
+    return SafetensorsHeader(tensors, parsed.metadata, parsed.data_start)
+
+
+def _reader_of(f: IO[bytes]) -> Any:
+    def read_at(offset: int, length: int) -> bytes:
+        f.seek(offset)
+        return f.read(length)
+
+    return read_at
 
 
 def _bytes_as(chunk: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
@@ -457,22 +365,9 @@ def _bytes_as(chunk: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 
 def _finish(tensors: dict[str, torch.Tensor], header: SafetensorsHeader, name: str) -> Any:
     out: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict(tensors)
-    meta = header.metadata
-    if ALIASES_KEY in meta:
-        try:
-            aliases = json.loads(meta[ALIASES_KEY])
-            for alias, canonical in aliases.items():
-                out[alias] = out[canonical]
-        except (ValueError, KeyError, AttributeError, TypeError) as exc:
-            raise _corrupt(name, f"{ALIASES_KEY} names a tensor that is not in the file") from exc
-    if STATE_DICT_METADATA_KEY in meta:
-        try:
-            sd_meta = json.loads(meta[STATE_DICT_METADATA_KEY])
-            out._metadata = collections.OrderedDict(  # type: ignore[attr-defined]
-                (k, dict(v)) for k, v in sd_meta.items()
-            )
-        except (ValueError, AttributeError, TypeError) as exc:
-            raise _corrupt(name, f"{STATE_DICT_METADATA_KEY} is not valid JSON") from exc
+    problems = restore_extras(out, header.metadata)
+    if problems:
+        raise _corrupt(name, problems[0])
     return out
 
 

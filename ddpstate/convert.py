@@ -6,8 +6,6 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
-import itertools
-import json
 import os
 import struct
 import zipfile
@@ -28,12 +26,14 @@ from ddpstate._pickle_scan import (
     opaque_name,
 )
 from ddpstate._progress import Progress, human_bytes
-from ddpstate._reader import (
-    ALIASES_KEY,
-    SAFETENSORS_CODES,
+from ddpstate._reader import Checkpoint, read_checkpoint
+from ddpstate._safetensors_layout import (
+    CODES,
     STATE_DICT_METADATA_KEY,
-    Checkpoint,
-    read_checkpoint,
+    View,
+    build_header,
+    find_aliases,
+    state_dict_metadata_json,
 )
 from ddpstate._stream import Sink
 from ddpstate._zipwriter import ZipWriter
@@ -502,7 +502,7 @@ def _safetensors_plan(
             problems.append(f"key {key!r} is not a string")
         elif not isinstance(value, TensorRecord):
             problems.append(f"{key!r} is {_describe(value)}, not a tensor")
-        elif value.dtype not in SAFETENSORS_CODES:
+        elif value.dtype not in CODES:
             problems.append(f"{key!r} has dtype {value.dtype}, which safetensors cannot store")
         elif value.metadata:
             problems.append(f"{key!r} has its conjugate/negative bit set; resolve it first")
@@ -512,27 +512,16 @@ def _safetensors_plan(
             f"{name}: cannot write safetensors: {shown}. safetensors stores only a flat map of "
             f"names to plain tensors; keep the pt format for this one"
         )
-    aliases: dict[str, str] = {}
-    canonical: list[tuple[str, TensorRecord]] = []
-    views: dict[tuple[Any, ...], str] = {}
-    spans: dict[int, list[tuple[int, int, str]]] = {}
-    overlaps: list[str] = []
-    for key, rec in sd.items():
-        if rec.numel:
-            view = (id(rec.storage), rec.offset, rec.shape, rec.stride, rec.dtype)
-            if view in views:
-                aliases[key] = views[view]
-                continue
-            views[view] = key
-            start = rec.offset * rec.itemsize
-            spans.setdefault(id(rec.storage), []).append((start, rec.extent() * rec.itemsize, key))
-        canonical.append((key, rec))
-    for entries in spans.values():
-        entries.sort()
-        for (_, end_a, key_a), (start_b, _, key_b) in itertools.pairwise(entries):
-            if start_b < end_a:
-                overlaps.append(f"{key_b!r} overlaps {key_a!r}")
-    return canonical, aliases, overlaps
+    aliases, overlaps = find_aliases(_view(key, rec) for key, rec in sd.items())
+    return [(k, rec) for k, rec in sd.items() if k not in aliases], aliases, overlaps
+
+
+def _view(key: str, rec: TensorRecord) -> Optional[View]:
+    if not rec.numel:
+        return None
+    start = rec.offset * rec.itemsize
+    identity = (id(rec.storage), rec.offset, rec.shape, rec.stride, rec.dtype)
+    return View(key, identity, id(rec.storage), start, start + rec.extent() * rec.itemsize)
 
 
 def _write_safetensors(
@@ -547,32 +536,15 @@ def _write_safetensors(
     meta = dict(metadata)
     sd_meta = getattr(sd, "_metadata", None)
     if sd_meta is not None:
-        meta[STATE_DICT_METADATA_KEY] = json.dumps(
-            {str(k): dict(v) for k, v in sd_meta.items()}, separators=(",", ":")
-        )
-    if aliases:
-        meta[ALIASES_KEY] = json.dumps(aliases, separators=(",", ":"))
-    # Largest elements first, as safetensors' own writer does, so every tensor
-    # starts aligned to its element size.
-    order = sorted(canonical, key=lambda kv: -kv[1].itemsize)
-    offsets: dict[str, tuple[int, int]] = {}
-    cursor = 0
-    for key, rec in order:
-        offsets[key] = (cursor, cursor + rec.nbytes)
-        cursor += rec.nbytes
-    entries: dict[str, Any] = {"__metadata__": meta} if meta else {}
-    for key, rec in canonical:
-        entries[key] = {
-            "dtype": SAFETENSORS_CODES[rec.dtype],
-            "shape": list(rec.shape),
-            "data_offsets": list(offsets[key]),
-        }
-    text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-(8 + len(text)) % 8)
-    sink.write(struct.pack("<Q", len(text)) + text)
-    for _, rec in order:
-        _copy_tensor(sink, ckpt, rec)
-    return len(canonical), cursor, aliases, overlaps
+        meta[STATE_DICT_METADATA_KEY] = state_dict_metadata_json(sd_meta)
+    header, order, size = build_header(
+        [(key, CODES[rec.dtype], rec.shape, rec.nbytes) for key, rec in canonical], meta, aliases
+    )
+    sink.write(header)
+    records = dict(canonical)
+    for key in order:
+        _copy_tensor(sink, ckpt, records[key])
+    return len(canonical), size, aliases, overlaps
 
 
 def _copy_tensor(sink: Sink, ckpt: Checkpoint, rec: TensorRecord) -> None:

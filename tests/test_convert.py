@@ -21,12 +21,8 @@ from torch import nn
 
 from ddpstate import keys
 from ddpstate._pickle_scan import scan_pickle
-from ddpstate._reader import (
-    ALIASES_KEY,
-    SAFETENSORS_DTYPES,
-    STATE_DICT_METADATA_KEY,
-    read_checkpoint,
-)
+from ddpstate._reader import read_checkpoint
+from ddpstate._safetensors_layout import ALIASES_KEY, DTYPES, STATE_DICT_METADATA_KEY
 from ddpstate._stream import Sink
 from ddpstate._zipwriter import ZipWriter
 from ddpstate.convert import (
@@ -500,14 +496,17 @@ def test_zip64_records_load_in_torch(tmp_path: Path) -> None:
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(6.0))
 
 
-def test_format_tables_match_the_save_module() -> None:
+def test_format_tables_match_torch_and_safetensors() -> None:
     from ddpstate import formats
-    from ddpstate._safetensors_io import DTYPE_NAMES
 
     assert formats.ALIASES_KEY == ALIASES_KEY
     assert formats.STATE_DICT_METADATA_KEY == STATE_DICT_METADATA_KEY
-    ours = {code: getattr(torch, name) for code, name in SAFETENSORS_DTYPES.items()}
-    assert ours == {code: dtype for dtype, code in DTYPE_NAMES.items()}
+    for code, (name, itemsize) in DTYPES.items():
+        dtype = getattr(torch, name)
+        assert torch.empty((), dtype=dtype).element_size() == itemsize, code
+        # The reference implementation writes the same code for the dtype.
+        raw = safetensors.torch.save({"t": torch.zeros(1, dtype=dtype)})
+        assert f'"dtype":"{code}"'.encode() in raw, code
 
 
 def test_remote_urls_go_through_fsspec() -> None:

@@ -243,7 +243,9 @@ def test_damaged_files_raise_corrupt(tmp_path: Path, damage: str) -> None:
         text += b" " * (-len(text) % 8)
         raw = struct.pack("<Q", len(text)) + text + raw[8 + length :]
     path.write_bytes(raw)
-    with pytest.raises(CheckpointCorruptError, match=r"d\.safetensors"):
+    # A dtype code ddpstate does not know is most likely a newer format, not damage.
+    error = CheckpointFormatError if damage == "unknown_dtype" else CheckpointCorruptError
+    with pytest.raises(error, match=r"d\.safetensors"):
         read_safetensors(path)
 
 

@@ -1,0 +1,317 @@
+"""The safetensors byte layout, without torch: header parsing and building, ddpstate's extras.
+
+Two writers (``ddpstate.save`` from live tensors, ``ddpstate convert`` from
+tensor records scanned out of a file) and two readers (``ddpstate.load``, and
+the streaming reader behind ``inspect``/``convert``/``verify``) share this
+module, so the header is parsed, validated and laid out one way everywhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import struct
+from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
+from typing import Any, Optional
+
+from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
+from ddpstate.formats import SAFETENSORS_MAX_HEADER
+
+#: Header metadata key: JSON object ``{alias_key: canonical_key}`` for tensors
+#: that shared memory with an earlier entry and were written once.
+ALIASES_KEY = "ddpstate.aliases"
+#: Header metadata key: JSON of the state dict's ``_metadata`` (module path ->
+#: ``{"version": ...}``), which ``nn.Module.load_state_dict`` consults.
+STATE_DICT_METADATA_KEY = "ddpstate.state_dict_metadata"
+#: Caller metadata keys may not start with this; ddpstate owns that namespace.
+RESERVED_PREFIX = "ddpstate."
+
+#: safetensors dtype code -> (torch dtype name, bytes per element).
+DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2), "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2),
+    "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1), "C64": ("complex64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
+}  # fmt: skip
+#: torch dtype name -> safetensors dtype code.
+CODES: dict[str, str] = {name: code for code, (name, _) in DTYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor as the header describes it.
+
+    Attributes:
+        code: The safetensors dtype code (``"F32"``...).
+        shape: The tensor's shape.
+        begin: Offset of its first byte, counted from the start of the data section.
+        end: Offset one past its last byte.
+    """
+
+    code: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def dtype(self) -> str:
+        """The torch dtype name (``"float32"``...)."""
+        return DTYPES[self.code][0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A parsed header and what is wrong with it.
+
+    Attributes:
+        entries: Key -> :class:`Entry`, in header order.
+        metadata: The ``__metadata__`` map (ddpstate's own keys included).
+        data_start: File offset of the data section (8 + header length).
+        problems: Damage that leaves the header readable (offsets that do not
+            fit a shape, data past the end of the file, gaps); empty when intact.
+    """
+
+    entries: dict[str, Entry]
+    metadata: dict[str, str]
+    data_start: int
+    problems: tuple[str, ...]
+
+
+def _corrupt(name: str, detail: str, exc: Optional[BaseException] = None) -> CheckpointCorruptError:
+    message = f"{name}: damaged safetensors file ({detail}); re-save or re-download it"
+    return CheckpointCorruptError(message if exc is None else f"{message} [{exc}]")
+
+
+def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> Header:
+    """Read and check a safetensors header without touching the data.
+
+    Args:
+        read_at: ``read_at(offset, length)`` returns up to ``length`` bytes of the file.
+        size: The file's size in bytes.
+        name: The file, for messages.
+
+    Returns:
+        The :class:`Header`; damage that still lets the entries be listed is
+        in its ``problems``.
+
+    Raises:
+        CheckpointCorruptError: The header cannot be read: too short, a length
+            that does not fit the file (or over safetensors' 100 MB limit, so a
+            hostile length is never allocated), not a JSON object, malformed entries.
+        CheckpointFormatError: An entry has a dtype code ddpstate does not know.
+
+    Example:
+        >>> import json, struct
+        >>> text = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+        >>> raw = struct.pack("<Q", len(text)) + text.encode() + bytes(8)
+        >>> header = parse_header(lambda o, n: raw[o : o + n], len(raw), "w.safetensors")
+        >>> header.entries["w"].shape, header.problems
+        ((2,), ())
+    """
+    head = read_at(0, 8)
+    if len(head) < 8:
+        raise _corrupt(name, f"only {len(head)} bytes long")
+    (length,) = struct.unpack("<Q", head)
+    if length > SAFETENSORS_MAX_HEADER or 8 + length > size:
+        raise _corrupt(name, f"header length {length} does not fit in {size} bytes")
+    try:
+        parsed = json.loads(bytes(read_at(8, length)).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _corrupt(name, "header is not valid JSON", exc) from exc
+    if not isinstance(parsed, dict):
+        raise _corrupt(name, "header is not a JSON object")
+    meta = parsed.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise _corrupt(name, "__metadata__ is not a JSON object")
+    problems: list[str] = []
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        problems.append("__metadata__ is not a map of str -> str")
+    data_start = 8 + length
+    entries: dict[str, Entry] = {}
+    for key, info in parsed.items():
+        try:
+            code = info["dtype"]
+            shape = tuple(int(n) for n in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _corrupt(name, f"entry {key!r} is malformed", exc) from exc
+        if not isinstance(code, str) or code not in DTYPES:
+            raise CheckpointFormatError(
+                f"{name}: tensor {key!r} has safetensors dtype {code!r}, which ddpstate does "
+                f"not know; known: {', '.join(DTYPES)}"
+            )
+        numel = 1
+        for n in shape:
+            numel *= n
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != numel * DTYPES[code][1]:
+            problems.append(
+                f"tensor {key!r}: data_offsets {begin}..{end} do not fit shape {list(shape)} "
+                f"of {DTYPES[code][0]}"
+            )
+        if data_start + end > size:
+            problems.append(
+                f"tensor {key!r} runs to byte {data_start + end} but the file ends at {size}"
+            )
+        entries[key] = Entry(code, shape, begin, end)
+    cursor = 0
+    for key, entry in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if entry.begin != cursor:
+            problems.append(
+                f"tensor data is not contiguous at {key!r} (byte {entry.begin}, expected {cursor})"
+            )
+            break
+        cursor = entry.end
+    if not problems and data_start + cursor != size:
+        problems.append(
+            f"the data section is {size - data_start} bytes but the header describes {cursor}"
+        )
+    return Header(entries, {str(k): str(v) for k, v in meta.items()}, data_start, tuple(problems))
+
+
+def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, str]) -> list[str]:
+    """Apply ddpstate's header extras to a state dict read from a file.
+
+    Aliased keys get their canonical entry's very value (tied tensors come back
+    shared), and ``_metadata`` is set from its JSON.
+
+    Args:
+        state_dict: The entries read, in header order; changed in place.
+        metadata: The header's ``__metadata__``.
+
+    Returns:
+        What could not be applied (empty when all is well).
+
+    Example:
+        >>> sd = {"a": 1}
+        >>> restore_extras(sd, {ALIASES_KEY: '{"b": "a"}'}), sd
+        ([], {'a': 1, 'b': 1})
+    """
+    problems = []
+    if ALIASES_KEY in metadata:
+        try:
+            for alias, canonical in json.loads(metadata[ALIASES_KEY]).items():
+                state_dict[alias] = state_dict[canonical]
+        except (ValueError, KeyError, AttributeError, TypeError) as exc:
+            problems.append(f"{ALIASES_KEY} names a tensor that is not in the file ({exc!r})")
+    if STATE_DICT_METADATA_KEY in metadata:
+        try:
+            sd_meta = json.loads(metadata[STATE_DICT_METADATA_KEY])
+            state_dict._metadata = collections.OrderedDict(  # type: ignore[attr-defined]
+                (k, dict(v)) for k, v in sd_meta.items()
+            )
+        except (ValueError, AttributeError, TypeError) as exc:
+            problems.append(f"{STATE_DICT_METADATA_KEY} is not valid JSON ({exc})")
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """Where one tensor's bytes lie in memory (or in a file), for finding tied tensors.
+
+    Attributes:
+        key: The state-dict key.
+        identity: Equal for the very same view of the same storage.
+        storage: Equal for tensors on the same storage.
+        start: First byte within the storage.
+        stop: One past the last byte the view can reach.
+    """
+
+    key: str
+    identity: Hashable
+    storage: Hashable
+    start: int
+    stop: int
+
+
+def find_aliases(views: Iterable[Optional[View]]) -> tuple[dict[str, str], list[str]]:
+    """Tell tied tensors (identical views: written once) from other overlaps (written twice).
+
+    Args:
+        views: One :class:`View` per tensor in state-dict order; None for an
+            empty tensor (nothing to tie).
+
+    Returns:
+        ``({alias: canonical}, ["'b' overlaps 'a'", ...])``.
+
+    Example:
+        >>> a = View("a", 1, "s", 0, 8); b = View("b", 1, "s", 0, 8)
+        >>> find_aliases([a, b, None])
+        ({'b': 'a'}, [])
+    """
+    canonical_of: dict[Hashable, str] = {}
+    aliases: dict[str, str] = {}
+    spans: dict[Hashable, list[tuple[int, int, str]]] = {}
+    for view in views:
+        if view is None:
+            continue
+        if view.identity in canonical_of:
+            aliases[view.key] = canonical_of[view.identity]
+            continue
+        canonical_of[view.identity] = view.key
+        spans.setdefault(view.storage, []).append((view.start, view.stop, view.key))
+    overlaps = []
+    for entries in spans.values():
+        entries.sort()
+        for (_, end_a, key_a), (start_b, _, key_b) in itertools.pairwise(entries):
+            if start_b < end_a:
+                overlaps.append(f"{key_b!r} overlaps {key_a!r}")
+    return aliases, overlaps
+
+
+def state_dict_metadata_json(sd_meta: Mapping[Any, Any]) -> str:
+    """A state dict's ``_metadata`` as the JSON stored under :data:`STATE_DICT_METADATA_KEY`.
+
+    Raises:
+        TypeError, ValueError: A value cannot be written as JSON.
+
+    Example:
+        >>> state_dict_metadata_json({"": {"version": 1}})
+        '{"":{"version":1}}'
+    """
+    return json.dumps({str(k): dict(v) for k, v in sd_meta.items()}, separators=(",", ":"))
+
+
+def build_header(
+    tensors: Sequence[tuple[str, str, Sequence[int], int]],
+    metadata: Mapping[str, str],
+    aliases: Mapping[str, str],
+) -> tuple[bytes, list[str], int]:
+    """Lay out a safetensors file: the header bytes and the order of the data.
+
+    Data is ordered by decreasing element size, as the reference writer does,
+    so every tensor starts aligned; header keys keep the given order; the
+    header is padded with spaces to a multiple of 8 bytes.
+
+    Args:
+        tensors: ``(key, dtype code, shape, nbytes)`` of each tensor written
+            (aliases left out), in state-dict order.
+        metadata: ``__metadata__`` entries; ``aliases`` are added to it.
+        aliases: ``{alias: canonical}`` for tied tensors.
+
+    Returns:
+        ``(8-byte length + header, keys in data order, data section size)``.
+
+    Example:
+        >>> head, order, size = build_header([("w", "F32", [2], 8)], {}, {})
+        >>> head[8:].rstrip(), order, size
+        (b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', ['w'], 8)
+    """
+    meta = dict(metadata)
+    if aliases:
+        meta[ALIASES_KEY] = json.dumps(dict(aliases), separators=(",", ":"))
+    order = sorted(tensors, key=lambda t: -DTYPES[t[1]][1])
+    offsets: dict[str, tuple[int, int]] = {}
+    cursor = 0
+    for key, _, _, nbytes in order:
+        offsets[key] = (cursor, cursor + nbytes)
+        cursor += nbytes
+    entries: dict[str, Any] = {"__metadata__": meta} if meta else {}
+    for key, code, shape, _ in tensors:
+        entries[key] = {"dtype": code, "shape": list(shape), "data_offsets": list(offsets[key])}
+    text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text, [key for key, _, _, _ in order], cursor
