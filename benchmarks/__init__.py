@@ -1,0 +1,1 @@
+"""ddpstate's benchmark suite: ``python -m benchmarks [--quick | --full]`` (see ``__main__``)."""

@@ -1,0 +1,25 @@
+"""The benchmark suite runs and writes readable results (correctness only, no timings asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def test_quickest_case_writes_a_row_and_parseable_files(tmp_path: Path) -> None:
+    from benchmarks.__main__ import main
+
+    out = tmp_path / "results"
+    results = main(
+        ["--only", "save_load", "--sizes", "1", "--counts", "", "--repeats", "1",
+         "--no-peers", "--out", str(out), "--work", str(tmp_path)]
+    )  # fmt: skip
+    save_rows = [c for c in results.comparisons if c.case == "save"]
+    assert save_rows, "no save comparison recorded"
+    for row in results.comparisons:
+        assert row.ours_s > 0 and row.baseline_s > 0, row
+    data = json.loads((out / "results.json").read_text())
+    assert {c["case"] for c in data["comparisons"]} >= {"save", "load", "load mmap"}
+    table = (out / "results.md").read_text()
+    assert "| save | 1 MiB | ddpstate.save | torch.save + fsync |" in table
+    assert (out / "results.png").read_bytes().startswith(b"\x89PNG")
