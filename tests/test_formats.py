@@ -78,6 +78,26 @@ def test_detect_every_format(tmp_path: Path) -> None:
     assert sniff_format(b"") is None
 
 
+def test_zip_directory_zip64_truncation_and_foreign_zips(tmp_path: Path) -> None:
+    import zipfile
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "a.pt")
+    raw = bytearray((tmp_path / "a.pt").read_bytes())
+    # Point the classic end record at its zip64 record, as files over 4 GiB must.
+    at = raw.rfind(b"PK\x05\x06")
+    raw[at + 12 : at + 20] = b"\xff" * 8
+    (tmp_path / "zip64.pt").write_bytes(raw)
+    assert detect_format(tmp_path / "zip64.pt") == "torch_zip"
+    for cut in (1, 30, len(raw) // 2):
+        (tmp_path / "cut.pt").write_bytes(raw[:-cut])
+        with pytest.raises(CheckpointFormatError, match="cut.pt.*truncated"):
+            detect_format(tmp_path / "cut.pt")
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as z:
+        z.writestr("docs/readme.txt", "hello")
+    with pytest.raises(CheckpointFormatError, match=r"without data.pkl.*docs/readme.txt"):
+        detect_format(tmp_path / "other.zip")
+
+
 @pytest.mark.skipif(not SAMPLE.exists(), reason="needs the shared legacy sample file")
 def test_detect_legacy_sample() -> None:
     assert detect_format(SAMPLE) == "torch_legacy"
