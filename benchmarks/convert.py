@@ -24,6 +24,7 @@ for tensor, with the naive output.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -50,8 +51,13 @@ _CP_FSYNC = 'cp "$0" "$1" && sync "$1"'
 
 
 def ddpstate_command() -> list[str]:
-    """The installed console script, else ``python -m ddpstate``."""
-    script = shutil.which("ddpstate")
+    """The console script installed beside this interpreter, else ``python -m ddpstate``.
+
+    Beside ``sys.executable`` first: a ``ddpstate`` found on PATH may be a
+    version manager's shim (pyenv's adds ~60 ms of bash per call).
+    """
+    beside = Path(sys.executable).with_name("ddpstate")
+    script = str(beside) if os.access(beside, os.X_OK) else shutil.which("ddpstate")
     return [script] if script else [sys.executable, "-m", "ddpstate"]
 
 
@@ -119,6 +125,10 @@ def run_point(
         "naive load/rename/save": (
             [sys.executable, "-c", _NAIVE, str(pt), str(out["naive.pt"])], pt, out["naive.pt"],
         ),
+        # The fixed cost inside every ddpstate row: interpreter start and imports.
+        "ddpstate --version (process start)": (
+            [*settings.ddpstate_cmd, "--version"], pt, out["cp.pt"],
+        ),
     }  # fmt: skip
     if no_fsync:
         commands["ddpstate convert --strip-module --no-fsync (pt)"] = (
@@ -143,7 +153,7 @@ def run_point(
         prepare,
     )
     t = {
-        name: results.add(timing("convert", axis, x, name, m, name.startswith("ddpstate")))
+        name: results.add(timing("convert", axis, x, name, m, name.startswith("ddpstate convert")))
         for name, m in measured.items()
     }
     for kind in ("pt", "safetensors"):
@@ -158,7 +168,12 @@ def run_point(
     to_st = t["ddpstate convert --to safetensors"]
     to_st.case = "convert to safetensors"
     results.compare(to_st, t["cp + fsync"], 2.0, RSS_TARGET_MIB + largest_mib)
-    for name in ("cp", "cp + fsync", "naive load/rename/save"):
+    for name in (
+        "cp",
+        "cp + fsync",
+        "naive load/rename/save",
+        "ddpstate --version (process start)",
+    ):
         t[name].case = "convert baselines"
     if check:
         _check_equal(
