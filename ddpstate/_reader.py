@@ -8,6 +8,7 @@ import io
 import pickle
 import struct
 import zipfile
+import zlib
 from typing import IO, Any, Optional
 
 from ddpstate._pickle_scan import (
@@ -174,13 +175,7 @@ def read_checkpoint(
     """
     from ddpstate import formats
 
-    try:
-        kind = formats.detect_format(path, storage_options=storage_options)
-    except CheckpointFormatError as exc:
-        if _starts_like_zip(path, storage_options):
-            # A zip whose directory cannot be read: a truncated torch.save file.
-            raise CheckpointCorruptError(str(exc)) from exc
-        raise
+    kind = formats.detect_format(path, storage_options=storage_options)
     if kind == formats.TORCHSCRIPT:
         raise CheckpointFormatError(
             f"{path}: a TorchScript archive (torch.jit.save), not a torch.save checkpoint; "
@@ -205,14 +200,6 @@ def read_checkpoint(
     except BaseException:
         source.close()
         raise
-
-
-def _starts_like_zip(path: str, storage_options: Optional[dict[str, Any]]) -> bool:
-    try:
-        with Source(path, storage_options) as source:
-            return source.size >= 4 and source.read_at(0, 4) == b"PK\x03\x04"
-    except Exception:
-        return False
 
 
 def _unsafe_message(ckpt: Checkpoint) -> str:
@@ -330,7 +317,9 @@ def _zip_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
     try:
         with zipfile.ZipFile(source.file) as archive:
             return archive.read(record.name)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
+    except (
+        zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, zlib.error
+    ) as exc:  # fmt: skip
         raise _corrupt(path, f"zip entry {record.name} cannot be read", exc) from exc
 
 

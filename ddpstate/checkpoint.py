@@ -38,12 +38,10 @@ from ddpstate.formats import (
     DCP,
     LEGACY,
     SAFETENSORS,
-    SAFETENSORS_MAX_HEADER,
     TORCH_ZIP,
     TORCHSCRIPT,
     detect_format,
     read_safetensors,
-    sniff_format,
     write_safetensors,
 )
 from ddpstate.location import (
@@ -246,28 +244,6 @@ def _detect(text: str, storage_options: Optional[dict[str, Any]]) -> str:
         raise CheckpointAccessError(
             f"{text}: permission denied ({exc}); check the file's permissions"
         ) from exc
-    except CheckpointFormatError as exc:
-        # detect_format says "format" for a zip whose directory is unreadable;
-        # for load, bytes that start like a checkpoint but do not parse are damage.
-        head = b""
-        try:
-            with storage.open_read(text, storage_options=storage_options) as f:
-                head = f.read(64)
-        except DDPStateError:
-            pass
-        if sniff_format(head) == TORCH_ZIP:
-            raise CheckpointCorruptError(
-                f"{text}: starts like a torch.save zip archive but its directory cannot be "
-                f"read, so the file is truncated or damaged; re-save or re-download it"
-            ) from exc
-        if len(head) >= 9 and head[8:9] == b"{":
-            claimed = int.from_bytes(head[:8], "little")
-            if 2 <= claimed <= SAFETENSORS_MAX_HEADER:
-                raise CheckpointCorruptError(
-                    f"{text}: starts like a safetensors file whose {claimed}-byte header is "
-                    f"cut short, so the file is truncated; re-save or re-download it"
-                ) from exc
-        raise
 
 
 def _mmap_refused(text: str, why: str) -> CheckpointFormatError:

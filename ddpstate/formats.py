@@ -8,7 +8,7 @@ import zipfile
 from typing import IO, TYPE_CHECKING, Any, Literal, Optional, Union
 
 from ddpstate import _fs
-from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError
+from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
     from ddpstate._safetensors_io import (
@@ -99,10 +99,10 @@ _SNIFF_BYTES = 64
 Source = Union[str, "os.PathLike[str]", IO[bytes]]
 
 
-def _truncated_zip(name: str, detail: str) -> CheckpointFormatError:
-    return CheckpointFormatError(
-        f"{name}: starts like a zip archive (a torch.save file) but its directory cannot be "
-        f"read ({detail}); the file is probably truncated: re-save or re-download it"
+def _truncated_zip(name: str, detail: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{name}: starts like a torch.save zip archive but its directory cannot be read "
+        f"({detail}), so the file is truncated or damaged: re-save or re-download it"
     )
 
 
@@ -217,6 +217,8 @@ def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] =
     Raises:
         CheckpointNotFoundError: The path does not exist.
         CheckpointFormatError: The bytes match no format ddpstate knows.
+        CheckpointCorruptError: The bytes start like a torch.save zip or a
+            safetensors file but are cut short or damaged.
 
     Example:
         >>> import torch, tempfile, os, ddpstate
@@ -273,6 +275,14 @@ def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> str:
     kind = sniff_format(head, size)
     if kind == TORCH_ZIP:
         return _zip_kind(fileobj, size, name)
+    if kind is None and len(head) >= 9 and head[8:9] == b"{":
+        claimed = int.from_bytes(head[:8], "little")
+        if 2 <= claimed <= SAFETENSORS_MAX_HEADER:
+            raise CheckpointCorruptError(
+                f"{name}: starts like a safetensors file whose {claimed}-byte header is cut "
+                f"short ({size} bytes in all), so the file is truncated; re-save or "
+                f"re-download it"
+            )
     if kind is None:
         raise CheckpointFormatError(
             f"{name}: not a checkpoint ddpstate can read ({_describe(head)}); expected a "
