@@ -20,16 +20,15 @@ def _readme_commands() -> list[str]:
     ]
 
 
-def test_readme_opens_with_install_main_job_and_test_commands() -> None:
+def test_readme_opens_with_the_main_job_then_the_tests() -> None:
     commands = _readme_commands()
-    assert len(commands) >= 3, commands
-    install, main_job, tests = commands[:3]
-    assert install.startswith("pip install")
+    assert len(commands) == 2, commands
+    main_job, tests = commands
     assert "examples/train_ddp.py" in main_job and main_job.startswith("pip install")
     assert "pytest" in tests and tests.startswith("pip install")
 
 
 def test_ci_runs_readme_test_command_verbatim() -> None:
-    tests = _readme_commands()[2]
+    tests = _readme_commands()[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in [line.strip() for line in ci], f"{tests!r} not in .ci/run"
