@@ -31,6 +31,7 @@ from ddpstate.errors import (
     CheckpointFormatError,
     UnsafeCheckpointError,
 )
+from ddpstate.formats import read_zip_end
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
@@ -111,6 +112,8 @@ def _scan(file: IO[bytes], persistent: Any, path: str, what: str) -> Any:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:  # fmt: skip
         raise _corrupt(path, f"{what} cannot be read", exc) from exc
+    except MemoryError as exc:  # a structure claiming absurd sizes, not a real shortage
+        raise _corrupt(path, f"{what} claims more memory than there is", exc) from exc
 
 
 def _no_persistent(pid: Any) -> Any:
@@ -222,16 +225,22 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
     try:
         with zipfile.ZipFile(source.file) as archive:
             infos = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
         raise _corrupt(path, "the zip directory cannot be read", exc) from exc
     records: dict[str, ZipRecord] = {}
     problems: list[str] = []
     for info in infos:
-        header = source.read_at(info.header_offset, _LOCAL_HEADER.size)
-        fields = _LOCAL_HEADER.unpack(header)
+        # The local header and, right after it, the name: one read of each entry.
+        name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
+        header = source.read_at(info.header_offset, _LOCAL_HEADER.size + len(name))
+        fields = _LOCAL_HEADER.unpack(header[: _LOCAL_HEADER.size])
         if fields[0] != 0x04034B50:
             problems.append(f"zip entry {info.filename}: local header is damaged")
             continue
+        if fields[9] != len(name) or header[_LOCAL_HEADER.size :] != name:
+            problems.append(
+                f"zip entry {info.filename} has another name in its local header; the names differ"
+            )
         data_offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
         records[info.filename] = ZipRecord(
             name=info.filename,
@@ -251,6 +260,7 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
     if not pickles:
         raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
     prefix = pickles[0][: -len("data.pkl")]
+    problems.extend(_zip_header_problems(source, infos, prefix, path))
     pkl_bytes = _zip_bytes(source, records[pickles[0]], path)
     byteorder = "little"
     if prefix + "byteorder" in records:
@@ -309,6 +319,59 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         zip_records=records,
         zip_prefix=prefix,
     )
+
+
+def _zip_header_problems(
+    source: Source, infos: list[zipfile.ZipInfo], prefix: str, path: str
+) -> list[str]:
+    """Damage in zip metadata that Python's zipfile tolerates but torch.load refuses.
+
+    No CRC covers these fields, so without this check ``verify`` would pass a file
+    torch cannot open: an entry marked encrypted or on another disk, a stored entry
+    whose two sizes differ, a directory name that differs from its local header or
+    lies outside the archive folder, and inconsistent end-of-directory records.
+    """
+    problems: list[str] = []
+    for info in infos:
+        name = info.filename
+        if info.flag_bits & ~0x80E:  # only data descriptor, deflate options and UTF-8
+            problems.append(
+                f"zip entry {name} asks for zip features torch cannot read (encryption, "
+                f"patched data: flags {info.flag_bits:#06x})"
+            )
+        if info.volume != 0:
+            problems.append(f"zip entry {name} claims to start on disk {info.volume}")
+        if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+            problems.append(
+                f"zip entry {name} is stored with {info.compress_size} bytes but claims "
+                f"{info.file_size}"
+            )
+        if not name.startswith(prefix):
+            problems.append(f"zip entry {name} lies outside the archive folder {prefix}")
+    end = read_zip_end(source.read_at, source.size, path)
+    problems.extend(end.problems)
+    if (end.disk, end.cd_disk) != (0, 0):
+        problems.append(f"the end-of-directory record names disks {end.disk}/{end.cd_disk}, not 0")
+    if not end.on_disk == end.total == len(infos):
+        problems.append(
+            f"the end-of-directory record counts {end.on_disk}/{end.total} entries; there are "
+            f"{len(infos)}"
+        )
+    cd_size, cd_offset, cd_end = end.cd_size, end.cd_offset, end.cd_end
+    # Walk the raw directory by its own length fields (zipfile silently truncates a
+    # name or extra field whose length runs past the directory).
+    listed, count = 0, 0
+    if cd_offset + cd_size <= source.size:
+        raw = source.read_at(cd_offset, cd_size)
+        while listed + 46 <= len(raw) and raw[listed : listed + 4] == b"PK\x01\x02":
+            listed += 46 + sum(struct.unpack_from("<3H", raw, listed + 28))
+            count += 1
+    if cd_offset + cd_size != cd_end or listed != cd_size or count != len(infos):
+        problems.append(
+            f"the directory's recorded place and size ({cd_size} bytes at {cd_offset}) do not "
+            f"match its {count} entries ({listed} bytes) ending at byte {cd_end}"
+        )
+    return problems
 
 
 def _zip_bytes(source: Source, record: ZipRecord, path: str) -> bytes:

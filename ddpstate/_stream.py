@@ -65,8 +65,14 @@ class Source:
         """Read exactly ``length`` bytes at ``offset``.
 
         Raises:
-            CheckpointCorruptError: The file ends first (truncated).
+            CheckpointCorruptError: The file ends first (truncated), or a damaged
+                header points before its start.
         """
+        if offset < 0 or length < 0:
+            raise CheckpointCorruptError(
+                f"{self.name}: a header points to {length} bytes at byte {offset}, outside the "
+                f"file; the file is damaged: re-save or re-download it"
+            )
         if self.fd is not None:
             data = os.pread(self.fd, length, offset)
         else:

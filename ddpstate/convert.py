@@ -384,11 +384,23 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.abspath(_fs.local_path(a)) == os.path.abspath(_fs.local_path(b))
 
 
+def _extent_problems(ckpt: Checkpoint) -> list[str]:
+    # A damaged shape, stride or offset can make a view reach past its storage;
+    # torch.load refuses such a file, so copying it through would hide the damage.
+    return [
+        f"tensor {_dotted(path)} reaches byte {rec.extent() * rec.itemsize} of a "
+        f"{rec.storage.nbytes}-byte storage"
+        for path, rec in iter_tensors(ckpt.obj)
+        if isinstance(rec, TensorRecord) and rec.extent() * rec.itemsize > rec.storage.nbytes
+    ]
+
+
 def _raise_problems(ckpt: Checkpoint) -> None:
-    if ckpt.problems:
-        more = f" (and {len(ckpt.problems) - 1} more)" if len(ckpt.problems) > 1 else ""
+    problems = [*ckpt.problems, *_extent_problems(ckpt)]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointCorruptError(
-            f"{ckpt.path}: {ckpt.problems[0]}{more}; the file is damaged or truncated "
+            f"{ckpt.path}: {problems[0]}{more}; the file is damaged or truncated "
             f"(`ddpstate verify` lists everything): re-save or re-download it"
         )
 
@@ -400,8 +412,16 @@ def _storage_bytes(ckpt: Checkpoint, storage: StorageRecord, start: int, length:
     if length <= 0:
         return b""
     if storage.compressed and storage.record_name:
-        with zipfile.ZipFile(ckpt.source.file) as archive:
-            data = archive.read(storage.record_name)
+        try:
+            with zipfile.ZipFile(ckpt.source.file) as archive:
+                data = archive.read(storage.record_name)
+        except (
+            zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, zlib.error
+        ) as exc:  # fmt: skip
+            raise CheckpointCorruptError(
+                f"{ckpt.path}: zip entry {storage.record_name} cannot be read ({exc}); the file "
+                f"is damaged: re-save or re-download it"
+            ) from exc
         return data[start : start + length]
     return ckpt.source.read_at(storage.data_offset + start, length)
 
@@ -471,6 +491,12 @@ def _write_pt(sink: Sink, ckpt: Checkpoint, root: Any) -> tuple[int, int]:
     if ckpt.zip_prefix + "version" in ckpt.zip_records:
         record = ckpt.zip_records[ckpt.zip_prefix + "version"]
         version = ckpt.source.read_at(record.data_offset, record.size)
+        if zlib.crc32(version) != record.crc32 or not version.strip().isdigit():
+            raise CheckpointCorruptError(
+                f"{ckpt.path}: zip entry {record.name} holds {version[:16]!r}, not the format "
+                f"version number its CRC-32 records; the file is damaged: re-save or "
+                f"re-download it (`ddpstate verify` lists every damaged record)"
+            )
     writer.add_bytes(_ARCHIVE + "version", version)
     writer.add_bytes(_ARCHIVE + ".data/serialization_id", _serialization_id(data_pkl, crcs))
     writer.close()
@@ -1171,15 +1197,9 @@ def verify_file(
     except CheckpointCorruptError as exc:
         return VerifyResult(path=text, format=None, problems=(str(exc),))
     with ckpt:
-        problems = list(ckpt.problems)
+        problems = [*ckpt.problems, *_extent_problems(ckpt)]
         notes: list[str] = []
         tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
-        for path, rec in iter_tensors(ckpt.obj):
-            if isinstance(rec, TensorRecord) and rec.extent() * rec.itemsize > rec.storage.nbytes:
-                problems.append(
-                    f"tensor {_dotted(path)} reaches byte {rec.extent() * rec.itemsize} of a "
-                    f"{rec.storage.nbytes}-byte storage"
-                )
         if ckpt.format == "torch_zip":
             total = sum(r.compressed_size for r in ckpt.zip_records.values())
         else:
@@ -1219,7 +1239,9 @@ def _verify_zip_records(
             try:
                 with zipfile.ZipFile(ckpt.source.file) as archive:
                     archive.read(record.name)  # zipfile checks the CRC itself
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            except (
+                zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, zlib.error
+            ) as exc:  # fmt: skip
                 problems.append(f"zip entry {record.name}: {exc}")
             read += record.compressed_size
             bar.update(record.compressed_size)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import zipfile
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, Literal, Optional, Union
 
 from ddpstate import _fs
@@ -106,34 +108,94 @@ def _truncated_zip(name: str, detail: str) -> CheckpointCorruptError:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ZipEnd:
+    """What a zip archive's end records say about its central directory.
+
+    Attributes:
+        disk: Number of this disk (0 in a single-file archive).
+        cd_disk: Disk where the directory starts (0).
+        on_disk: Entries on this disk.
+        total: Entries in all.
+        cd_size: Bytes of the directory.
+        cd_offset: Where the directory starts.
+        cd_end: Where it must end: the zip64 end record, or the classic one.
+        problems: Damage to the zip64 locator that still leaves the classic
+            record usable.
+    """
+
+    disk: int
+    cd_disk: int
+    on_disk: int
+    total: int
+    cd_size: int
+    cd_offset: int
+    cd_end: int
+    problems: tuple[str, ...]
+
+
+def read_zip_end(read_at: Callable[[int, int], bytes], size: int, name: str) -> ZipEnd:
+    """Find and parse a zip archive's end-of-directory records (zip64 included).
+
+    Args:
+        read_at: ``read_at(offset, length)`` returns up to ``length`` bytes of the file.
+        size: The file's size.
+        name: The file, for messages.
+
+    Returns:
+        The :class:`ZipEnd`.
+
+    Raises:
+        CheckpointCorruptError: No end record, or a zip64 one that the classic
+            record needs but that is missing or damaged.
+    """
+    tail_len = min(size, _EOCD_SIZE + 0xFFFF + _EOCD64_LOCATOR_SIZE)
+    tail_at = size - tail_len
+    tail = read_at(tail_at, tail_len)
+    at = tail.rfind(_EOCD_MAGIC)
+    if at < 0 or at + _EOCD_SIZE > len(tail):
+        raise _truncated_zip(name, "no end-of-directory record")
+    fields = struct.unpack_from("<4H2I", tail, at + 4)
+    cd_end = tail_at + at
+    problems: list[str] = []
+    needs_zip64 = 0xFFFFFFFF in fields[4:] or 0xFFFF in fields[:4]
+    locator = at - _EOCD64_LOCATOR_SIZE
+    if locator >= 0 and tail[locator : locator + 4] == _EOCD64_LOCATOR_MAGIC:
+        cd_disk64, record_at, disks = struct.unpack_from("<IQI", tail, locator + 4)
+        if cd_disk64 != 0 or disks != 1:
+            problems.append(f"the zip64 locator names disk {cd_disk64} of {disks}, not 0 of 1")
+        record = read_at(record_at, 56) if 0 <= record_at <= size - 56 else b""
+        if record[:4] == _EOCD64_MAGIC:
+            fields = struct.unpack_from("<2I4Q", record, 16)
+            cd_end = record_at
+        elif needs_zip64:
+            raise _truncated_zip(name, "no zip64 end-of-directory record")
+        else:
+            problems.append(f"the zip64 locator points to byte {record_at}, not its record")
+    elif needs_zip64:
+        raise _truncated_zip(name, "no zip64 end-of-directory locator")
+    disk, cd_disk, on_disk, total, cd_size, cd_offset = (int(v) for v in fields)
+    return ZipEnd(disk, cd_disk, on_disk, total, cd_size, cd_offset, cd_end, tuple(problems))
+
+
 def _zip_directory(fileobj: IO[bytes], size: int, name: str) -> bytes:
     """The raw central directory of a zip archive (one read, no per-entry objects).
 
     zipfile.ZipFile builds a ZipInfo per entry, ~10 us each: 1 % of loading a
     checkpoint of 100,000 tensors, for a question a substring search answers.
     """
-    tail_len = min(size, _EOCD_SIZE + 0xFFFF + _EOCD64_LOCATOR_SIZE)
-    fileobj.seek(size - tail_len)
-    tail = fileobj.read(tail_len)
-    at = tail.rfind(_EOCD_MAGIC)
-    if at < 0 or at + _EOCD_SIZE > len(tail):
-        raise _truncated_zip(name, "no end-of-directory record")
-    cd_size, cd_offset = struct.unpack_from("<II", tail, at + 12)
-    if 0xFFFFFFFF in (cd_size, cd_offset):  # zip64: the real numbers are elsewhere
-        locator = at - _EOCD64_LOCATOR_SIZE
-        if locator < 0 or tail[locator : locator + 4] != _EOCD64_LOCATOR_MAGIC:
-            raise _truncated_zip(name, "no zip64 end-of-directory locator")
-        (record_at,) = struct.unpack_from("<Q", tail, locator + 8)
-        fileobj.seek(record_at)
-        record = fileobj.read(56)
-        if len(record) < 56 or record[:4] != _EOCD64_MAGIC:
-            raise _truncated_zip(name, "no zip64 end-of-directory record")
-        cd_size, cd_offset = struct.unpack_from("<QQ", record, 40)
-    if cd_offset + cd_size > size:
-        raise _truncated_zip(name, f"the directory claims bytes {cd_offset}..{cd_offset + cd_size}")
-    fileobj.seek(cd_offset)
-    directory = fileobj.read(cd_size)
-    if len(directory) != cd_size or (cd_size and not directory.startswith(_CD_MAGIC)):
+
+    def read_at(offset: int, length: int) -> bytes:
+        fileobj.seek(offset)
+        return fileobj.read(length)
+
+    end = read_zip_end(read_at, size, name)
+    if end.cd_offset + end.cd_size > size:
+        raise _truncated_zip(
+            name, f"the directory claims bytes {end.cd_offset}..{end.cd_offset + end.cd_size}"
+        )
+    directory = read_at(end.cd_offset, end.cd_size)
+    if len(directory) != end.cd_size or (end.cd_size and not directory.startswith(_CD_MAGIC)):
         raise _truncated_zip(name, "the directory is not where the end record says")
     return directory
 
@@ -150,7 +212,7 @@ def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> str:
     try:
         with zipfile.ZipFile(fileobj) as archive:
             names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError):
         names = []
     raise CheckpointFormatError(
         f"{name}: a zip archive without data.pkl, so not a torch.save checkpoint "

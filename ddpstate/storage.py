@@ -323,21 +323,82 @@ def _unlink_missing_ok(path: str) -> None:
         os.unlink(path)
 
 
+def _flock(fd: int, *, wait: bool) -> bool:
+    """Take an exclusive ``flock`` on ``fd``; False where another process holds it.
+
+    Also False where locks are unavailable (Windows, filesystems without
+    ``flock``), so a temp file is then never judged stale.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
+def _remove_stale_temps(target: str, own: str) -> None:
+    """Delete temp files of ``target`` left by writers that were killed mid-write.
+
+    A writer holds an exclusive ``flock`` on its temp file from creation until
+    it closes it just before the rename, and the kernel drops the lock when the
+    process dies; a temp file of this target that nobody holds locked is stale.
+    Best effort: a failure here never fails the save that just succeeded.
+    """
+    folder, base = os.path.split(target)
+    prefix = f".{base}{TEMP_MARKER}"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        if not name.startswith(prefix) or not _TEMP_RE.match(name) or path == own:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode) and _flock(fd, wait=False):
+                os.unlink(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _create_locked_temp(folder: str, base: str, path: str) -> tuple[str, int]:
+    """Create a fresh temp file for ``base`` and hold its ``flock``; return (name, fd)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        temp = os.path.join(folder, _temp_name_for(base))
+        try:
+            # 0o666 lets the umask decide, as for any new file; O_EXCL refuses to
+            # follow a planted symlink or reuse someone else's file.
+            fd = os.open(temp, flags, 0o666)
+        except OSError as exc:
+            raise CheckpointWriteError(
+                f"cannot create a file in {folder} to write {path} ({type(exc).__name__}: "
+                f"{exc}); check that the folder exists and is writable"
+            ) from exc
+        # Held until the file is closed: tells later saves this temp file is not stale.
+        _flock(fd, wait=True)
+        if os.fstat(fd).st_nlink:
+            return temp, fd
+        # Another process's save took the new file for a dead writer's in the moment
+        # before the lock and deleted it: start again under a new name.
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
     target = os.path.abspath(path)
     folder = os.path.dirname(target)
-    temp = os.path.join(folder, _temp_name_for(os.path.basename(target)))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    try:
-        # 0o666 lets the umask decide, as for any new file; O_EXCL refuses to
-        # follow a planted symlink or reuse someone else's file.
-        fd = os.open(temp, flags, 0o666)
-    except OSError as exc:
-        raise CheckpointWriteError(
-            f"cannot create a file in {folder} to write {path} ({type(exc).__name__}: {exc}); "
-            f"check that the folder exists and is writable"
-        ) from exc
+    temp, fd = _create_locked_temp(folder, os.path.basename(target), path)
     try:
         if hasattr(os, "fchmod"):  # not on Windows before Python 3.13
             with contextlib.suppress(FileNotFoundError):
@@ -382,6 +443,7 @@ def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
     finally:
         if retired is not None and os.path.exists(retired):
             _free_later(retired)
+    _remove_stale_temps(target, temp)
 
 
 @contextlib.contextmanager
@@ -458,6 +520,9 @@ def atomic_write(
     file is untouched; the block's exception propagates unchanged. When a large
     local file is replaced, its blocks are freed by a background thread after
     the new file is committed (the interpreter waits for it before exiting).
+    A local writer holds a ``flock`` on its temp file; after a successful
+    write, temp files of the same target that no process holds locked (left by
+    a writer killed mid-write) are deleted.
 
     Args:
         path: Local path (or ``file://`` URL) or any fsspec URL.

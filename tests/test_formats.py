@@ -90,12 +90,12 @@ def test_zip_directory_zip64_truncation_and_foreign_zips(tmp_path: Path) -> None
     assert detect_format(tmp_path / "zip64.pt") == "torch_zip"
     for cut in (1, 30, len(raw) // 2):
         (tmp_path / "cut.pt").write_bytes(raw[:-cut])
-        with pytest.raises(CheckpointCorruptError, match="cut.pt.*truncated"):
+        with pytest.raises(CheckpointCorruptError, match=r"cut\.pt.*truncated"):
             detect_format(tmp_path / "cut.pt")
     st = tmp_path / "cut.safetensors"
     _write(st, {"w": torch.ones(4)})
     st.write_bytes(st.read_bytes()[:20])
-    with pytest.raises(CheckpointCorruptError, match="cut.safetensors.*header is cut short"):
+    with pytest.raises(CheckpointCorruptError, match=r"cut\.safetensors.*header is cut short"):
         detect_format(st)
     with zipfile.ZipFile(tmp_path / "other.zip", "w") as z:
         z.writestr("docs/readme.txt", "hello")

@@ -250,3 +250,25 @@ def test_failed_write_over_large_file_leaves_it_alone(tmp_path: Path) -> None:
     storage._wait_for_freed()
     assert _sha(target) == before and os.listdir(tmp_path) == ["big.bin"]
     assert target.stat().st_nlink == 1
+
+
+def test_a_temp_file_taken_for_stale_before_its_lock_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process's save may take a just-created temp file for a dead writer's and
+    # delete it in the instant before the writer locks it; the writer starts again.
+    real_flock = storage._flock
+    calls: list[str] = []
+
+    def flock_after_a_rival_deleted_it(fd: int, *, wait: bool) -> bool:
+        if wait and not calls:
+            victim = next(p for p in tmp_path.iterdir() if storage.is_temp_name(p.name))
+            calls.append(victim.name)
+            victim.unlink()
+        return real_flock(fd, wait=wait)
+
+    monkeypatch.setattr(storage, "_flock", flock_after_a_rival_deleted_it)
+    with storage.atomic_write(tmp_path / "x.pt") as f:
+        f.write(b"saved")
+    assert calls and (tmp_path / "x.pt").read_bytes() == b"saved"
+    assert os.listdir(tmp_path) == ["x.pt"]
