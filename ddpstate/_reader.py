@@ -261,10 +261,10 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
     prefix = pickles[0][: -len("data.pkl")]
     problems.extend(_zip_header_problems(source, infos, prefix, path))
-    pkl_bytes = _zip_bytes(source, records[pickles[0]], path)
+    pkl_bytes = zip_entry_bytes(source, records[pickles[0]], path)
     byteorder = "little"
     if prefix + "byteorder" in records:
-        byteorder = _zip_bytes(source, records[prefix + "byteorder"], path).decode(
+        byteorder = zip_entry_bytes(source, records[prefix + "byteorder"], path).decode(
             "ascii", "replace"
         )
         if byteorder not in ("little", "big"):
@@ -374,7 +374,12 @@ def _zip_header_problems(
     return problems
 
 
-def _zip_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
+def zip_entry_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
+    """The bytes of one zip entry; a compressed one is inflated (and its CRC-32 checked).
+
+    Raises:
+        CheckpointCorruptError: The entry cannot be read or inflated.
+    """
     if record.method == zipfile.ZIP_STORED:
         return source.read_at(record.data_offset, record.size)
     try:
@@ -551,4 +556,5 @@ __all__ = [
     "ZipRecord",
     "read_checkpoint",
     "storage_type_for",
+    "zip_entry_bytes",
 ]

@@ -26,7 +26,7 @@ from ddpstate._pickle_scan import (
     opaque_name,
 )
 from ddpstate._progress import Progress, human_bytes
-from ddpstate._reader import Checkpoint, read_checkpoint
+from ddpstate._reader import Checkpoint, read_checkpoint, zip_entry_bytes
 from ddpstate._safetensors_layout import (
     CODES,
     STATE_DICT_METADATA_KEY,
@@ -412,16 +412,8 @@ def _storage_bytes(ckpt: Checkpoint, storage: StorageRecord, start: int, length:
     if length <= 0:
         return b""
     if storage.compressed and storage.record_name:
-        try:
-            with zipfile.ZipFile(ckpt.source.file) as archive:
-                data = archive.read(storage.record_name)
-        except (
-            zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, zlib.error
-        ) as exc:  # fmt: skip
-            raise CheckpointCorruptError(
-                f"{ckpt.path}: zip entry {storage.record_name} cannot be read ({exc}); the file "
-                f"is damaged: re-save or re-download it"
-            ) from exc
+        record = ckpt.zip_records[storage.record_name]
+        data = zip_entry_bytes(ckpt.source, record, ckpt.path)
         return data[start : start + length]
     return ckpt.source.read_at(storage.data_offset + start, length)
 
@@ -1237,12 +1229,9 @@ def _verify_zip_records(
             continue  # already reported by the reader
         if record.method != zipfile.ZIP_STORED:
             try:
-                with zipfile.ZipFile(ckpt.source.file) as archive:
-                    archive.read(record.name)  # zipfile checks the CRC itself
-            except (
-                zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, zlib.error
-            ) as exc:  # fmt: skip
-                problems.append(f"zip entry {record.name}: {exc}")
+                zip_entry_bytes(ckpt.source, record, ckpt.path)  # inflating checks the CRC
+            except CheckpointCorruptError as exc:
+                problems.append(f"zip entry {record.name}: {exc.__cause__ or exc}")
             read += record.compressed_size
             bar.update(record.compressed_size)
             continue
