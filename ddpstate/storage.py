@@ -92,6 +92,10 @@ def _temp_name_for(base: str) -> str:
     return f".{base}{TEMP_MARKER}{secrets.token_hex(8)}"
 
 
+def _retired_name_for(base: str) -> str:
+    return f".{base}{_RETIRED_MARKER}{secrets.token_hex(8)}"
+
+
 def _protocol(fs: Any) -> str:
     proto = fs.protocol
     return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
@@ -164,7 +168,7 @@ def _retire(target: str) -> Optional[str]:
     if not stat.S_ISREG(info.st_mode) or info.st_size < _RETIRE_MIN_BYTES or info.st_nlink != 1:
         return None
     folder, base = os.path.split(target)
-    retired = os.path.join(folder, f".{base}{_RETIRED_MARKER}{secrets.token_hex(8)}")
+    retired = os.path.join(folder, _retired_name_for(base))
     try:
         os.link(target, retired)
     except OSError:
@@ -253,7 +257,9 @@ def _rename_exchange(first: str, second: str) -> bool:
     function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if function is None:  # glibc before 2.28, or another libc
         return False
-    result = function(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), 2)
+    result = function(
+        _AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE
+    )
     if result == 0:
         return True
     code = ctypes.get_errno()
@@ -300,9 +306,7 @@ def replace_folder(staging: PathLike, target: PathLike) -> None:
         if _rename_exchange(new, old):
             leftover = new
         else:
-            leftover = os.path.join(
-                parent, f".{os.path.basename(old)}{_RETIRED_MARKER}{secrets.token_hex(8)}"
-            )
+            leftover = os.path.join(parent, _retired_name_for(os.path.basename(old)))
             os.rename(old, leftover)
             try:
                 os.rename(new, old)
