@@ -11,6 +11,7 @@ import zipfile
 import zlib
 from typing import IO, Any, Optional
 
+from ddpstate import formats
 from ddpstate._pickle_scan import (
     DTYPE_ITEMSIZE,
     DTYPE_STORAGE,
@@ -31,7 +32,6 @@ from ddpstate.errors import (
     CheckpointFormatError,
     UnsafeCheckpointError,
 )
-from ddpstate.formats import read_zip_end
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
@@ -176,8 +176,6 @@ def read_checkpoint(
         ...     ckpt.format, list(ckpt.obj)
         ('torch_zip', ['module.w'])
     """
-    from ddpstate import formats
-
     kind = formats.detect_format(path, storage_options=storage_options)
     if kind == formats.TORCHSCRIPT:
         raise CheckpointFormatError(
@@ -348,7 +346,7 @@ def _zip_header_problems(
             )
         if not name.startswith(prefix):
             problems.append(f"zip entry {name} lies outside the archive folder {prefix}")
-    end = read_zip_end(source.read_at, source.size, path)
+    end = formats.read_zip_end(source.read_at, source.size, path)
     problems.extend(end.problems)
     if (end.disk, end.cd_disk) != (0, 0):
         problems.append(f"the end-of-directory record names disks {end.disk}/{end.cd_disk}, not 0")
