@@ -192,8 +192,10 @@ def test_tensor_records_are_copied_byte_for_byte_and_load_with_mmap(
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
     from torch.utils.serialization import config
 
-    monkeypatch.setattr(config.load, "calculate_storage_offsets", True)
-    mapped = torch.load(dst, mmap=True, weights_only=True)
+    # torch's own patch context: a monkeypatch of the config proxy is not undone
+    # faithfully by every pytest (9.2 deletes the entry, breaking every later load).
+    with config.patch({"load.calculate_storage_offsets": True}):
+        mapped = torch.load(dst, mmap=True, weights_only=True)
     assert_same(mapped["optimizer"], ckpt["optimizer"])
 
 
