@@ -24,6 +24,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
+from tests.versions import resolved_versions
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Name the resolved versions first, even under ``-q`` (CI logs quote them)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"versions: {resolved_versions()}")
+
+
 _RANK_VARS = (
     "RANK",
     "LOCAL_RANK",
@@ -65,6 +75,17 @@ _GUARDED_SIGNALS = tuple(
 )
 
 
+def _foreign_safe_globals() -> list[str]:
+    """The weights-only allowlist entries that did not come from torch itself."""
+    names = []
+    for entry in torch.serialization.get_safe_globals():
+        obj = entry[0] if isinstance(entry, tuple) else entry
+        module = getattr(obj, "__module__", None) or ""
+        if module != "torch" and not module.startswith("torch."):
+            names.append(repr(entry))
+    return sorted(names)
+
+
 def _global_state() -> dict[str, Any]:
     """Process-wide settings a test could leave changed for every test after it."""
     return {
@@ -79,9 +100,9 @@ def _global_state() -> dict[str, Any]:
             torch.backends.cudnn.deterministic,
             torch.backends.cudnn.benchmark,
         ),
-        "torch.serialization.get_safe_globals()": [
-            repr(g) for g in torch.serialization.get_safe_globals()
-        ],
+        # torch registers its own types here on first import (torch.distributed.tensor
+        # adds DTensor's), so only entries from outside torch count as a test's leak.
+        "torch.serialization.get_safe_globals()": _foreign_safe_globals(),
         "signal handlers": {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS},
         "os.getcwd()": os.getcwd(),
         "RLIMIT_FSIZE": resource.getrlimit(resource.RLIMIT_FSIZE),

@@ -32,3 +32,14 @@ def test_ci_runs_readme_test_command_verbatim() -> None:
     tests = _readme_commands()[1]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in [line.strip() for line in ci], f"{tests!r} not in .ci/run"
+
+
+def test_ci_runs_readme_main_job_verbatim_in_a_fresh_environment() -> None:
+    main_job = _readme_commands()[0]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    # The main job's output is kept (| tee) so CI can check it printed its accuracy.
+    assert any(line == main_job or line.startswith(main_job + " 2>&1 |") for line in ci), ci
+    # A new virtual environment on every run, created before anything is installed.
+    venv = next(i for i, line in enumerate(ci) if line.startswith("python3 -m venv "))
+    first_install = next(i for i, line in enumerate(ci) if line.startswith("pip install"))
+    assert venv < first_install
