@@ -21,8 +21,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
+import torch.distributed.tensor
 from torch.utils.serialization import config as serialization_config
+
+# torch.distributed.tensor and torch._dynamo add classes to torch's weights_only list
+# when first imported; imported here, so that a test importing them (DCP and
+# torch.compile do) is not taken for one that leaks global state.
 
 _RANK_VARS = (
     "RANK",
@@ -79,9 +85,11 @@ def _global_state() -> dict[str, Any]:
             torch.backends.cudnn.deterministic,
             torch.backends.cudnn.benchmark,
         ),
-        "torch.serialization.get_safe_globals()": [
+        # A set inside torch: its iteration order is not state (torch's own
+        # safe_globals context re-adds the entries and may reorder them).
+        "torch.serialization.get_safe_globals()": sorted(
             repr(g) for g in torch.serialization.get_safe_globals()
-        ],
+        ),
         "signal handlers": {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS},
         "os.getcwd()": os.getcwd(),
         "RLIMIT_FSIZE": resource.getrlimit(resource.RLIMIT_FSIZE),
