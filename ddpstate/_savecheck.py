@@ -226,6 +226,10 @@ def _pickle_module(extra: Sequence[Any]) -> Any:
     # Storage classes travel in torch's persistent ids, which its loader handles itself.
     allowed |= {id(c) for c in (*torch._storage_classes, torch.UntypedStorage)}
     plain = (torch.Tensor, torch.nn.Parameter)
+    np = sys.modules.get("numpy")
+    # A numpy dtype pickles as numpy.dtype(...) plus state, and weights_only loading
+    # checks the class of what it builds: an object or string dtype fails there.
+    dtype_base: Any = np.dtype if np is not None else ()
 
     class _CheckingPickler(pickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
@@ -240,6 +244,8 @@ def _pickle_module(extra: Sequence[Any]) -> Any:
                 return _rebuild_defaultdict, (name if factory else None, dict(obj))
             if isinstance(obj, _GLOBAL_KINDS) and id(obj) not in allowed:
                 raise _Refused(obj)
+            if isinstance(obj, dtype_base) and id(kind) not in allowed:
+                raise _Refused(kind)
             return NotImplemented
 
     return types.SimpleNamespace(Pickler=_CheckingPickler, __name__="pickle")
@@ -274,6 +280,13 @@ def _refusal(root: Any, what: str, where: str, refused: Any) -> UnsafeCheckpoint
         value = found[1]
         shown = name if value is refused else f"a {type(value).__qualname__}"
     cls = refused.__qualname__ if isinstance(refused, type) else name
+    if name.startswith("numpy."):
+        return UnsafeCheckpointError(
+            f"cannot save {where}: {at} is {shown} whose dtype needs {name}, which "
+            f"torch.load(weights_only=True) refuses (only numeric and bool numpy dtypes load "
+            f"safely); store it as a numeric array, a list or a string instead",
+            unsafe_globals=[name],
+        )
     return UnsafeCheckpointError(
         f"cannot save {where}: {at} is {shown}, and loading it would need {name}, which "
         f"torch.load(weights_only=True) refuses (unpickling it could run code). If the type is "
