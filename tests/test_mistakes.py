@@ -1,4 +1,4 @@
-"""Mistakes a new user makes, each refused loudly or handled right (issue "No silent wrong results").
+"""Mistakes a new user makes, each refused loudly or handled right (issue 15).
 
 One test (or table) per row of the issue that a single process shows; the
 multi-rank rows are in ``test_mistakes_dist.py``.
@@ -211,7 +211,7 @@ def test_a_torch_file_named_safetensors_loads_by_its_bytes(tmp_path: Path) -> No
     net = nn.Linear(2, 1)
     torch.save(net.state_dict(), path)
     ddpstate.load_model_state(nn.Linear(2, 1), path)
-    with pytest.raises(CheckpointFormatError, match="rename it to .pt"):
+    with pytest.raises(CheckpointFormatError, match=r"rename it to \.pt"):
         ddpstate.load(path, mmap=True)
 
 

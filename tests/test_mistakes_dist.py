@@ -100,9 +100,7 @@ def test_fsdp2_state_is_refused_on_every_rank_and_nothing_is_written(tmp_path: P
 def _values_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     config = RunConfig(lr=0.1, name="exp")
     plain = ddpstate.CheckpointManager(os.path.join(folder, "plain"))
-    refused = _outcome(
-        lambda: plain.save(1, {"best": np.float64(0.9), "config": {"run": config}})
-    )
+    refused = _outcome(lambda: plain.save(1, {"best": np.float64(0.9), "config": {"run": config}}))
     steps_after_refusal = plain.steps()
     plain.save(2, {"best": np.float64(0.9), "arr": np.arange(3)})
     got: dict[str, Any] = {"best": None, "arr": None}
