@@ -21,8 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import datetime
-import pathlib
+import importlib
 import pickle
 import sys
 import types
@@ -31,29 +30,15 @@ from typing import IO, Any, Optional
 
 import torch
 
+from ddpstate._everyday import EVERYDAY_GLOBALS
 from ddpstate.errors import CheckpointFormatError, ShardedStateError, UnsafeCheckpointError
 
 __all__ = [
-    "EVERYDAY_TYPES",
     "allowed_globals",
     "check_tensors",
     "loading_allowed",
     "save_torch",
 ]
-
-#: Restored out of the box: they carry data and run no code of the file's choosing.
-EVERYDAY_TYPES: tuple[Any, ...] = (
-    pathlib.PurePosixPath,
-    pathlib.PureWindowsPath,
-    pathlib.PosixPath,
-    pathlib.WindowsPath,
-    datetime.datetime,
-    datetime.date,
-    datetime.time,
-    datetime.timedelta,
-    datetime.timezone,
-    argparse.Namespace,
-)
 
 # defaultdict pickles through SETITEMS, which weights_only refuses on anything but
 # dict/OrderedDict; ddpstate writes it as a call of this module's rebuilder instead,
@@ -71,27 +56,46 @@ def _rebuild_defaultdict(factory: Optional[str], items: dict[Any, Any]) -> Any:
     return collections.defaultdict(_FACTORIES[factory] if factory else None, items)
 
 
-def _numpy_globals() -> list[Any]:
-    np = sys.modules.get("numpy")  # torch imports numpy when it is installed
-    if np is None:
-        return []
-    core = getattr(np, "_core", None) or np.core
-    codes = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
-    dtype_classes = {type(np.dtype(c)) for c in codes}
-    found: list[Any] = [np.ndarray, np.dtype, bytes, *sorted(dtype_classes, key=str)]
-    # numpy 1.x writes numpy.core.multiarray.*, numpy 2.x numpy._core.multiarray.*.
-    for fn in (core.multiarray.scalar, core.multiarray._reconstruct):
-        found += [fn, (fn, f"numpy.core.multiarray.{fn.__name__}")]
-        found.append((fn, f"numpy._core.multiarray.{fn.__name__}"))
-    return found
+# Where a global lives under another numpy or Python version than the one that wrote it.
+_MOVED = (
+    ("numpy.core.", "numpy._core."),
+    ("numpy._core.", "numpy.core."),
+    ("pathlib._local.", "pathlib."),
+)
+
+
+def _resolve(qualname: str) -> Any:
+    """The object ``module.name`` names here, or None (numpy only when already imported)."""
+    for old, new in ((qualname, qualname), *_MOVED):
+        if not qualname.startswith(old):
+            continue
+        module, _, attr = (new + qualname[len(old) :]).rpartition(".")
+        obj: Any = sys.modules.get(module)
+        if obj is None and module in ("pathlib", "datetime", "argparse"):
+            obj = importlib.import_module(module)
+        if getattr(obj, attr, None) is not None:
+            return getattr(obj, attr)
+    return None
 
 
 def allowed_globals(extra: Sequence[Any] = ()) -> list[Any]:
-    """The globals ddpstate adds to torch's weights_only allowlist: everyday types + ``extra``."""
-    found: list[Any] = [*EVERYDAY_TYPES, _rebuild_defaultdict, *_numpy_globals()]
-    for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath):
-        if cls.__module__ != "pathlib":  # Python 3.13 moved them to pathlib._local
-            found.append((cls, f"pathlib.{cls.__name__}"))
+    """The globals ddpstate adds to torch's weights_only list: the everyday ones + ``extra``.
+
+    Each everyday global is given with its pickled name, so a file written by
+    another Python or numpy version (``numpy.core`` / ``numpy._core``,
+    ``pathlib._local``) finds it too.
+    """
+    found: list[Any] = []
+    for name in EVERYDAY_GLOBALS:
+        obj = _rebuild_defaultdict if name.endswith("._rebuild_defaultdict") else _resolve(name)
+        if obj is not None:
+            found.append((obj, name))
+    np = sys.modules.get("numpy")  # torch imports numpy when it is installed
+    if np is not None:
+        # Their classes never appear as globals, but weights_only checks them when it
+        # builds a dtype: every numeric and bool dtype, never object, string or datetime.
+        codes = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
+        found.extend(sorted({type(np.dtype(c)) for c in codes}, key=str))
     found.extend(extra)
     return found
 

@@ -374,3 +374,27 @@ def test_checked_pickling_writes_what_torch_save_writes() -> None:
         b = torch.load(theirs, weights_only=True)
     assert a.keys() == b.keys() and a["n"] == b["n"] and torch.equal(a["w"], b["w"])
     assert type(a["p"]) is nn.Parameter
+
+
+def test_the_command_reads_what_save_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "values.pt"
+    values = {k: EVERYDAY[k] for k in ("np.float64", "array int64", "Path", "date", "Namespace")}
+    ddpstate.save({**values, "dd": collections.defaultdict(list), "w": torch.ones(2)}, path)
+    assert main(["verify", str(path), "-q"]) == 0
+    assert main(["inspect", str(path)]) == 0
+    out = tmp_path / "copy.pt"
+    assert main(["convert", str(path), str(out), "-q"]) == 0
+    loaded = ddpstate.load(out)
+    assert _same(loaded["np.float64"], values["np.float64"]) and loaded["Path"] == values["Path"]
+    capsys.readouterr()
+
+
+def test_every_everyday_global_resolves_here() -> None:
+    from ddpstate._everyday import EVERYDAY_GLOBALS
+    from ddpstate._savecheck import allowed_globals
+
+    named = {name for g in allowed_globals() if isinstance(g, tuple) for name in [g[1]]}
+    moved = {n for n in EVERYDAY_GLOBALS if n.startswith(("pathlib._local.", "numpy.core."))}
+    assert set(EVERYDAY_GLOBALS) - named <= moved
