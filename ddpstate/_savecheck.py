@@ -36,6 +36,7 @@ from ddpstate.errors import CheckpointFormatError, ShardedStateError, UnsafeChec
 __all__ = [
     "allowed_globals",
     "check_tensors",
+    "sharded_types",
     "loading_allowed",
     "save_torch",
 ]
@@ -155,8 +156,8 @@ def _walk(value: Any, path: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
             stack.extend(reversed(children))
 
 
-def _sharded_types() -> tuple[type, ...]:
-    # Only modules already imported can have made such tensors.
+def sharded_types() -> tuple[type, ...]:
+    """The sharded tensor classes whose modules are imported (only those can exist)."""
     found: list[type] = []
     for module, name in (
         ("torch.distributed.tensor", "DTensor"),
@@ -182,7 +183,7 @@ def check_tensors(obj: Any, what: str, where: str, *, sharded_only: bool = False
         ShardedStateError: A ``DTensor``/``ShardedTensor`` is in ``obj``.
         CheckpointFormatError: A tensor is on the meta device.
     """
-    sharded = _sharded_types()
+    sharded = sharded_types()
     if sharded_only and not sharded:
         return
     for path, value in _walk(obj, what, set()):

@@ -400,7 +400,8 @@ def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[floa
 
     Each rank sends two float64 sums per layer (``running_mean``, ``running_var``)
     through one ``all_gather_object``; exact equality, since synced statistics
-    are bit-identical on every rank. Nothing is exchanged when not distributed
+    are bit-identical on every rank. Nothing is exchanged when not distributed,
+    under a DDP wrapper that broadcasts buffers (rank 0's are then the model's),
     or when the model has no BatchNorm statistics (the same on every rank).
 
     Args:
@@ -409,6 +410,11 @@ def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[floa
         timeout: Seconds to wait for the other ranks.
     """
     if not is_distributed():
+        return
+    ddp = _find_ddp(model)
+    if ddp is not None and _ddp_syncs_buffers(ddp):
+        # DDP copies rank 0's buffers to every rank at each forward: rank 0's are the
+        # model's statistics, and the others differ only until the next forward.
         return
     layers = _stat_layers(model)
     if not layers:

@@ -201,6 +201,8 @@ def _check_not_sharded(state: Mapping[str, Any], folder: str) -> None:
     their state, plain values as they are; other stateful objects are checked on
     the writer once their state dict is taken.
     """
+    if not _savecheck.sharded_types():
+        return  # torch.distributed.tensor never imported: no DTensor can exist
     for name, obj in state.items():
         what = f"state[{name!r}]"
         if isinstance(obj, nn.Module):

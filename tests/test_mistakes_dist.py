@@ -165,7 +165,15 @@ def _bn_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
         with ddpstate.CheckpointManager(os.path.join(folder, "plain")) as manager:
             manager.save(1, {"model": plain})
     plain_warnings = [str(w.message) for w in caught]
+    # DDP's default buffer broadcast makes rank 0's statistics the model's: no warning.
+    default = torch.nn.parallel.DistributedDataParallel(_net())
+    default(torch.randn(8, 4) * (rank + 1)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddpstate.save_model_state(default, os.path.join(folder, "default.pt"))
+    default_warnings = [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
     return {
+        "default_warnings": default_warnings,
         "before": before,
         "saved_by_save": saved_by_save,
         "save_warnings": save_warnings,
@@ -190,3 +198,4 @@ def test_unsynced_batchnorm_is_warned_about_or_synced_by_the_manager(tmp_path: P
         assert not [m for m in out["manager_warnings"] if "BatchNorm" in m]
         plain = [m for m in out["plain_warnings"] if "BatchNorm running statistics differ" in m]
         assert len(plain) == 1 and "entry 'model'" in plain[0]
+        assert out["default_warnings"] == []
