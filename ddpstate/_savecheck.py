@@ -12,8 +12,9 @@ worst moment. So before anything is written:
   ``safe_globals``. The check runs inside the real pickling (a ``reducer_override``
   sees each class and function as pickle writes it), so it costs no second pass.
 
-Loading applies the same list through ``torch.serialization.safe_globals`` (a
-context, so nothing leaks into torch's process-wide allowlist).
+Loading adds the same list to torch's weights_only allowlist for the duration
+of the ``torch.load`` call only (:func:`loading_allowed`), so nothing leaks into
+torch's process-wide list.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from ddpstate.errors import CheckpointFormatError, ShardedStateError, UnsafeChec
 __all__ = [
     "allowed_globals",
     "check_tensors",
-    "sharded_types",
     "loading_allowed",
     "save_torch",
+    "sharded_types",
 ]
 
 # defaultdict pickles through SETITEMS, which weights_only refuses on anything but

@@ -789,7 +789,11 @@ class CheckpointManager:
         """Save a checkpoint of ``state`` (plus every rank's RNG states) for ``step``.
 
         A collective. Synchronous mode returns once the checkpoint is committed
-        and rotation is done; async mode returns after the snapshot.
+        and rotation is done; async mode returns after the snapshot. A step
+        lower than committed ones is a rollback: it becomes the latest and the
+        higher steps are deleted once it is committed. Models ``wrap_ddp``
+        prepared with unsynced BatchNorm get their running statistics averaged
+        across ranks first (:func:`~ddpstate.sync_batchnorm_stats`).
 
         Args:
             step: The training step (an int >= 0; names the folder).
@@ -802,7 +806,11 @@ class CheckpointManager:
                 previous async write failed (raised before saving anything);
                 the checkpoints committed before are untouched.
             DDPStateError: Invalid arguments, or the ranks passed different
-                steps or entry names.
+                steps or entry names; a value ``restore`` could not load (named
+                by its path, with the ``safe_globals`` way out) or a meta tensor,
+                before anything is committed.
+            ShardedStateError: ``state`` holds FSDP2/tensor-parallel state
+                (``DTensor``), on every rank, before anything is written.
             BarrierTimeoutError: A rank did not reach the save in time.
 
         Example:
