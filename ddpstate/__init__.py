@@ -23,6 +23,7 @@ from ddpstate.errors import (
     KeyMismatchError,
     RankFailedError,
     ShapeMismatchError,
+    ShardedStateError,
     StateDictNotFoundError,
     UnsafeCheckpointError,
 )
@@ -256,5 +257,6 @@ __all__ = [
     "RankFailedError",
     "CheckpointAccessError",
     "ShapeMismatchError",
+    "ShardedStateError",
     "DeviceMapError",
 ]

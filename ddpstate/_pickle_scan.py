@@ -9,6 +9,8 @@ import pickle
 from collections.abc import Iterator, Mapping
 from typing import IO, Any, Callable, ClassVar, Optional, cast
 
+from ddpstate._everyday import EVERYDAY_GLOBALS
+
 # Everything here stays importable without torch: `ddpstate convert` streams a
 # multi-GB file in the memory and time of a copy, and importing torch alone
 # costs more than 200 MiB and a second.
@@ -776,7 +778,7 @@ def scan_pickle(file: IO[bytes], persistent_load: Callable[[Any], Any]) -> ScanR
     unpickler = _ScanUnpickler(file, persistent_load)
     obj = unpickler.load()
     used = tuple(sorted(unpickler.seen))
-    unsafe = tuple(name for name in used if name not in _SAFE_GLOBALS)
+    unsafe = tuple(n for n in used if n not in _SAFE_GLOBALS and n not in EVERYDAY_GLOBALS)
     return ScanResult(obj=obj, globals_used=used, unsafe_globals=unsafe)
 
 

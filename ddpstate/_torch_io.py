@@ -9,11 +9,12 @@ import pickletools
 import struct
 import sys
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any, Optional, Union
 
 import torch
 
+from ddpstate._savecheck import loading_allowed
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -217,7 +218,9 @@ def _unsafe_error(source: Source, kind: str, name: str, exc: BaseException) -> D
             return _corrupt(name, kind, exc)
         return UnsafeCheckpointError(
             f"{name}: loading needs more than weights_only=True allows ({str(detail).strip()}). "
-            f"Only if you trust the file's source, pass weights_only=False",
+            f"If these are your own data-only types, allow them by name with "
+            f"safe_globals=[...] (ddpstate.load, CheckpointManager); only if you trust the "
+            f"file's source, load it with weights_only=False",
         )
     shown = ", ".join(needed[:_SHOW]) + (
         f" and {len(needed) - _SHOW} more" if len(needed) > _SHOW else ""
@@ -234,15 +237,24 @@ def _unsafe_error(source: Source, kind: str, name: str, exc: BaseException) -> D
         )
     return UnsafeCheckpointError(
         f"{name}: loading would import and call {shown}, which weights_only=True refuses "
-        f"because unpickling them can run arbitrary code. Only if you trust the file's source: "
-        f"pass weights_only=False, or allow just these with "
-        f"torch.serialization.add_safe_globals([...]) / the torch.serialization.safe_globals "
-        f"context manager",
+        f"because unpickling them can run arbitrary code. If they are your own data-only "
+        f"types, allow just these by name: safe_globals=[...] (ddpstate.load, "
+        f"CheckpointManager(..., safe_globals=[...])); only if you trust the file's source: "
+        f"load it with weights_only=False",
         unsafe_globals=needed,
     )
 
 
 # ------------------------------------------------------------------------- torch.load
+
+
+def _targets_cuda(map_location: Any) -> bool:
+    """Whether a resolved ``map_location`` itself sends tensors to a CUDA device."""
+    if isinstance(map_location, torch.device):
+        return map_location.type == "cuda"
+    if isinstance(map_location, dict):
+        return any(str(v).startswith("cuda") for v in map_location.values())
+    return False
 
 
 def load_torch_file(
@@ -253,6 +265,7 @@ def load_torch_file(
     map_location: Any,
     weights_only: bool,
     mmap: bool,
+    safe_globals: Sequence[Any] = (),
 ) -> Any:
     """Run ``torch.load`` and turn each of its failures into the matching ddpstate error.
 
@@ -263,6 +276,9 @@ def load_torch_file(
         map_location: Passed to ``torch.load`` (already resolved).
         weights_only: Passed to ``torch.load``.
         mmap: Passed to ``torch.load`` (zip files on a local path only).
+        safe_globals: Types allowed with ``weights_only`` beyond torch's list and
+            ddpstate's everyday ones (numpy values, paths, datetime...), for this
+            call only.
 
     Returns:
         The loaded object.
@@ -283,17 +299,48 @@ def load_torch_file(
         ...                 weights_only=True, mmap=False)
         {'w': tensor([1.])}
     """
+    if isinstance(source, str) and source.endswith(".safetensors"):
+        # torch.load (2.13+) picks its safetensors reader from this suffix, whatever the
+        # bytes say; a file object makes it read the bytes ddpstate detected.
+        if mmap:
+            raise CheckpointFormatError(
+                f"{name}: named .safetensors but holds a {_DESCRIBE.get(kind, kind)}; it cannot "
+                f"be memory-mapped under this name: load it with mmap=False, or rename it to .pt"
+            )
+        try:
+            opened = open(source, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
+        with opened:
+            return load_torch_file(
+                opened,
+                kind=kind,
+                name=name,
+                map_location=map_location,
+                weights_only=weights_only,
+                mmap=False,
+                safe_globals=safe_globals,
+            )
+    allowed = loading_allowed(safe_globals) if weights_only else contextlib.nullcontext()
     try:
-        with _rewound(source) as src:
+        with allowed, _rewound(source) as src:
             return torch.load(src, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
     except pickle.UnpicklingError as exc:
         if weights_only and "Weights only load failed" in str(exc):
-            raise _unsafe_error(source, kind, name, exc) from exc
+            with loading_allowed(safe_globals):
+                refusal = _unsafe_error(source, kind, name, exc)
+            raise refusal from exc
         raise _corrupt(name, kind, exc) from exc
     except RuntimeError as exc:
         if "Attempting to deserialize object on" in str(exc):
+            if _targets_cuda(map_location):
+                raise DeviceMapError(
+                    f"{name}: map_location={map_location!r} asks for a CUDA device, but CUDA is "
+                    f"not available on this machine (torch.cuda.is_available() is False); load "
+                    f"with map_location='auto' (this rank's device) or 'cpu'"
+                ) from exc
             raise DeviceMapError(
                 f"{name}: its tensors were saved on a CUDA device this machine does not have "
                 f"({_first_line(exc)}); load with map_location='auto' (this rank's device), "

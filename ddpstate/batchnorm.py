@@ -7,6 +7,7 @@ import copy
 import hashlib
 import inspect
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -44,6 +45,11 @@ _STATS_OPS: tuple[str, ...] = ("mean", "broadcast")
 # Set on every SyncBatchNorm that convert_sync_batchnorm makes; revert reads it
 # to restore BatchNorm1d/2d/3d or the user's own subclass exactly.
 _ORIGINAL_CLASS = "_ddpstate_original_class"
+# Set on the DDP model wrap_ddp returns under the "unsynced" policy: CheckpointManager
+# then averages the running statistics itself before each save.
+_UNSYNCED_MARK = "_ddpstate_unsynced_batchnorm"
+# Models already warned about by warn_if_stats_differ (one warning per model).
+_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # SyncBatchNorm-only attributes (ddp_gpu_size: torch < 1.9 set it from DDP).
 _SYNC_ONLY_ATTRS = frozenset({"process_group", "ddp_gpu_size", _ORIGINAL_CLASS})
 # Module registries get their own shallow copies so the old and new layer are
@@ -389,6 +395,64 @@ def sync_batchnorm_stats(
         _reduce_in_place(counters, op, counts=True)
 
 
+def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[float] = None) -> None:
+    """Warn once per model when ranks' BatchNorm running statistics differ; a collective.
+
+    Each rank sends two float64 sums per layer (``running_mean``, ``running_var``)
+    through one ``all_gather_object``; exact equality, since synced statistics
+    are bit-identical on every rank. Nothing is exchanged when not distributed,
+    under a DDP wrapper that broadcasts buffers (rank 0's are then the model's),
+    or when the model has no BatchNorm statistics (the same on every rank).
+
+    Args:
+        model: A plain or wrapped module.
+        where: What is being saved, for the message.
+        timeout: Seconds to wait for the other ranks.
+    """
+    if not is_distributed():
+        return
+    ddp = _find_ddp(model)
+    if ddp is not None and _ddp_syncs_buffers(ddp):
+        # DDP copies rank 0's buffers to every rank at each forward: rank 0's are the
+        # model's statistics, and the others differ only until the next forward.
+        return
+    layers = _stat_layers(model)
+    if not layers:
+        return
+    with torch.no_grad():
+        sums = torch.stack(
+            [
+                torch.stack([m.running_mean.double().sum(), m.running_var.double().sum()])  # type: ignore[union-attr]
+                for _, m in layers
+            ]
+        )
+    mine = sums.cpu().tolist()
+    gathered = all_gather_object(mine, timeout=timeout)
+    differing = [
+        name
+        for i, (name, _) in enumerate(layers)
+        if any(len(g) != len(mine) or g[i] != mine[i] for g in gathered)
+    ]
+    if not differing or model in _WARNED:
+        return
+    _WARNED.add(model)
+    shown = ", ".join(map(repr, differing[:3])) + (
+        f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+    )
+    warnings.warn(
+        f"{where}: BatchNorm running statistics differ across ranks ({shown}), so the file "
+        f"holds rank 0's alone. Call ddpstate.sync_batchnorm_stats(model) on every rank before "
+        f"saving (and evaluating), or use SyncBatchNorm",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _wrapped_unsynced(model: nn.Module) -> bool:
+    """True for a model ``wrap_ddp`` prepared with unsynced BatchNorm under DDP."""
+    return bool(getattr(model, _UNSYNCED_MARK, False))
+
+
 # --------------------------------------------------------------------------- the in-place error
 
 
@@ -619,7 +683,9 @@ def wrap_ddp(
       construction), which avoids the "modified by an inplace operation"
       error of two forwards before one backward. Each rank's running
       statistics then drift apart: call :func:`sync_batchnorm_stats` before
-      evaluating and saving.
+      evaluating and saving. :class:`~ddpstate.CheckpointManager` does it
+      itself for the model this returns; ``save_model_state`` warns when the
+      ranks' statistics differ.
     - ``"keep"``: no change to the layers or to what you pass.
     - ``"auto"`` (default): ``"sync"`` on CUDA with more than one rank, else
       ``"unsynced"``; ``"keep"`` when the model has no BatchNorm layer.
@@ -708,6 +774,8 @@ def wrap_ddp(
         kwargs.setdefault("device_ids", [target.index])
         kwargs.setdefault("output_device", target.index)
     ddp = DistributedDataParallel(model, **kwargs)
+    if policy == "unsynced" and _stat_layers(model):
+        setattr(ddp, _UNSYNCED_MARK, True)
 
     layer_names = _plain_bn_names(model)
     if not _DDP_SYNC_KEEPS_VERSIONS and layer_names and _ddp_syncs_buffers(ddp):

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import posixpath
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
 
-from ddpstate import _fs, _torch_io, errors, storage
+from ddpstate import _fs, _savecheck, _torch_io, errors, storage
 from ddpstate.dist import (
     _exchange,
     broadcast_object,
@@ -50,6 +52,7 @@ from ddpstate.location import (
     _map_nested,
     _place,
     _place_all,
+    _require_reachable,
     resolve_map_location,
 )
 
@@ -100,7 +103,9 @@ def _write(
     fmt: str,
     storage_options: Optional[dict[str, Any]],
     metadata: Optional[Mapping[str, str]],
+    safe_globals: Optional[Sequence[Any]] = (),
 ) -> None:
+    _savecheck.check_tensors(obj, "obj", path)
     remote = _fs.is_remote(path)
     parent = posixpath.dirname(path) if remote else os.path.dirname(_fs.local_path(path))
     if parent and not parent.endswith("://"):
@@ -108,8 +113,10 @@ def _write(
     with storage.atomic_write(path, storage_options=storage_options) as fileobj:
         if fmt == SAFETENSORS:
             write_safetensors(fileobj, obj, metadata, name=path)
-        else:
+        elif safe_globals is None:
             torch.save(obj, fileobj)
+        else:
+            _savecheck.save_torch(obj, fileobj, what="obj", where=path, extra=safe_globals)
 
 
 def _save_error(exc: BaseException, path: str, writer: int) -> DDPStateError:
@@ -163,6 +170,8 @@ def save(
     storage_options: Optional[dict[str, Any]] = None,
     metadata: Optional[Mapping[str, str]] = None,
     timeout: Timeout = None,
+    safe_globals: Sequence[Any] = (),
+    weights_only: bool = True,
 ) -> None:
     """Save an object durably and atomically; a collective, only ``src_rank`` writes.
 
@@ -172,6 +181,13 @@ def save(
     outcome is then shared, so either every rank returns, or every rank raises
     the same error, which names the file and the writer; nobody hangs. A failed
     save leaves the previous file byte-for-byte as it was.
+
+    What is saved can be loaded: before anything is written, sharded
+    (FSDP2 ``DTensor``) and meta tensors are refused, and so is any object
+    that :func:`load` with ``weights_only=True`` could not restore (it is
+    named by its path in ``obj``). Out of the box that covers tensors, numbers,
+    strings, containers, numpy scalars and numeric arrays, ``pathlib`` paths,
+    ``datetime`` values, ``argparse.Namespace``, ``OrderedDict`` and ``defaultdict``.
 
     Args:
         obj: What to save; read on ``src_rank`` only (other ranks may pass None).
@@ -185,10 +201,17 @@ def save(
         storage_options: fsspec options (credentials, endpoint) for URLs.
         metadata: str -> str entries for the safetensors header.
         timeout: Seconds to wait for the writer (default ``DDPSTATE_TIMEOUT`` or 1800).
+        safe_globals: Your own data-only types (enums, dataclasses...) to allow;
+            pass the same list to :func:`load`.
+        weights_only: With False, skip the check for objects ``weights_only``
+            loading refuses (the file then needs ``load(weights_only=False)``).
 
     Raises:
         CheckpointWriteError: Writing failed (folder not writable, disk full,
             an object that cannot be pickled...), on every rank.
+        UnsafeCheckpointError: ``obj`` holds an object that only
+            ``weights_only=False`` could load; the message names its path.
+        ShardedStateError: ``obj`` holds sharded tensors (FSDP2 ``DTensor``).
         CheckpointFormatError: The format cannot hold ``obj`` or ``metadata``
             (e.g. non-tensor values for safetensors; the message names the keys).
         BarrierTimeoutError: Some rank never arrived.
@@ -215,7 +238,8 @@ def save(
     cause: Optional[BaseException] = None
     if rank == src_rank:
         try:
-            _write(obj, text, fmt, storage_options, metadata)
+            allowed = list(safe_globals) if weights_only else None
+            _write(obj, text, fmt, storage_options, metadata, allowed)
         except BaseException as exc:
             cause = exc
             error = _save_error(exc, text, src_rank)
@@ -256,7 +280,9 @@ def _read(
     weights_only: bool,
     mmap: Optional[bool],
     storage_options: Optional[dict[str, Any]],
+    safe_globals: Sequence[Any] = (),
 ) -> Any:
+    _require_reachable(resolved, text)
     kind = _detect(text, storage_options)
     remote = _fs.is_remote(text)
     local = _fs.local_path(text)
@@ -287,7 +313,9 @@ def _read(
     # torch.save's zip or legacy format
     if mmap and (remote or kind == LEGACY):
         raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
-    use_mmap = kind == TORCH_ZIP and not remote if mmap is None else bool(mmap)
+    # torch.load cannot map a torch file named .safetensors (it goes by the suffix).
+    mappable = kind == TORCH_ZIP and not remote and not local.endswith(_SAFETENSORS_SUFFIXES)
+    use_mmap = mappable if mmap is None else bool(mmap)
     if remote:
         with storage.open_read(text, storage_options=storage_options) as f:
             return _torch_io.load_torch_file(
@@ -297,6 +325,7 @@ def _read(
                 map_location=resolved,
                 weights_only=weights_only,
                 mmap=False,
+                safe_globals=safe_globals,
             )
     return _torch_io.load_torch_file(
         local,
@@ -305,6 +334,7 @@ def _read(
         map_location=resolved,
         weights_only=weights_only,
         mmap=use_mmap,
+        safe_globals=safe_globals,
     )
 
 
@@ -366,6 +396,7 @@ def _load_and_broadcast(
     storage_options: Optional[dict[str, Any]],
     src_rank: int,
     timeout: Timeout,
+    safe_globals: Sequence[Any] = (),
 ) -> Any:
     rank = get_rank()
     obj: Any = None
@@ -381,7 +412,7 @@ def _load_and_broadcast(
             return stored
 
         try:
-            obj = _read(text, remember, weights_only, mmap, storage_options)
+            obj = _read(text, remember, weights_only, mmap, storage_options, safe_globals)
         except Exception as exc:
             cause = exc
             error = (
@@ -434,6 +465,7 @@ def load(
     src_rank: Optional[int] = None,
     storage_options: Optional[dict[str, Any]] = None,
     timeout: Timeout = None,
+    safe_globals: Sequence[Any] = (),
 ) -> Any:
     """Load a checkpoint safely onto this rank's device; a collective.
 
@@ -458,6 +490,9 @@ def load(
             from it (for nodes without a shared filesystem), one tensor at a time.
         storage_options: fsspec options for URLs.
         timeout: Seconds to wait at the barrier (default ``DDPSTATE_TIMEOUT`` or 1800).
+        safe_globals: Your own data-only types to allow with ``weights_only``
+            (as given to :func:`save`); numpy values, paths, ``datetime``,
+            ``argparse.Namespace`` and ``defaultdict`` are allowed already.
 
     Returns:
         The saved object, tensors placed by ``map_location``; tied safetensors
@@ -487,9 +522,9 @@ def load(
     if barrier and distributed:
         _barrier(timeout=timeout, name=LOAD_COLLECTIVE)
     if src_rank is None or not distributed:
-        return _read(text, resolved, weights_only, mmap, storage_options)
+        return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
     return _load_and_broadcast(
-        text, resolved, weights_only, mmap, storage_options, src_rank, timeout
+        text, resolved, weights_only, mmap, storage_options, src_rank, timeout, safe_globals
     )
 
 
@@ -521,9 +556,14 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         **save_kwargs: Passed to :func:`save` (``format``, ``src_rank``,
             ``storage_options``, ``metadata``, ``timeout``...).
 
+    Under DDP, when the ranks' BatchNorm running statistics differ (plain
+    BatchNorm with buffer broadcast off), a warning names the layers and
+    :func:`~ddpstate.sync_batchnorm_stats`: the file would hold rank 0's alone.
+
     Raises:
         KeyCollisionError: Two keys become one after removing wrapper segments.
         CheckpointWriteError: As for :func:`save`.
+        ShardedStateError: The model is sharded (FSDP2).
 
     Example:
         >>> import os, tempfile, torch
@@ -533,8 +573,11 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         >>> sorted(load(path))
         ['bias', 'weight']
     """
+    from ddpstate.batchnorm import warn_if_stats_differ
     from ddpstate.keys import normalize_keys, unwrap_model
 
+    if save_kwargs.get("barrier", True):
+        warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
     state = normalize_keys(unwrap_model(model).state_dict())
     save(state, path, **save_kwargs)
 
@@ -552,6 +595,8 @@ def load_model_state(
     src_rank: Optional[int] = None,
     storage_options: Optional[dict[str, Any]] = None,
     timeout: Timeout = None,
+    ignore_mismatched: bool = False,
+    safe_globals: Sequence[Any] = (),
 ) -> IncompatibleKeys:
     """Load a checkpoint into a model, whatever wrapping either side had.
 
@@ -569,16 +614,21 @@ def load_model_state(
         key: Dotted path of the state dict inside the checkpoint
             (e.g. ``"model.state_dict"``); default: found automatically.
         map_location, weights_only, mmap, barrier, src_rank, storage_options,
-            timeout: As for :func:`load` (used when ``source`` is a path).
+            timeout, safe_globals: As for :func:`load` (used when ``source`` is a path).
+        ignore_mismatched: Skip entries whose shape differs from the model's
+            (the model keeps its own values there), e.g. a classifier head resized
+            for fine-tuning; they are named in a warning and in ``missing_keys``.
 
     Returns:
-        ``IncompatibleKeys(missing_keys, unexpected_keys)``, both empty when strict.
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``, both empty when strict
+        (except for entries ``ignore_mismatched`` skipped).
 
     Raises:
         KeyMismatchError: ``strict`` and the keys do not pair up; the message
             shows the nearest names.
         StateDictNotFoundError: No single state dict in the checkpoint (pass ``key``).
-        DDPStateError: A tensor's shape does not fit the model's.
+        ShapeMismatchError: A tensor's shape does not fit the model's (the
+            message lists them and names ``ignore_mismatched=True``).
 
     Example:
         >>> import os, tempfile, torch
@@ -602,21 +652,75 @@ def load_model_state(
             src_rank=src_rank,
             storage_options=storage_options,
             timeout=timeout,
+            safe_globals=safe_globals,
         )
     else:
         name, checkpoint = "the given state dict", source
     _, state_dict = find_state_dict(checkpoint, key)
     adapted = adapt_state_dict(state_dict, model, strict=strict)
+    skipped = _load_fitting(
+        model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
+    )
+    if strict:
+        return IncompatibleKeys(skipped, [])
+    match = match_keys(state_dict, model)
+    return IncompatibleKeys(
+        [*skipped, *match.missing],
+        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
+    )
+
+
+def _load_fitting(
+    model: torch.nn.Module,
+    state_dict: Mapping[str, Any],
+    *,
+    name: str,
+    strict: bool,
+    ignore_mismatched: bool,
+) -> list[str]:
+    """``model.load_state_dict`` with shape mismatches named, or skipped and returned.
+
+    ``state_dict``'s keys are already the model's (see ``adapt_state_dict``).
+    Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
+    through here, so a wrong shape is always :class:`ShapeMismatchError`.
+    """
+    own = model.state_dict()
+    mismatched = [
+        (k, tuple(v.shape), tuple(own[k].shape))
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor)
+        and isinstance(own.get(k), torch.Tensor)
+        and v.shape != own[k].shape
+    ]
+    listing = ", ".join(f"{k!r} (saved {list(a)}, model {list(b)})" for k, a, b in mismatched[:8])
+    if len(mismatched) > 8:
+        listing += f" and {len(mismatched) - 8} more"
+    if mismatched and not ignore_mismatched:
+        raise ShapeMismatchError(
+            f"{name} does not fit {type(model).__name__}: size mismatch for {len(mismatched)} "
+            f"tensor(s): {listing}. Check that it was saved from the same architecture; to "
+            f"fine-tune with a resized layer (e.g. a new classifier head), pass "
+            f"ignore_mismatched=True to skip these entries and keep the model's own values"
+        )
+    if mismatched:
+        warnings.warn(
+            f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
+            f"{type(model).__name__}'s (ignore_mismatched=True); the model keeps its own values "
+            f"there: {listing}",
+            UserWarning,
+            stacklevel=3,
+        )
+        skip = {k for k, _, _ in mismatched}
+        kept: Any = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in skip)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            kept._metadata = metadata
+        state_dict = kept
     try:
-        model.load_state_dict(adapted, strict=strict)
+        model.load_state_dict(state_dict, strict=strict and not mismatched)
     except RuntimeError as exc:
         raise ShapeMismatchError(
             f"{name} does not fit {type(model).__name__}: {exc}; check that the checkpoint "
             f"was saved from the same architecture"
         ) from exc
-    if strict:
-        return IncompatibleKeys([], [])
-    match = match_keys(state_dict, model)
-    return IncompatibleKeys(
-        list(match.missing), [k if isinstance(k, str) else repr(k) for k in match.unexpected]
-    )
+    return [k for k, _, _ in mismatched]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from typing import IO, NoReturn, Optional
 
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
+from ddpstate.errors import DDPStateError
 
 __all__ = ["main"]
 
@@ -152,7 +154,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     convert.add_argument(
         "--to", choices=("pt", "safetensors"),
-        help="output format (default: the source's); safetensors keeps the model state dict only",
+        help="output format (default: from DST's suffix, .safetensors or .pt/.pth/.bin/.ckpt, "
+        "else the source's); safetensors keeps the model state dict only",
     )  # fmt: skip
     convert.add_argument(
         "--drop-optimizer", "--drop_optimizer", action="store_true",
@@ -399,8 +402,33 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
 # --------------------------------------------------------------------------- entry point
 
 
+# The library's messages name Python arguments; on the command line the user typed
+# options, so the messages say those instead.
+_OPTION_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), replacement)
+    for pattern, replacement in (
+        (r" \((?:in_place|overwrite|unsafe)=True\)", ""),  # the option is named just before
+        (r"load it with weights_only=False and (?:use its|call) \.state_dict\(\)",
+         "pass --unsafe (only for files you trust) to read its parameters"),
+        (r"\bkey=(['\"])(.*?)\1", r"--key \2"),
+        (r"\bkey=", "--key"),
+        (r"\bin_place=True\b", "--in-place"),
+        (r"\boverwrite=True\b", "--force"),
+        (r"\b(?:unsafe=True|weights_only=False)", "--unsafe"),
+    )
+)  # fmt: skip
+
+
+def _cli_terms(message: str) -> str:
+    for pattern, replacement in _OPTION_NAMES:
+        message = pattern.sub(replacement, message)
+    return message
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
+    if isinstance(exc, DDPStateError):
+        text = _cli_terms(text)
     return text or type(exc).__name__
 
 
@@ -421,8 +449,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ddpstate 0.1.0
         0
     """
-    from ddpstate.errors import DDPStateError
-
     debug = os.environ.get("DDPSTATE_DEBUG", "") not in ("", "0")
     parser = _build_parser()
     try:

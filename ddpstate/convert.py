@@ -622,7 +622,8 @@ def convert_file(
         add_prefix: Add this prefix to every model key.
         normalize: Remove every wrapper prefix (``module.``, ``_orig_mod.``).
         key: Dotted path of the model state dict inside the checkpoint.
-        to: ``"pt"`` or ``"safetensors"``; default keeps the source's kind.
+        to: ``"pt"`` or ``"safetensors"``; default: from ``dst``'s suffix
+            (``.safetensors``; ``.pt``, ``.pth``, ``.bin``, ``.ckpt``), else the source's kind.
             safetensors output holds the model state dict only.
         drop_optimizer: Leave optimizer state out of the output.
         in_place: Replace ``src`` itself (atomically).
@@ -677,7 +678,9 @@ def convert_file(
     src_text = os.fspath(src)
     with read_checkpoint(src_text, unsafe=unsafe, storage_options=storage_options) as ckpt:
         _raise_problems(ckpt)
-        dst_format = to or (SAFETENSORS if ckpt.format == "safetensors" else PT)
+        dst_format = (
+            to or _format_from_name(dst) or (SAFETENSORS if ckpt.format == "safetensors" else PT)
+        )
         if in_place:
             dst_text = src_text
         else:
@@ -712,6 +715,18 @@ def convert_file(
             fsync=fsync,
             storage_options=storage_options,
         )
+
+
+def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
+    """The format a destination's suffix names, as ``ddpstate.save`` reads it (None: no say)."""
+    if dst is None:
+        return None
+    name = os.fspath(dst).lower()
+    if name.endswith(".safetensors"):
+        return SAFETENSORS
+    if name.endswith((".pt", ".pth", ".bin", ".ckpt")):
+        return PT
+    return None
 
 
 def _convert(

@@ -13,6 +13,7 @@ __all__ = [
     "DDPStateError",
     "CheckpointNotFoundError",
     "CheckpointFormatError",
+    "ShardedStateError",
     "CheckpointCorruptError",
     "UnsafeCheckpointError",
     "KeyMismatchError",
@@ -45,6 +46,17 @@ class CheckpointNotFoundError(DDPStateError, FileNotFoundError):
 
 class CheckpointFormatError(DDPStateError):
     """The bytes are not a checkpoint format ddpstate reads (or not the one asked for)."""
+
+
+class ShardedStateError(CheckpointFormatError):
+    """The state holds sharded tensors (FSDP2 ``DTensor``, ``ShardedTensor``).
+
+    Each rank holds only its own shards, so writing one rank's state would save
+    part of the model as if it were all of it. Save such state with
+    ``torch.distributed.checkpoint`` (every rank writes its shards), or gather
+    a full state dict first (``torch.distributed.checkpoint.state_dict.get_model_state_dict``
+    with ``StateDictOptions(full_state_dict=True, cpu_offload=True)``).
+    """
 
 
 class CheckpointCorruptError(DDPStateError):

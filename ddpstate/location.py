@@ -102,6 +102,17 @@ def resolve_map_location(map_location: MapLocation = "auto") -> ResolvedMapLocat
     )
 
 
+def _require_reachable(resolved: ResolvedMapLocation, name: str) -> None:
+    """Refuse a CUDA ``map_location`` where there is no CUDA, before reading anything."""
+    cuda = isinstance(resolved, torch.device) and resolved.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise DeviceMapError(
+            f"{name}: map_location={str(resolved)!r} asks for a CUDA device, but CUDA is not "
+            f"available on this machine (torch.cuda.is_available() is False); load with "
+            f"map_location='auto' (this rank's device) or 'cpu'"
+        )
+
+
 def _target_device(saved: str, resolved: ResolvedMapLocation) -> Optional[torch.device]:
     """The device a tensor saved at ``saved`` goes to; None when a callable decides."""
     if resolved is None:

@@ -33,7 +33,7 @@ import time
 import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType, TracebackType
@@ -42,7 +42,7 @@ from typing import IO, Any, Optional, Union
 import torch
 from torch import nn
 
-from ddpstate import _fs, checkpoint, errors, storage
+from ddpstate import _fs, _savecheck, checkpoint, errors, storage
 from ddpstate._version import __version__
 from ddpstate.dist import (
     _exchange,
@@ -192,6 +192,29 @@ def _check_state(state: Any, what: str) -> list[str]:
                 f"letters, digits, '_', '.' and '-', starting with a letter or digit"
             )
     return names
+
+
+def _check_not_sharded(state: Mapping[str, Any], folder: str) -> None:
+    """Refuse DTensor/ShardedTensor state on this rank, without calling ``state_dict()``.
+
+    Models are checked through their parameters and buffers, optimizers through
+    their state, plain values as they are; other stateful objects are checked on
+    the writer once their state dict is taken.
+    """
+    if not _savecheck.sharded_types():
+        return  # torch.distributed.tensor never imported: no DTensor can exist
+    for name, obj in state.items():
+        what = f"state[{name!r}]"
+        if isinstance(obj, nn.Module):
+            tensors: Any = {k: v for k, v in obj.named_parameters()}
+            tensors.update(obj.named_buffers())
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors = obj.state_dict()
+        elif _has_state_dict(obj):
+            continue
+        else:
+            tensors = obj
+        _savecheck.check_tensors(tensors, what, folder, sharded_only=True)
 
 
 def _has_state_dict(obj: Any) -> bool:
@@ -571,14 +594,20 @@ class CheckpointManager:
     with plain keys and load back into whatever wrapping the live model has.
     Except for the RNG states, which are gathered from every rank, the state
     is taken from rank 0, so it must be the same on every rank (as it is under
-    DDP). Plain values must be loadable with ``weights_only=True``.
+    DDP). Plain values must be loadable with ``weights_only=True``: numbers,
+    strings, tensors, containers, numpy values, paths, ``datetime`` values,
+    ``argparse.Namespace``, or your own types listed in ``safe_globals``;
+    anything else is refused by ``save`` before anything is written. Sharded
+    state (FSDP2 ``DTensor``) is refused with :class:`~ddpstate.ShardedStateError`.
 
     Checkpoints live in ``<directory>/step_<step>/`` (see the module
     docstring). Rotation runs only after the new checkpoint is committed: it
     keeps the ``keep_last`` highest steps plus the ``keep_best`` best by
     ``metric``, and deletes the rest. Saving a step that already exists
     replaces it (its manifest is removed first, so a crash midway leaves it
-    uncommitted, never mixed).
+    uncommitted, never mixed). Saving a step lower than existing ones is a
+    rollback: once it is committed it becomes ``latest`` and the higher steps
+    are deleted, so ``restore``, ``steps()`` and ``ddpstate verify`` agree on it.
 
     ``restore`` verifies the newest checkpoint's files against its manifest on
     rank 0 (sizes and CRC-32, as :func:`verify_checkpoint`), falls back to
@@ -614,6 +643,13 @@ class CheckpointManager:
         timeout: Seconds (or ``timedelta``) a rank waits for the others in each
             collective; default ``DDPSTATE_TIMEOUT`` or 1800 s. Non-writing ranks
             wait this long for a synchronous write, too.
+        safe_globals: Your own data-only types (an ``Enum``, a dataclass...) that
+            plain values may hold. ``save`` refuses, before writing, any value
+            that ``weights_only`` loading could not restore, naming its path;
+            types listed here pass that check and are allowed at ``restore``.
+            Needed only beyond the everyday ones: numpy scalars and numeric
+            arrays, ``pathlib`` paths, ``datetime`` values, ``argparse.Namespace``,
+            ``OrderedDict`` and ``defaultdict``. Pass the same list on every rank.
 
     Raises:
         DDPStateError: An argument is invalid, the ranks passed different
@@ -644,6 +680,7 @@ class CheckpointManager:
         storage_options: Optional[dict[str, Any]] = None,
         handle_signals: bool = False,
         timeout: Timeout = None,
+        safe_globals: Sequence[Any] = (),
     ) -> None:
         if keep_last is not None and (
             isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
@@ -676,6 +713,7 @@ class CheckpointManager:
         self.format = format
         self.storage_options = storage_options
         self.timeout = timeout
+        self.safe_globals: tuple[Any, ...] = tuple(safe_globals)
         self._closed = False
         self._pending: Optional[_Pending] = None
         self._thread: Optional[threading.Thread] = None
@@ -751,7 +789,11 @@ class CheckpointManager:
         """Save a checkpoint of ``state`` (plus every rank's RNG states) for ``step``.
 
         A collective. Synchronous mode returns once the checkpoint is committed
-        and rotation is done; async mode returns after the snapshot.
+        and rotation is done; async mode returns after the snapshot. A step
+        lower than committed ones is a rollback: it becomes the latest and the
+        higher steps are deleted once it is committed. Models ``wrap_ddp``
+        prepared with unsynced BatchNorm get their running statistics averaged
+        across ranks first (:func:`~ddpstate.sync_batchnorm_stats`).
 
         Args:
             step: The training step (an int >= 0; names the folder).
@@ -764,7 +806,11 @@ class CheckpointManager:
                 previous async write failed (raised before saving anything);
                 the checkpoints committed before are untouched.
             DDPStateError: Invalid arguments, or the ranks passed different
-                steps or entry names.
+                steps or entry names; a value ``restore`` could not load (named
+                by its path, with the ``safe_globals`` way out) or a meta tensor,
+                before anything is committed.
+            ShardedStateError: ``state`` holds FSDP2/tensor-parallel state
+                (``DTensor``), on every rank, before anything is written.
             BarrierTimeoutError: A rank did not reach the save in time.
 
         Example:
@@ -787,6 +833,10 @@ class CheckpointManager:
                 f"{sorted(checked_metrics) or 'nothing'}; pass metrics={{{self.metric!r}: value}}"
             )
         folder = self.checkpoint_path(step)
+        # Every rank looks at its own model and optimizer: sharded state is refused
+        # on every rank before anyone writes (rank 0 alone holds only its shards).
+        _check_not_sharded(state, folder)
+        self._batchnorm_stats(state, folder)
         writer = get_rank() == _WRITER_RANK
         entries: dict[str, _Entry] = {}
         events: list[Any] = []
@@ -794,6 +844,8 @@ class CheckpointManager:
         if writer:
             try:
                 entries, events = self._collect(state, snapshot=self.async_save)
+                for name, entry in entries.items():
+                    _savecheck.check_tensors(entry.value, f"state[{name!r}]", folder)
             except Exception as exc:
                 if not is_distributed():
                     raise
@@ -856,6 +908,7 @@ class CheckpointManager:
         step: Optional[int] = None,
         map_location: Any = "auto",
         strict: bool = True,
+        ignore_mismatched: bool = False,
     ) -> Optional[int]:
         """Load the newest valid checkpoint (or ``step``'s) into ``state``; return its step.
 
@@ -881,6 +934,9 @@ class CheckpointManager:
             map_location: Where tensors load (as :func:`ddpstate.load`);
                 ``"auto"`` is this rank's device.
             strict: Raise when ``state`` and the checkpoint have different entries.
+            ignore_mismatched: In models, skip tensors whose shape differs from
+                the live model's (it keeps its own values there), e.g. a classifier
+                head resized for fine-tuning; a warning names them.
 
         Returns:
             The restored step, or None when the folder has no checkpoint yet.
@@ -891,6 +947,9 @@ class CheckpointManager:
                 or checkpoints exist but none verifies.
             KeyMismatchError: ``strict`` and the entries differ, or a model's
                 keys do not match.
+            ShapeMismatchError: A model's tensors have other shapes than the
+                live model's (the same error ``load_model_state`` raises).
+            UnsafeCheckpointError: A value needs a type not allowed by ``safe_globals``.
             DDPStateError: Loading an entry failed on some rank (named).
 
         Example:
@@ -936,7 +995,7 @@ class CheckpointManager:
             )
         error: Optional[Exception] = None
         try:
-            self._load_into(state, folder, manifest, map_location)
+            self._load_into(state, folder, manifest, map_location, ignore_mismatched)
         except Exception as exc:
             if not is_distributed():
                 raise
@@ -1214,11 +1273,13 @@ class CheckpointManager:
                 )
                 filename = name + (".safetensors" if as_safetensors else ".pt")
                 files[filename] = self._write_file(
-                    storage.join(folder, filename), entry.value, as_safetensors
+                    storage.join(folder, filename), entry.value, as_safetensors, f"state[{name!r}]"
                 )
                 manifest_entries[name] = {"file": filename, "kind": entry.kind}
             rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
-            files[RNG_FILE] = self._write_file(storage.join(folder, RNG_FILE), rng_payload, False)
+            files[RNG_FILE] = self._write_file(
+                storage.join(folder, RNG_FILE), rng_payload, False, "RNG states"
+            )
             now = time.time()
             manifest = {
                 "manifest_version": MANIFEST_VERSION,
@@ -1246,10 +1307,18 @@ class CheckpointManager:
             self._discard(folder, exc)
             raise
         self._metrics_cache[step] = metrics
+        # A save of an older step is a rollback: now that it is committed, the newer
+        # steps are uncommitted (oldest first, so restore() takes either the old newest
+        # or this step, never one in between), then `latest` names this step.
+        newer = sorted(s for s in self._committed_steps() if s > step)
+        for s in newer:
+            self._uncommit(s, step)
         with storage.atomic_write(
             storage.join(self.directory, LATEST_NAME), storage_options=opts
         ) as f:
             f.write((_step_name(step) + "\n").encode())
+        for s in newer:
+            self._delete_step(s, step)
         self._rotate(step)
 
     def _discard(self, folder: str, exc: BaseException) -> None:
@@ -1263,14 +1332,20 @@ class CheckpointManager:
             if note is not None:
                 note(f"removing the unfinished {folder} also failed: {cleanup_exc!r}")
 
-    def _write_file(self, path: str, obj: Any, as_safetensors: bool) -> dict[str, Any]:
+    def _write_file(self, path: str, obj: Any, as_safetensors: bool, what: str) -> dict[str, Any]:
         with storage.atomic_write(path, storage_options=self.storage_options) as raw:
             writer = _ChecksumWriter(raw)
             try:
                 if as_safetensors:
                     write_safetensors(writer, obj, name=path)  # type: ignore[arg-type]
                 else:
-                    torch.save(obj, writer)  # type: ignore[arg-type]
+                    _savecheck.save_torch(
+                        obj,
+                        writer,  # type: ignore[arg-type]
+                        what=what,
+                        where=path,
+                        extra=self.safe_globals,
+                    )
             except Exception as exc:
                 if writer.error is not None and writer.error is not exc:
                     raise writer.error from exc
@@ -1309,8 +1384,8 @@ class CheckpointManager:
                 self._warned_newer = True
                 warnings.warn(
                     f"CheckpointManager: saving step {step}, but {path} (a higher step) already "
-                    f"exists; restore() picks the highest step, so delete the higher ones if they "
-                    f"belong to an abandoned run",
+                    f"exists: this save is a rollback. Once step {step} is committed, it becomes "
+                    f"latest and every higher step is deleted",
                     UserWarning,
                     stacklevel=4,
                 )
@@ -1329,24 +1404,51 @@ class CheckpointManager:
         for s in committed:
             if s in keep:
                 continue
-            folder = self.checkpoint_path(s)
-            try:
-                # Manifest first: a crash midway leaves an uncommitted folder, never a
-                # committed one with files missing.
-                storage.remove(
-                    storage.join(folder, MANIFEST_NAME),
-                    storage_options=self.storage_options,
-                    missing_ok=True,
-                )
-                storage.remove(
-                    folder, storage_options=self.storage_options, recursive=True, missing_ok=True
-                )
-            except Exception as exc:
-                raise CheckpointWriteError(
-                    f"step {newest} was committed, but deleting the old checkpoint {folder} "
-                    f"failed ({_error_text(exc)}); delete it by hand"
-                ) from exc
-            self._metrics_cache.pop(s, None)
+            # Manifest first: a crash midway leaves an uncommitted folder, never a
+            # committed one with files missing.
+            self._uncommit(s, newest)
+            self._delete_step(s, newest)
+
+    def _batchnorm_stats(self, state: Mapping[str, Any], folder: str) -> None:
+        """Every rank: average unsynced BatchNorm statistics of ``wrap_ddp`` models, or warn."""
+        from ddpstate.batchnorm import _wrapped_unsynced, sync_batchnorm_stats, warn_if_stats_differ
+
+        given = self.timeout
+        timeout = given.total_seconds() if isinstance(given, timedelta) else given
+        for name, obj in state.items():
+            if not isinstance(obj, nn.Module):
+                continue
+            if _wrapped_unsynced(obj):
+                sync_batchnorm_stats(obj, timeout=timeout)
+            else:
+                warn_if_stats_differ(obj, where=f"{folder} (entry {name!r})", timeout=timeout)
+
+    def _uncommit(self, step: int, newest: int) -> None:
+        folder = self.checkpoint_path(step)
+        try:
+            storage.remove(
+                storage.join(folder, MANIFEST_NAME),
+                storage_options=self.storage_options,
+                missing_ok=True,
+            )
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"step {newest} was committed, but deleting the old checkpoint {folder} "
+                f"failed ({_error_text(exc)}); delete it by hand"
+            ) from exc
+
+    def _delete_step(self, step: int, newest: int) -> None:
+        folder = self.checkpoint_path(step)
+        try:
+            storage.remove(
+                folder, storage_options=self.storage_options, recursive=True, missing_ok=True
+            )
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"step {newest} was committed, but deleting the old checkpoint {folder} "
+                f"failed ({_error_text(exc)}); delete it by hand"
+            ) from exc
+        self._metrics_cache.pop(step, None)
 
     def _metrics_for(self, step: int) -> dict[str, float]:
         if step not in self._metrics_cache:
@@ -1533,6 +1635,7 @@ class CheckpointManager:
         folder: str,
         manifest: dict[str, Any],
         map_location: Any,
+        ignore_mismatched: bool = False,
     ) -> None:
         opts = self.storage_options
         saved_entries: dict[str, Any] = manifest["entries"]
@@ -1548,6 +1651,7 @@ class CheckpointManager:
                     mmap=False,
                     barrier=False,
                     storage_options=opts,
+                    safe_globals=self.safe_globals,
                 )
         rng = checkpoint.load(
             storage.join(folder, str(manifest.get("rng_file", RNG_FILE))),
@@ -1566,12 +1670,13 @@ class CheckpointManager:
                         f"dict, so it cannot be loaded into {type(target).__name__}"
                     )
                 adapted = adapt_state_dict(value, target)
-                try:
-                    target.load_state_dict(adapted)
-                except RuntimeError as exc:
-                    raise InvalidArgumentError(
-                        f"{file}: restoring {name!r} into {type(target).__name__} failed: {exc}"
-                    ) from exc
+                checkpoint._load_fitting(
+                    target,
+                    adapted,
+                    name=f"{file} (entry {name!r})",
+                    strict=True,
+                    ignore_mismatched=ignore_mismatched,
+                )
             elif _has_state_dict(target):
                 try:
                     target.load_state_dict(value)

@@ -1,0 +1,325 @@
+"""What a checkpoint may hold: the save-time checks that keep save and load symmetric.
+
+A file that saves but cannot load is found when resuming after a crash, the
+worst moment. So before anything is written:
+
+- sharded tensors (FSDP2 ``DTensor``, ``ShardedTensor``) are refused: one rank
+  holds only its own shards, and writing them would pass part of the model off
+  as all of it;
+- meta tensors are refused: they hold no data;
+- every global the pickle would need must be one ``torch.load(weights_only=True)``
+  accepts: torch's own allowlist, the everyday types below, or the caller's
+  ``safe_globals``. The check runs inside the real pickling (a ``reducer_override``
+  sees each class and function as pickle writes it), so it costs no second pass.
+
+Loading adds the same list to torch's weights_only allowlist for the duration
+of the ``torch.load`` call only (:func:`loading_allowed`), so nothing leaks into
+torch's process-wide list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib
+import pickle
+import sys
+import types
+from collections.abc import Iterator, Sequence
+from typing import IO, Any, Optional
+
+import torch
+
+from ddpstate._everyday import EVERYDAY_GLOBALS
+from ddpstate.errors import CheckpointFormatError, ShardedStateError, UnsafeCheckpointError
+
+__all__ = [
+    "allowed_globals",
+    "check_tensors",
+    "loading_allowed",
+    "save_torch",
+    "sharded_types",
+]
+
+# defaultdict pickles through SETITEMS, which weights_only refuses on anything but
+# dict/OrderedDict; ddpstate writes it as a call of this module's rebuilder instead,
+# with the factory named from this fixed table (no callable comes from the file).
+_FACTORIES: dict[str, Any] = {
+    t.__name__: t for t in (list, dict, set, frozenset, tuple, int, float, complex, str, bool)
+}
+_FACTORIES["OrderedDict"] = collections.OrderedDict
+
+
+def _rebuild_defaultdict(factory: Optional[str], items: dict[Any, Any]) -> Any:
+    """Rebuild a ``collections.defaultdict`` written by :func:`save_torch`."""
+    if factory is not None and factory not in _FACTORIES:
+        raise pickle.UnpicklingError(f"defaultdict factory {factory!r} is not allowed")
+    return collections.defaultdict(_FACTORIES[factory] if factory else None, items)
+
+
+# Where a global lives under another numpy or Python version than the one that wrote it.
+_MOVED = (
+    ("numpy.core.", "numpy._core."),
+    ("numpy._core.", "numpy.core."),
+    ("pathlib._local.", "pathlib."),
+)
+
+
+def _resolve(qualname: str) -> Any:
+    """The object ``module.name`` names here, or None (numpy only when already imported)."""
+    for old, new in ((qualname, qualname), *_MOVED):
+        if not qualname.startswith(old):
+            continue
+        module, _, attr = (new + qualname[len(old) :]).rpartition(".")
+        obj: Any = sys.modules.get(module)
+        if obj is None and module in ("pathlib", "datetime", "argparse"):
+            obj = importlib.import_module(module)
+        if getattr(obj, attr, None) is not None:
+            return getattr(obj, attr)
+    return None
+
+
+def allowed_globals(extra: Sequence[Any] = ()) -> list[Any]:
+    """The globals ddpstate adds to torch's weights_only list: the everyday ones + ``extra``.
+
+    Each everyday global is given with its pickled name, so a file written by
+    another Python or numpy version (``numpy.core`` / ``numpy._core``,
+    ``pathlib._local``) finds it too.
+    """
+    found: list[Any] = []
+    for name in EVERYDAY_GLOBALS:
+        obj = _rebuild_defaultdict if name.endswith("._rebuild_defaultdict") else _resolve(name)
+        if obj is not None:
+            found.append((obj, name))
+    np = sys.modules.get("numpy")  # torch imports numpy when it is installed
+    if np is not None:
+        # Their classes never appear as globals, but weights_only checks them when it
+        # builds a dtype: every numeric and bool dtype, never object, string or datetime.
+        codes = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
+        found.extend(sorted({type(np.dtype(c)) for c in codes}, key=str))
+    found.extend(extra)
+    return found
+
+
+@contextlib.contextmanager
+def loading_allowed(extra: Sequence[Any] = ()) -> Iterator[None]:
+    """Allow :func:`allowed_globals` in torch's weights_only list inside the block only.
+
+    Unlike ``torch.serialization.safe_globals``, which on exit puts back the list
+    it found, this takes out only what it added: a module imported inside the
+    block (``torch.distributed.tensor`` registers DTensor this way) keeps its
+    entries.
+    """
+    serialization = torch.serialization
+    before = list(serialization.get_safe_globals())
+    added = [g for g in allowed_globals(extra) if g not in before]
+    serialization.add_safe_globals(added)
+    try:
+        yield
+    finally:
+        now = serialization.get_safe_globals()
+        serialization.clear_safe_globals()
+        serialization.add_safe_globals([g for g in now if g not in added or g in before])
+
+
+# ------------------------------------------------------------------------- walking
+
+
+def _children(value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, collections.abc.Mapping):
+        for k, v in value.items():
+            yield f"[{k!r}]", v
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield f"[{i}]", v
+    elif isinstance(value, (set, frozenset)):
+        for v in value:
+            yield "[...]", v
+    elif isinstance(value, argparse.Namespace) or (
+        hasattr(value, "__dict__") and not isinstance(value, (type, torch.Tensor, types.ModuleType))
+    ):
+        for k, v in vars(value).items():
+            yield f".{k}", v
+
+
+def _walk(value: Any, path: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    # Depth first, in order, with an explicit stack: nesting never hits the recursion limit.
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield where, item
+        if not isinstance(item, (torch.Tensor, str, bytes, int, float)):
+            children = [(where + step, child) for step, child in _children(item)]
+            stack.extend(reversed(children))
+
+
+def sharded_types() -> tuple[type, ...]:
+    """The sharded tensor classes whose modules are imported (only those can exist)."""
+    found: list[type] = []
+    for module, name in (
+        ("torch.distributed.tensor", "DTensor"),
+        ("torch.distributed._tensor.api", "DTensor"),
+        ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"),
+    ):
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def check_tensors(obj: Any, what: str, where: str, *, sharded_only: bool = False) -> None:
+    """Refuse sharded and meta tensors anywhere in ``obj``; name the first one found.
+
+    Args:
+        obj: The state to save (nested dicts, lists, tuples, objects).
+        what: How to name ``obj`` in paths, e.g. ``"state"`` or ``"state['model']"``.
+        where: The destination, for the message.
+        sharded_only: Look for sharded tensors only.
+
+    Raises:
+        ShardedStateError: A ``DTensor``/``ShardedTensor`` is in ``obj``.
+        CheckpointFormatError: A tensor is on the meta device.
+    """
+    sharded = sharded_types()
+    if sharded_only and not sharded:
+        return
+    for path, value in _walk(obj, what, set()):
+        if sharded and isinstance(value, sharded):
+            raise ShardedStateError(
+                f"cannot save {where}: {path} is a {type(value).__name__} (FSDP2 / "
+                f"tensor-parallel state): each rank holds only its own shards, so one rank's "
+                f"file would be part of the model passed off as all of it. Save sharded state "
+                f"with torch.distributed.checkpoint (dcp.save, every rank writes its shards), or "
+                f"gather a full state dict first: torch.distributed.checkpoint.state_dict."
+                f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+                f"cpu_offload=True))"
+            )
+        if not sharded_only and isinstance(value, torch.Tensor) and value.is_meta:
+            raise CheckpointFormatError(
+                f"cannot save {where}: {path} is a tensor on the meta device, which holds no "
+                f"data (shape {list(value.shape)}); materialize it first (e.g. "
+                f"model.to_empty(device='cpu') and then initialise or load the weights)"
+            )
+
+
+# ------------------------------------------------------------------------- pickling
+
+
+class _Refused(Exception):
+    def __init__(self, obj: Any) -> None:
+        super().__init__(obj)
+        self.obj = obj
+
+
+def _qualified(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+_GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
+
+
+def _pickle_module(extra: Sequence[Any]) -> Any:
+    from torch import _weights_only_unpickler as wou
+
+    allowed = {id(v) for v in wou._get_allowed_globals().values()}
+    allowed |= {id(v) for v in wou._get_user_allowed_globals().values()}  # type: ignore[no-untyped-call]
+    for item in allowed_globals(extra):
+        allowed.add(id(item[0] if isinstance(item, tuple) else item))
+    # Storage classes travel in torch's persistent ids, which its loader handles itself.
+    allowed |= {id(c) for c in (*torch._storage_classes, torch.UntypedStorage)}
+    plain = (torch.Tensor, torch.nn.Parameter)
+    np = sys.modules.get("numpy")
+    # A numpy dtype pickles as numpy.dtype(...) plus state, and weights_only loading
+    # checks the class of what it builds: an object or string dtype fails there.
+    dtype_base: Any = np.dtype if np is not None else ()
+
+    class _CheckingPickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            kind = type(obj)
+            if kind in plain:
+                return NotImplemented
+            if kind is collections.defaultdict:
+                factory = obj.default_factory
+                name = getattr(factory, "__name__", None)
+                if factory is not None and _FACTORIES.get(str(name)) is not factory:
+                    raise _Refused(obj)
+                return _rebuild_defaultdict, (name if factory else None, dict(obj))
+            if isinstance(obj, _GLOBAL_KINDS) and id(obj) not in allowed:
+                raise _Refused(obj)
+            if isinstance(obj, dtype_base) and id(kind) not in allowed:
+                raise _Refused(kind)
+            return NotImplemented
+
+    return types.SimpleNamespace(Pickler=_CheckingPickler, __name__="pickle")
+
+
+def _find(root: Any, what: str, refused: Any) -> Optional[tuple[str, Any]]:
+    for path, value in _walk(root, what, set()):
+        if value is refused or type(value) is refused:
+            return path, value
+        if type(getattr(value, "dtype", None)) is refused:  # e.g. a numpy object array
+            return path, value
+    return None
+
+
+def _refusal(root: Any, what: str, where: str, refused: Any) -> UnsafeCheckpointError:
+    if isinstance(refused, collections.defaultdict):
+        factory = refused.default_factory
+        found = _find(root, what, refused)
+        at = found[0] if found else f"a defaultdict in {what}"
+        return UnsafeCheckpointError(
+            f"cannot save {where}: {at} is a defaultdict whose factory {_qualified(factory)} "
+            f"is not one of {sorted(_FACTORIES)}; weights_only loading could not rebuild it. "
+            f"Save dict(...) of it instead",
+            unsafe_globals=[_qualified(factory)],
+        )
+    name = _qualified(refused)
+    found = _find(root, what, refused)
+    if found is None:
+        at, shown = f"something in {what}", name
+    else:
+        at = found[0]
+        value = found[1]
+        shown = name if value is refused else f"a {type(value).__qualname__}"
+    cls = refused.__qualname__ if isinstance(refused, type) else name
+    if name.startswith("numpy."):
+        return UnsafeCheckpointError(
+            f"cannot save {where}: {at} is {shown} whose dtype needs {name}, which "
+            f"torch.load(weights_only=True) refuses (only numeric and bool numpy dtypes load "
+            f"safely); store it as a numeric array, a list or a string instead",
+            unsafe_globals=[name],
+        )
+    return UnsafeCheckpointError(
+        f"cannot save {where}: {at} is {shown}, and loading it would need {name}, which "
+        f"torch.load(weights_only=True) refuses (unpickling it could run code). If the type is "
+        f"yours and holds only data, allow it by name for both the save and the restore: "
+        f"CheckpointManager(..., safe_globals=[{cls}]) (or ddpstate.save/load(..., "
+        f"safe_globals=[{cls}])); else store plain values (dicts, numbers, strings, tensors)",
+        unsafe_globals=[name],
+    )
+
+
+def save_torch(
+    obj: Any, fileobj: IO[bytes], *, what: str, where: str, extra: Sequence[Any] = ()
+) -> None:
+    """``torch.save(obj, fileobj)``, refusing anything ``weights_only`` loading would refuse.
+
+    Args:
+        obj: What to save.
+        fileobj: A writable binary file.
+        what: How to name ``obj`` in paths (``"state"``).
+        where: The destination, for messages.
+        extra: Types (or ``(obj, "qualified.name")`` pairs) allowed beyond the everyday ones.
+
+    Raises:
+        UnsafeCheckpointError: ``obj`` holds something only ``weights_only=False``
+            could load; the message names its path and the way to allow it.
+    """
+    try:
+        torch.save(obj, fileobj, pickle_module=_pickle_module(extra))
+    except _Refused as exc:
+        raise _refusal(obj, what, where, exc.obj) from None
