@@ -753,12 +753,17 @@ def check_memo_indexes(file: IO[bytes]) -> None:
         file.seek(start)
 
 
-def scan_pickle(file: IO[bytes], persistent_load: Callable[[Any], Any]) -> ScanResult:
+def scan_pickle(
+    file: IO[bytes], persistent_load: Callable[[Any], Any], *, memo_checked: bool = False
+) -> ScanResult:
     """Read one pickle from ``file`` into placeholders; no code from the file runs.
 
     Args:
         file: Positioned at the pickle; left just after its STOP opcode.
         persistent_load: Turns each persistent id into an object (storage records).
+        memo_checked: The caller already walked these bytes with a check at
+            least as strict as :func:`check_memo_indexes`
+            (:func:`ddpstate._pickle_rewrite.walk` accepted them).
 
     Returns:
         The object tree and the globals it names.
@@ -772,7 +777,8 @@ def scan_pickle(file: IO[bytes], persistent_load: Callable[[Any], Any]) -> ScanR
         >>> scan_pickle(io.BytesIO(pickle.dumps({"a": 1})), lambda pid: None).obj
         {'a': 1}
     """
-    check_memo_indexes(file)
+    if not memo_checked:
+        check_memo_indexes(file)
     unpickler = _ScanUnpickler(file, persistent_load)
     obj = unpickler.load()
     used = tuple(sorted(unpickler.seen))

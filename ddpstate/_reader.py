@@ -12,6 +12,7 @@ import zlib
 from typing import IO, Any, Optional
 
 from ddpstate import formats
+from ddpstate._pickle_rewrite import PickleLayout, walk
 from ddpstate._pickle_scan import (
     DTYPE_ITEMSIZE,
     DTYPE_STORAGE,
@@ -69,6 +70,9 @@ class Checkpoint:
         zip_records: The zip's entries by name (zip format only).
         zip_prefix: The archive's top folder, with its ``/``.
         st_metadata: The safetensors ``__metadata__`` minus ddpstate's own keys.
+        pickle_bytes: ``data.pkl`` as stored (zip format only).
+        pickle_layout: Where its strings lie, when it has torch.save's own shape
+            (see :mod:`ddpstate._pickle_rewrite`); None otherwise.
         source: The open file; closed by :meth:`close`.
     """
 
@@ -85,6 +89,8 @@ class Checkpoint:
     zip_records: dict[str, ZipRecord] = dataclasses.field(default_factory=dict)
     zip_prefix: str = ""
     st_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    pickle_bytes: bytes = b""
+    pickle_layout: Optional[PickleLayout] = None
 
     def close(self) -> None:
         """Close the file."""
@@ -104,9 +110,11 @@ def _corrupt(path: str, what: str, exc: Optional[BaseException] = None) -> Check
     )
 
 
-def _scan(file: IO[bytes], persistent: Any, path: str, what: str) -> Any:
+def _scan(
+    file: IO[bytes], persistent: Any, path: str, what: str, *, memo_checked: bool = False
+) -> Any:
     try:
-        return scan_pickle(file, persistent)
+        return scan_pickle(file, persistent, memo_checked=memo_checked)
     except CheckpointCorruptError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
@@ -302,7 +310,13 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         storages[key] = record
         return record
 
-    result = _scan(io.BytesIO(pkl_bytes), persistent_load, path, "data.pkl")
+    # One walk over the opcodes: it checks the memo indexes (so the scan skips its
+    # own walk) and, when the pickle has torch.save's shape, lets convert copy it
+    # through instead of re-emitting it.
+    layout = walk(pkl_bytes)
+    result = _scan(
+        io.BytesIO(pkl_bytes), persistent_load, path, "data.pkl", memo_checked=layout is not None
+    )
     return Checkpoint(
         path=path,
         format="torch_zip",
@@ -316,6 +330,8 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         source=source,
         zip_records=records,
         zip_prefix=prefix,
+        pickle_bytes=pkl_bytes,
+        pickle_layout=layout,
     )
 
 
