@@ -129,6 +129,8 @@ def _no_persistent(pid: Any) -> Any:
 
 
 def _text(value: Any) -> str:
+    if type(value) is str:
+        return value
     if isinstance(value, bytes):
         return value.decode("ascii")
     if isinstance(value, str):
