@@ -16,10 +16,11 @@ its safety and damage checks.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import pickle
 from collections.abc import Mapping, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from ddpstate._pickle_scan import STORAGE_DTYPE
 
@@ -94,11 +95,13 @@ class PickleLayout:
             empty ``MARK SETITEMS`` after a full batch, a last batch of one item
             with a MARK), into the form its Python pickler writes. Neither changes
             what the pickle builds or its memo.
+        globals: ``(position, qualname, memo slot)`` of each GLOBAL opcode.
     """
 
     strings: list[tuple[int, int]]
     shared: frozenset[int]
     edits: list[tuple[int, int, bytes]]
+    globals: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
 
 
 def walk(data: bytes) -> Optional[PickleLayout]:
@@ -138,6 +141,7 @@ def walk(data: bytes) -> Optional[PickleLayout]:
     containers: set[int] = set()
     short: set[bytes] = set()
     globals_seen: set[bytes] = set()
+    global_slots: list[tuple[int, str, int]] = []
     marks: list[tuple[int, int]] = []  # (position of the MARK, items before it)
     items = 0  # stack items since the last MARK
     memo = 0
@@ -247,6 +251,7 @@ def walk(data: bytes) -> Optional[PickleLayout]:
             if qualname not in _GLOBALS or name in globals_seen:
                 return None
             globals_seen.add(name)
+            global_slots.append((pos, qualname, memo))
             pending = True
             items += 1
             pos = end + 1
@@ -260,7 +265,9 @@ def walk(data: bytes) -> Optional[PickleLayout]:
         elif code == _STOP:
             if pos + 1 != size or marks or shared & containers:
                 return None
-            return PickleLayout(strings=strings, shared=frozenset(shared), edits=edits)
+            return PickleLayout(
+                strings=strings, shared=frozenset(shared), edits=edits, globals=global_slots
+            )
         else:
             return None
         previous = code
@@ -271,8 +278,127 @@ def _encode(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+def _string_at(data: bytes, pos: int) -> bytes:
+    length = int.from_bytes(data[pos + 1 : pos + 5], "little")
+    return data[pos + 5 : pos + 5 + length]
+
+
+def _memo_op(code: bytes, index: int) -> bytes:
+    # The opcode CPython's picklers choose for a memo slot: one byte below 256.
+    if index < 256:
+        return code + bytes((index,))
+    return (pickle.LONG_BINPUT if code == pickle.BINPUT else pickle.LONG_BINGET) + index.to_bytes(
+        4, "little"
+    )
+
+
+def _opcode_end(data: bytes, pos: int) -> int:
+    """Where the opcode at ``pos`` of a pickle :func:`walk` accepted ends."""
+    code = data[pos]
+    info = _SIMPLE.get(code)
+    if info is not None:
+        return pos + 1 + info[0]
+    if code in (_PUT_1, _GET_1):
+        return pos + 2
+    if code in (_PUT_4, _GET_4):
+        return pos + 5
+    if code == _STRING:
+        return pos + 5 + int.from_bytes(data[pos + 1 : pos + 5], "little")
+    if code == _GLOBAL:
+        return data.find(b"\n", data.find(b"\n", pos + 1) + 1) + 1
+    if code == _LONG_1:
+        return pos + 2 + data[pos + 1]
+    return pos + 1  # MARK, TUPLE, SETITEMS, APPENDS, STOP
+
+
+def _strings_in(obj: Any, out: set[str], depth: int = 0) -> bool:
+    """Collect the str objects of a small tree of dicts, lists and scalars; False if other."""
+    if depth > 20:
+        return False
+    if isinstance(obj, str):
+        out.add(obj)
+        return True
+    if obj is None or type(obj) in (int, float, bool):
+        return True
+    if type(obj) in (dict, collections.OrderedDict):
+        return all(
+            _strings_in(k, out, depth + 1) and _strings_in(v, out, depth + 1)
+            for k, v in obj.items()
+        )
+    if type(obj) in (list, tuple):
+        return all(_strings_in(v, out, depth + 1) for v in obj)
+    return False
+
+
+def _splice_state(
+    data: bytes, layout: PickleLayout, old_state: Any, new_state: Any
+) -> Optional[list[tuple[int, int, bytes]]]:
+    """Edits that replace a state dict's BUILD state (its ``_metadata``) by ``new_state``.
+
+    The state is found by its ``_metadata`` key (written once in the whole
+    pickle), re-emitted at that point of the memo as the old one must have been
+    (checked against the bytes there), replaced by the new one, and every memo
+    slot after it renumbered. None when any of that cannot be shown.
+    """
+    from ddpstate._pickle_emit import dump_within
+
+    found = [(pos, index) for pos, index in layout.strings if _string_at(data, pos) == b"_metadata"]
+    if len(found) != 1:
+        return None
+    name_pos, name_slot = found[0]
+    first = name_slot - 1  # the state dict's own slot, just before its key
+    start = name_pos - len(_memo_op(pickle.BINPUT, first)) - 1
+    if start < 0 or data[start:name_pos] != pickle.EMPTY_DICT + _memo_op(pickle.BINPUT, first):
+        return None
+    texts: set[str] = set()
+    if not (_strings_in(old_state, texts) and _strings_in(new_state, texts)):
+        return None
+    wanted = {_encode(t): t for t in texts}
+    memo: dict[int, Any] = {}
+    for pos, index in layout.strings:
+        if pos >= start:
+            break
+        text = wanted.get(_string_at(data, pos))
+        if text is None:
+            continue
+        if len(text) > 1:
+            return None  # an object from before the state that the state may share
+        memo[id(text)] = (index, text)  # one-character strings are one object each
+    global_slots = {name: index for pos, name, index in layout.globals if pos < start}
+    if "collections.OrderedDict" in global_slots:
+        # The tree holds real OrderedDicts; the pickler memoized their class there.
+        ordered = collections.OrderedDict
+        memo[id(ordered)] = (global_slots["collections.OrderedDict"], ordered)
+    old, old_count = dump_within(old_state, first, memo, global_slots)
+    old += pickle.BUILD
+    end = start + len(old)
+    if data[start:end] != old:
+        return None
+    new, new_count = dump_within(new_state, first, memo, global_slots)
+    edits = [(start, len(old), new + pickle.BUILD)]
+    after = first + old_count
+    delta = new_count - old_count
+    pos = end
+    size = len(data)
+    while pos < size:
+        code = data[pos]
+        stop = _opcode_end(data, pos)
+        if code in (_PUT_1, _PUT_4, _GET_1, _GET_4):
+            index = int.from_bytes(data[pos + 1 : stop], "little")
+            if first <= index < after:
+                return None  # an object of the old state used again later
+            if index >= after and delta:
+                kind = pickle.BINPUT if code in (_PUT_1, _PUT_4) else pickle.BINGET
+                edits.append((pos, stop - pos, _memo_op(kind, index + delta)))
+        pos = stop
+    return edits
+
+
 def rename_keys(
-    data: bytes, layout: PickleLayout, renames: Sequence[tuple[str, str]]
+    data: bytes,
+    layout: PickleLayout,
+    renames: Sequence[tuple[str, str]],
+    state: Optional[tuple[Any, Any]] = None,
 ) -> Optional[bytes]:
     """``data`` with the BINUNICODE string of each old key replaced by its new key.
 
@@ -285,6 +411,8 @@ def rename_keys(
         data: A pickle :func:`walk` accepted.
         layout: What :func:`walk` returned for it.
         renames: ``(old key, new key)`` for every key that changes.
+        state: ``(old, new)`` BUILD state (``{"_metadata": ...}``) of the state
+            dict whose keys change, when that changes too.
 
     Returns:
         The new pickle, or None when a key cannot be proven to be only a dict key.
@@ -302,26 +430,34 @@ def rename_keys(
     if any(len(old) <= 1 or len(new) <= 1 for old, new in renames):
         return None
     edits = list(layout.edits)
+    if state is not None:
+        spliced = _splice_state(data, layout, *state)
+        if spliced is None:
+            return None
+        start, removed, _ = spliced[0]
+        # The re-emitted state writes its own batches.
+        edits = [e for e in edits if not start <= e[0] < start + removed] + spliced
     if wanted:
         found: set[bytes] = set()
         shared = layout.shared
         for pos, index in layout.strings:
-            length = int.from_bytes(data[pos + 1 : pos + 5], "little")
-            text = data[pos + 5 : pos + 5 + length]
+            text = _string_at(data, pos)
             new = wanted.get(text)
             if new is not None:
                 if text in found or index in shared:
                     return None
                 found.add(text)
-                edits.append((pos + 1, 4 + length, len(new).to_bytes(4, "little") + new))
+                edits.append((pos + 1, 4 + len(text), len(new).to_bytes(4, "little") + new))
         if len(found) != len(wanted):
             return None
-        edits.sort()
     if not edits:
         return data
+    edits.sort()
     pieces: list[bytes] = []
     start = 0
     for pos, removed, replacement in edits:
+        if pos < start:
+            return None  # overlapping edits: a key inside the replaced state
         pieces.append(data[start:pos])
         pieces.append(replacement)
         start = pos + removed

@@ -483,8 +483,13 @@ def _copied_pickle(
         return rename_keys(ckpt.pickle_bytes, layout, [])
     if path is None or type(new_sd) is not type(sd) or len(new_sd) != len(sd):
         return None
-    if getattr(sd, "__dict__", None) or getattr(new_sd, "__dict__", None):
-        return None  # _metadata (or another attribute) is rewritten: re-emit
+    state = None
+    old_attrs = getattr(sd, "__dict__", None) or {}
+    new_attrs = getattr(new_sd, "__dict__", None) or {}
+    if old_attrs or new_attrs:
+        if set(old_attrs) != {"_metadata"} or set(new_attrs) != {"_metadata"}:
+            return None
+        state = (old_attrs, new_attrs)  # what the pickler writes as BUILD state
     node = ckpt.obj
     for step in path:
         if not isinstance(node, dict):
@@ -500,7 +505,7 @@ def _copied_pickle(
             if not isinstance(old, str):
                 return None
             renames.append((old, new))
-    return rename_keys(ckpt.pickle_bytes, layout, renames)
+    return rename_keys(ckpt.pickle_bytes, layout, renames, state)
 
 
 def _write_pt(

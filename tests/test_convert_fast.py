@@ -71,8 +71,9 @@ def test_real_checkpoints_convert_to_the_same_bytes(
     options = dict(rule)
     if "strip_prefix" in options:
         options["strip_prefix"] = prefix
-    fast, slow, _ = _both(monkeypatch, src, tmp_path, fsync=False, **options)
+    fast, slow, copied = _both(monkeypatch, src, tmp_path, fsync=False, **options)
     assert fast == slow
+    assert copied, "the copy-through was not taken"
 
 
 @pytest.mark.parametrize("count", [999, 1000, 1001, 2000, 2001])
@@ -88,6 +89,16 @@ def test_plain_state_dicts_are_copied_through_to_the_same_bytes(
     out = torch.load(tmp_path / "fast.pt", weights_only=True)
     assert out["names"] == [f"n{i}" for i in range(count)]
     assert len(out["state_dict"]) == count
+
+
+def test_a_bare_state_dict_is_copied_through(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    src = tmp_path / "src.pt"
+    torch.save({"module.a.w": torch.ones(2), "module.b.w": torch.zeros(3)}, src)
+    fast, slow, copied = _both(monkeypatch, src, tmp_path, strip_prefix="module.")
+    assert copied and fast == slow
+    assert list(torch.load(tmp_path / "fast.pt", weights_only=True)) == ["a.w", "b.w"]
 
 
 def test_shapes_that_must_fall_back_still_convert_right(
@@ -116,15 +127,24 @@ def test_shapes_that_must_fall_back_still_convert_right(
         assert fast == slow, name
 
 
-def test_metadata_and_drop_optimizer_take_the_re_emitting_path(
+def test_metadata_is_spliced_and_drop_optimizer_re_emits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     net, opt = _trained()
     src = tmp_path / "src.pt"
     state = nn.DataParallel(net).state_dict()
-    torch.save({"state_dict": state, "optimizer": opt.state_dict()}, src)
-    _, _, copied = _both(monkeypatch, src, tmp_path, strip_prefix="module.")
-    assert not copied
+    # The optimizer after the state dict: every memo slot after _metadata is renumbered.
+    torch.save(
+        {
+            "state_dict": state,
+            "optimizer": opt.state_dict(),
+            "tail": [f"s{i}" for i in range(300)] + ["x"] * 3,
+        },
+        src,
+    )
+    for rule in RULES:
+        fast, slow, copied = _both(monkeypatch, src, tmp_path, key="state_dict", **rule)
+        assert copied and fast == slow, rule
     torch.save({**_big(5), "optimizer": opt.state_dict()}, src)
     _, _, copied = _both(monkeypatch, src, tmp_path, drop_optimizer=True)
     assert not copied
