@@ -16,10 +16,11 @@ its safety and damage checks.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 from ddpstate._pickle_scan import STORAGE_DTYPE
@@ -88,7 +89,8 @@ class PickleLayout:
     """Where a pickle's strings lie, from a walk that found it in torch.save's own shape.
 
     Attributes:
-        strings: ``(position of the BINUNICODE opcode, its memo slot)`` per string.
+        positions: Where each BINUNICODE opcode starts (arrays: 16 bytes a string).
+        slots: The memo slot of each of those strings.
         shared: Memo slots some GET refers to.
         edits: ``(position, bytes replaced, replacement)`` that turn the batches of
             exact dicts and lists, which CPython's C pickler writes its own way (an
@@ -98,10 +100,15 @@ class PickleLayout:
         globals: ``(position, qualname, memo slot)`` of each GLOBAL opcode.
     """
 
-    strings: list[tuple[int, int]]
+    positions: array.array[int]
+    slots: array.array[int]
     shared: frozenset[int]
     edits: list[tuple[int, int, bytes]]
     globals: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+
+    def strings(self) -> Iterator[tuple[int, int]]:
+        """``(position, memo slot)`` of each string, in the order they are written."""
+        return zip(self.positions, self.slots, strict=True)
 
 
 def walk(data: bytes) -> Optional[PickleLayout]:
@@ -125,7 +132,7 @@ def walk(data: bytes) -> Optional[PickleLayout]:
 
     Example:
         >>> import pickle
-        >>> walk(pickle.dumps({"a.w": 1, "b.w": 2}, protocol=2)).strings
+        >>> list(walk(pickle.dumps({"a.w": 1, "b.w": 2}, protocol=2)).strings())
         [(6, 1), (18, 2)]
         >>> walk(pickle.dumps({"a": 1}, protocol=4)) is None
         True
@@ -135,7 +142,8 @@ def walk(data: bytes) -> Optional[PickleLayout]:
     size = len(data)
     simple = _SIMPLE
     memoized = _MEMOIZED
-    strings: list[tuple[int, int]] = []
+    positions = array.array("q")
+    slots = array.array("q")
     edits: list[tuple[int, int, bytes]] = []
     shared: set[int] = set()
     containers: set[int] = set()
@@ -215,7 +223,8 @@ def walk(data: bytes) -> Optional[PickleLayout]:
                     if text in short:
                         return None
                     short.add(text)
-            strings.append((pos, memo))
+            positions.append(pos)
+            slots.append(memo)
             pending = True
             items += 1
             pos = end
@@ -266,7 +275,11 @@ def walk(data: bytes) -> Optional[PickleLayout]:
             if pos + 1 != size or marks or shared & containers:
                 return None
             return PickleLayout(
-                strings=strings, shared=frozenset(shared), edits=edits, globals=global_slots
+                positions=positions,
+                slots=slots,
+                shared=frozenset(shared),
+                edits=edits,
+                globals=global_slots,
             )
         else:
             return None
@@ -342,7 +355,9 @@ def _splice_state(
     """
     from ddpstate._pickle_emit import dump_within
 
-    found = [(pos, index) for pos, index in layout.strings if _string_at(data, pos) == b"_metadata"]
+    found = [
+        (pos, index) for pos, index in layout.strings() if _string_at(data, pos) == b"_metadata"
+    ]
     if len(found) != 1:
         return None
     name_pos, name_slot = found[0]
@@ -355,7 +370,7 @@ def _splice_state(
         return None
     wanted = {_encode(t): t for t in texts}
     memo: dict[int, Any] = {}
-    for pos, index in layout.strings:
+    for pos, index in layout.strings():
         if pos >= start:
             break
         text = wanted.get(_string_at(data, pos))
@@ -429,37 +444,42 @@ def rename_keys(
         return None
     if any(len(old) <= 1 or len(new) <= 1 for old, new in renames):
         return None
-    edits = list(layout.edits)
+    edits = [(pos, removed, replacement, False) for pos, removed, replacement in layout.edits]
     if state is not None:
         spliced = _splice_state(data, layout, *state)
         if spliced is None:
             return None
         start, removed, _ = spliced[0]
         # The re-emitted state writes its own batches.
-        edits = [e for e in edits if not start <= e[0] < start + removed] + spliced
+        edits = [e for e in edits if not start <= e[0] < start + removed]
+        edits += [(pos, removed, replacement, False) for pos, removed, replacement in spliced]
     if wanted:
         found: set[bytes] = set()
         shared = layout.shared
-        for pos, index in layout.strings:
+        for pos, index in layout.strings():
             text = _string_at(data, pos)
             new = wanted.get(text)
             if new is not None:
                 if text in found or index in shared:
                     return None
                 found.add(text)
-                edits.append((pos + 1, 4 + len(text), len(new).to_bytes(4, "little") + new))
+                # The length prefix and the text; the new text is not copied here.
+                edits.append((pos + 1, 4 + len(text), new, True))
         if len(found) != len(wanted):
             return None
     if not edits:
         return data
     edits.sort()
-    pieces: list[bytes] = []
+    out = bytearray()
+    view = memoryview(data)
     start = 0
-    for pos, removed, replacement in edits:
+    for pos, removed, replacement, counted in edits:
         if pos < start:
             return None  # overlapping edits: a key inside the replaced state
-        pieces.append(data[start:pos])
-        pieces.append(replacement)
+        out += view[start:pos]
+        if counted:  # a string: its 4-byte length first
+            out += len(replacement).to_bytes(4, "little")
+        out += replacement
         start = pos + removed
-    pieces.append(data[start:])
-    return b"".join(pieces)
+    out += view[start:]
+    return bytes(out)

@@ -467,6 +467,21 @@ def _rebuild_tensor_v2(
     backward_hooks: Any = None,
     metadata: Any = None,
 ) -> TensorRecord:
+    if (
+        type(storage) is StorageRecord
+        and type(offset) is int
+        and offset >= 0
+        and type(size) is tuple
+        and type(stride) is tuple
+        and len(size) == len(stride)
+        and (not size or (set(map(type, size)) == _INTS and min(size) >= 0))
+        and (not stride or (set(map(type, stride)) == _INTS and min(stride) >= 0))
+    ):
+        # What torch.save writes, checked in one go (once per tensor of the file);
+        # the same checks as _view's, which handles every other form.
+        return TensorRecord(
+            storage, offset, size, stride, storage.dtype, bool(requires_grad), "v2", metadata
+        )
     tensor = _rebuild_tensor(storage, offset, size, stride)
     tensor.requires_grad = bool(requires_grad)
     tensor.metadata = metadata

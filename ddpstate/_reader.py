@@ -39,7 +39,7 @@ _LEGACY_PROTOCOL = 1001
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ZipRecord:
     """One zip entry: where its data starts and what the central directory says of it."""
 
@@ -237,10 +237,17 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         raise _corrupt(path, "the zip directory cannot be read", exc) from exc
     records: dict[str, ZipRecord] = {}
     problems: list[str] = []
-    for info in infos:
-        # The local header and, right after it, the name: one read of each entry.
-        name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
-        header = source.read_at(info.header_offset, _LOCAL_HEADER.size + len(name))
+    names = [
+        info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
+        for info in infos
+    ]
+    spans = [
+        (info.header_offset, _LOCAL_HEADER.size + len(name))
+        for info, name in zip(infos, names, strict=True)
+    ]
+    headers = _local_headers(source, spans)
+    for info, name, header in zip(infos, names, headers, strict=True):
+        # The local header and, right after it, the name.
         fields = _LOCAL_HEADER.unpack(header[: _LOCAL_HEADER.size])
         if fields[0] != 0x04034B50:
             problems.append(f"zip entry {info.filename}: local header is damaged")
@@ -269,6 +276,8 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
     prefix = pickles[0][: -len("data.pkl")]
     problems.extend(_zip_header_problems(source, infos, prefix, path))
+    # Not needed past here: 100,000 ZipInfo objects are some 40 MiB the scan can use.
+    del archive, infos, names, spans, headers
     pkl_bytes = zip_entry_bytes(source, records[pickles[0]], path)
     byteorder = "little"
     if prefix + "byteorder" in records:
@@ -335,6 +344,45 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         pickle_bytes=pkl_bytes,
         pickle_layout=layout,
     )
+
+
+# Local headers closer together than this are read in one piece.
+_HEADER_GAP = 1 << 20
+
+
+def _local_headers(source: Source, spans: list[tuple[int, int]]) -> list[bytes]:
+    """The bytes of each ``(offset, length)`` span, neighbours read together.
+
+    A checkpoint with 100,000 small tensors has 100,000 local headers a few KiB
+    apart: one read per MiB instead of one per header. A group that cannot be read
+    whole is read span by span, so a truncated file fails exactly as before.
+    """
+    out: list[bytes] = [b""] * len(spans)
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    group: list[int] = []
+
+    def flush() -> None:
+        first = spans[group[0]][0]
+        end = max(spans[i][0] + spans[i][1] for i in group)
+        try:
+            chunk = source.read_at(first, end - first) if first >= 0 else None
+        except CheckpointCorruptError:
+            chunk = None
+        for i in group:
+            offset, length = spans[i]
+            if chunk is None:
+                out[i] = source.read_at(offset, length)
+            else:
+                out[i] = chunk[offset - first : offset - first + length]
+
+    for i in order:
+        if group and spans[i][0] - spans[group[0]][0] > _HEADER_GAP:
+            flush()
+            group = []
+        group.append(i)
+    if group:
+        flush()
+    return out
 
 
 def _zip_header_problems(
