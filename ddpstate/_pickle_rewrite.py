@@ -6,12 +6,13 @@ pure-Python pickler: about 100 µs a tensor. For the pickles torch.save writes
 (``_pickle_emit`` was built to), so a key rename only has to change the bytes of
 the key strings. :func:`walk` checks, in one pass over the opcodes, that the
 pickle has the shape under which that holds, and :func:`rename_keys` then
-splices the new key strings in. Anything outside that shape (other protocols,
-other globals, shared containers, memo slots out of order, one-character
-strings the unpickler would merge) makes :func:`walk` return None, and the
-caller goes back to the scan-and-re-emit path. No opcode is interpreted beyond
-what this needs; the full scan (``_pickle_scan``) still reads the same bytes for
-its safety and damage checks.
+splices the new key strings in (and a state dict's changed ``_metadata``,
+re-emitted on its own, with the memo slots after it renumbered). Anything outside
+that shape (other protocols, other globals, shared containers, memo slots out of
+order, one-character strings the unpickler would merge) makes :func:`walk` or
+:func:`rename_keys` return None, and the caller goes back to the scan-and-re-emit
+path. No opcode is interpreted beyond what this needs; the full scan
+(``_pickle_scan``) still reads the same bytes for its safety and damage checks.
 """
 
 from __future__ import annotations

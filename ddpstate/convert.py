@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ddpstate import _fs
-from ddpstate._pickle_emit import dump_checkpoint_pickle
 from ddpstate._pickle_rewrite import rename_keys
 from ddpstate._pickle_scan import (
     GlobalRef,
@@ -471,8 +470,8 @@ def _copied_pickle(
     Only where the result is, to the byte, what re-emitting the renamed tree
     gives (:mod:`ddpstate._pickle_rewrite` says why): a torch.save-shaped pickle,
     storages already numbered in first-use order and tagged ``cpu``, and a rename
-    that changes key strings only (no ``_metadata`` or other attribute to
-    rewrite, every value kept, dicts all the way down to the state dict).
+    that changes the keys and at most the ``_metadata`` attribute (spliced in
+    re-emitted), every value kept, dicts all the way down to the state dict.
     """
     layout = ckpt.pickle_layout
     if layout is None or ckpt.format != "torch_zip":
@@ -514,6 +513,9 @@ def _write_pt(
     if pickle_bytes is not None:
         data_pkl, storages = pickle_bytes, ckpt.storages
     else:
+        # Imported here: the copy-through (the common case) never needs the pickler.
+        from ddpstate._pickle_emit import dump_checkpoint_pickle
+
         data_pkl, storages = dump_checkpoint_pickle(root)
     writer = ZipWriter(sink)
     writer.add_bytes(_ARCHIVE + "data.pkl", data_pkl)
