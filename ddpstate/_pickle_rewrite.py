@@ -220,7 +220,11 @@ def walk(data: bytes) -> Optional[PickleLayout]:
                 return None
             if length <= 2:
                 text = data[pos + 5 : end]
-                if len(text.decode("utf-8", "surrogatepass")) <= 1:
+                try:
+                    chars = len(text.decode("utf-8", "surrogatepass"))
+                except UnicodeDecodeError:
+                    return None  # damaged: the scan says so
+                if chars <= 1:
                     if text in short:
                         return None
                     short.add(text)

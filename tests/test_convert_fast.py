@@ -6,6 +6,7 @@ import collections
 import io
 import pickle
 import random
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 import ddpstate.convert as convert_mod
 from ddpstate._pickle_rewrite import rename_keys, walk
+from ddpstate._pickle_scan import check_memo_indexes
 from ddpstate.convert import convert_file
 from tests.test_convert import _checkpoints, _trained
 
@@ -209,3 +211,27 @@ def test_random_checkpoints_convert_to_the_same_bytes(
         fast, slow, copied = _both(monkeypatch, src, tmp_path, fsync=False, **rule)
         assert copied, trial
         assert fast == slow, trial
+
+
+def test_walk_accepts_nothing_the_memo_check_refuses() -> None:
+    # The scan skips check_memo_indexes for pickles walk accepted: over random byte
+    # damage, whatever walk accepts must pass that check too.
+    net, opt = _trained()
+    buffer = io.BytesIO()
+    torch.save({"state_dict": net.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        data = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    assert walk(data) is not None
+    rng = random.Random(7)
+    accepted = 0
+    for _ in range(3000):
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        if walk(bytes(damaged)) is None:
+            continue
+        accepted += 1
+        check_memo_indexes(io.BytesIO(bytes(damaged)))  # must not raise
+    assert accepted  # some damage (to a float, a key's text) leaves the shape intact
+    for cut in range(len(data)):  # and it never raises: truncated anywhere
+        assert walk(data[:cut]) is None
