@@ -60,11 +60,19 @@ def _storage_ref(record: StorageRecord) -> GlobalRef:
 class _Emitter(pickle._Pickler):
     """A pure-Python Pickler that writes placeholders back under their original names."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, memo_base: int = 0) -> None:
         super().__init__(file, protocol=_PROTOCOL)
         self.storages: list[StorageRecord] = []
         self._storage_keys: dict[int, str] = {}
         self._globals: dict[str, int] = {}
+        # Memo slot numbers are the memo's size plus this: a pickle written into
+        # the middle of another continues its numbering (see _pickle_rewrite).
+        self._memo_base = memo_base
+
+    def memoize(self, obj: Any) -> None:
+        index = self._memo_base + len(self.memo)  # type: ignore[attr-defined]
+        self.write(self.put(index))  # type: ignore[attr-defined]
+        self.memo[id(obj)] = (index, obj)  # type: ignore[attr-defined]
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, StorageRecord):
@@ -117,7 +125,7 @@ class _Emitter(pickle._Pickler):
             pickle.GLOBAL + ref.module.encode("utf-8") + b"\n" + ref.name.encode("utf-8") + b"\n"
         )
         # Memo slots are numbered by the memo's size, so the entry goes in there.
-        index = len(self.memo)  # type: ignore[attr-defined]
+        index = self._memo_base + len(self.memo)  # type: ignore[attr-defined]
         self.write(self.put(index))  # type: ignore[attr-defined]
         self.memo[id(ref)] = (index, ref)  # type: ignore[attr-defined]
         self._globals[ref.qualname] = index
@@ -167,6 +175,34 @@ def _opaque_reduce(obj: Opaque) -> tuple[Any, ...]:
         newobj = copyreg.__newobj__  # type: ignore[attr-defined]
         return (newobj, (type(obj), *obj.args), state, listitems, dictitems)
     return (type(obj), obj.args, state, listitems, dictitems)
+
+
+def dump_within(
+    obj: Any, memo_base: int, memo: dict[int, Any], global_slots: dict[str, int]
+) -> tuple[bytes, int]:
+    """The opcodes that pickle ``obj`` at a point of a larger pickle, with no header or STOP.
+
+    Args:
+        obj: What to write (no storages or tensors).
+        memo_base: The memo slot the first new object takes.
+        memo: Objects already in the memo there, ``id -> (slot, object)``.
+        global_slots: Globals already written there, ``qualname -> slot``.
+
+    Returns:
+        ``(bytes, number of memo slots the bytes fill)``.
+
+    Example:
+        >>> dump_within({"a": 1}, 5, {}, {})
+        (b'}q\\x05X\\x01\\x00\\x00\\x00aq\\x06K\\x01s', 2)
+    """
+    buffer = io.BytesIO()
+    emitter = _Emitter(buffer, memo_base - len(memo))
+    emitter.memo.update(memo)  # type: ignore[attr-defined]
+    emitter._globals.update(global_slots)
+    emitter.save(obj)
+    if emitter.storages:
+        raise pickle.PicklingError("dump_within writes no storages")
+    return buffer.getvalue(), len(emitter.memo) - len(memo)  # type: ignore[attr-defined]
 
 
 def dump_checkpoint_pickle(obj: Any) -> tuple[bytes, list[StorageRecord]]:

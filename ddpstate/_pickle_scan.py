@@ -141,7 +141,8 @@ class StorageTypeRef(GlobalRef):
         return STORAGE_DTYPE[self.name]
 
 
-@dataclasses.dataclass(eq=False)
+# slots: a 100,000-tensor checkpoint holds 200,000 of these records in memory.
+@dataclasses.dataclass(eq=False, slots=True)
 class StorageRecord:
     """One serialized storage: what the pickle says about it, and where its bytes lie.
 
@@ -192,7 +193,7 @@ class _StorageView:
     numel: int
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class TensorRecord:
     """A tensor as the pickle describes it: a view into a storage, no data.
 
@@ -407,7 +408,14 @@ def _items(mapping: Any) -> list[tuple[str, Any]]:
     return []
 
 
+_INTS = {int}
+
+
 def _as_shape(value: Any, what: str) -> tuple[int, ...]:
+    # torch.save writes plain tuples of ints: check those in C (a 100,000-tensor
+    # checkpoint has 200,000 of them); anything else takes the general path.
+    if type(value) is tuple and (not value or (set(map(type, value)) == _INTS and min(value) >= 0)):
+        return value
     if isinstance(value, Opaque) and value.ref.qualname == "torch.Size" and value.args:
         value = value.args[0]
     if isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value):
@@ -461,6 +469,21 @@ def _rebuild_tensor_v2(
     backward_hooks: Any = None,
     metadata: Any = None,
 ) -> TensorRecord:
+    if (
+        type(storage) is StorageRecord
+        and type(offset) is int
+        and offset >= 0
+        and type(size) is tuple
+        and type(stride) is tuple
+        and len(size) == len(stride)
+        and (not size or (set(map(type, size)) == _INTS and min(size) >= 0))
+        and (not stride or (set(map(type, stride)) == _INTS and min(stride) >= 0))
+    ):
+        # What torch.save writes, checked in one go (once per tensor of the file);
+        # the same checks as _view's, which handles every other form.
+        return TensorRecord(
+            storage, offset, size, stride, storage.dtype, bool(requires_grad), "v2", metadata
+        )
     tensor = _rebuild_tensor(storage, offset, size, stride)
     tensor.requires_grad = bool(requires_grad)
     tensor.metadata = metadata
@@ -528,6 +551,8 @@ def _bytearray(*args: Any) -> bytearray:
 
 def _checked(factory: Callable[..., Any], *allowed: type) -> Callable[..., Any]:
     def build(*args: Any) -> Any:
+        if not args:
+            return factory()  # every tensor's empty backward-hooks OrderedDict
         if len(args) > 1 or not all(isinstance(a, allowed) for a in args):
             raise pickle.UnpicklingError(f"{factory.__name__}{args!r}: unexpected arguments")
         return factory(*args)
@@ -755,12 +780,17 @@ def check_memo_indexes(file: IO[bytes]) -> None:
         file.seek(start)
 
 
-def scan_pickle(file: IO[bytes], persistent_load: Callable[[Any], Any]) -> ScanResult:
+def scan_pickle(
+    file: IO[bytes], persistent_load: Callable[[Any], Any], *, memo_checked: bool = False
+) -> ScanResult:
     """Read one pickle from ``file`` into placeholders; no code from the file runs.
 
     Args:
         file: Positioned at the pickle; left just after its STOP opcode.
         persistent_load: Turns each persistent id into an object (storage records).
+        memo_checked: The caller already walked these bytes with a check at
+            least as strict as :func:`check_memo_indexes`
+            (:func:`ddpstate._pickle_rewrite.walk` accepted them).
 
     Returns:
         The object tree and the globals it names.
@@ -774,7 +804,8 @@ def scan_pickle(file: IO[bytes], persistent_load: Callable[[Any], Any]) -> ScanR
         >>> scan_pickle(io.BytesIO(pickle.dumps({"a": 1})), lambda pid: None).obj
         {'a': 1}
     """
-    check_memo_indexes(file)
+    if not memo_checked:
+        check_memo_indexes(file)
     unpickler = _ScanUnpickler(file, persistent_load)
     obj = unpickler.load()
     used = tuple(sorted(unpickler.seen))

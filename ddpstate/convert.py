@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ddpstate import _fs
-from ddpstate._pickle_emit import dump_checkpoint_pickle
+from ddpstate._pickle_rewrite import rename_keys
 from ddpstate._pickle_scan import (
     GlobalRef,
     Opaque,
@@ -462,8 +462,61 @@ def _serialization_id(pickle_bytes: bytes, records: list[tuple[int, int]]) -> by
     return str(int(digest.hexdigest(), 16) % 10**40).zfill(40).encode("ascii")
 
 
-def _write_pt(sink: Sink, ckpt: Checkpoint, root: Any) -> tuple[int, int]:
-    data_pkl, storages = dump_checkpoint_pickle(root)
+def _copied_pickle(
+    ckpt: Checkpoint, path: Optional[tuple[Any, ...]], sd: Any, new_sd: Any
+) -> Optional[bytes]:
+    """``data.pkl`` for the output by copying the source's through, or None.
+
+    Only where the result is, to the byte, what re-emitting the renamed tree
+    gives (:mod:`ddpstate._pickle_rewrite` says why): a torch.save-shaped pickle,
+    storages already numbered in first-use order and tagged ``cpu``, and a rename
+    that changes the keys and at most the ``_metadata`` attribute (spliced in
+    re-emitted), every value kept, dicts all the way down to the state dict.
+    """
+    layout = ckpt.pickle_layout
+    if layout is None or ckpt.format != "torch_zip":
+        return None
+    if any(s.location != "cpu" or s.key != str(i) for i, s in enumerate(ckpt.storages)):
+        return None
+    if sd is None:
+        return rename_keys(ckpt.pickle_bytes, layout, [])
+    if path is None or type(new_sd) is not type(sd) or len(new_sd) != len(sd):
+        return None
+    state = None
+    old_attrs = getattr(sd, "__dict__", None) or {}
+    new_attrs = getattr(new_sd, "__dict__", None) or {}
+    if old_attrs or new_attrs:
+        if set(old_attrs) != {"_metadata"} or set(new_attrs) != {"_metadata"}:
+            return None
+        state = (old_attrs, new_attrs)  # what the pickler writes as BUILD state
+    node = ckpt.obj
+    for step in path:
+        if not isinstance(node, dict):
+            return None
+        node = node[step]
+    if node is not sd or not isinstance(sd, dict):
+        return None
+    renames = []
+    for (old, value), (new, kept) in zip(sd.items(), new_sd.items(), strict=True):
+        if value is not kept or type(old) is not type(new):
+            return None
+        if old != new:
+            if not isinstance(old, str):
+                return None
+            renames.append((old, new))
+    return rename_keys(ckpt.pickle_bytes, layout, renames, state)
+
+
+def _write_pt(
+    sink: Sink, ckpt: Checkpoint, root: Any, pickle_bytes: Optional[bytes] = None
+) -> tuple[int, int]:
+    if pickle_bytes is not None:
+        data_pkl, storages = pickle_bytes, ckpt.storages
+    else:
+        # Imported here: the copy-through (the common case) never needs the pickler.
+        from ddpstate._pickle_emit import dump_checkpoint_pickle
+
+        data_pkl, storages = dump_checkpoint_pickle(root)
     writer = ZipWriter(sink)
     writer.add_bytes(_ARCHIVE + "data.pkl", data_pkl)
     writer.add_bytes(_ARCHIVE + ".format_version", b"1")
@@ -761,6 +814,7 @@ def _convert(
     renamed = 0
     metadata_changed = False
     new_root = root
+    source_sd = sd
     if sd is not None:
         new_sd = _rename(sd, strip, add, normalize)
         renamed = sum(1 for a, b in zip(sd, new_sd, strict=False) if a != b)
@@ -830,7 +884,10 @@ def _convert(
                         f"{'; '.join(overlaps[:3])}"
                     )
             else:
-                count, copied = _write_pt(sink, ckpt, new_root)
+                pickle_bytes = None
+                if not dropped and not is_pickled_module(root):
+                    pickle_bytes = _copied_pickle(ckpt, path, source_sd, sd)
+                count, copied = _write_pt(sink, ckpt, new_root, pickle_bytes)
     finally:
         bar.close()
     return ConvertResult(

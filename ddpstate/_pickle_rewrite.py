@@ -1,0 +1,490 @@
+"""Rewriting a torch.save pickle by copying its opcodes through, changing only key strings.
+
+``convert`` used to rebuild ``data.pkl`` from the scanned object tree with a
+pure-Python pickler: about 100 µs a tensor. For the pickles torch.save writes
+(protocol 2, CPython's pickler) that pickler reproduces the source byte for byte
+(``_pickle_emit`` was built to), so a key rename only has to change the bytes of
+the key strings. :func:`walk` checks, in one pass over the opcodes, that the
+pickle has the shape under which that holds, and :func:`rename_keys` then
+splices the new key strings in (and a state dict's changed ``_metadata``,
+re-emitted on its own, with the memo slots after it renumbered). Anything outside
+that shape (other protocols, other globals, shared containers, memo slots out of
+order, one-character strings the unpickler would merge) makes :func:`walk` or
+:func:`rename_keys` return None, and the caller goes back to the scan-and-re-emit
+path. No opcode is interpreted beyond what this needs; the full scan
+(``_pickle_scan``) still reads the same bytes for its safety and damage checks.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import dataclasses
+import pickle
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Optional
+
+from ddpstate._pickle_scan import STORAGE_DTYPE
+
+_PROTO_2 = pickle.PROTO + b"\x02"
+_STOP = pickle.STOP[0]
+_PUT_1 = pickle.BINPUT[0]
+_PUT_4 = pickle.LONG_BINPUT[0]
+_GET_1 = pickle.BINGET[0]
+_GET_4 = pickle.LONG_BINGET[0]
+_STRING = pickle.BINUNICODE[0]
+_GLOBAL = pickle.GLOBAL[0]
+_REDUCE = pickle.REDUCE[0]
+_EMPTY_TUPLE = pickle.EMPTY_TUPLE[0]
+_EMPTY_DICT = pickle.EMPTY_DICT[0]
+_EMPTY_LIST = pickle.EMPTY_LIST[0]
+_INT_1 = pickle.BININT1[0]
+_INT_2 = pickle.BININT2[0]
+_INT_4 = pickle.BININT[0]
+_LONG_1 = pickle.LONG1[0]
+
+# Opcodes CPython's pickler writes at protocol 2 for dicts, lists, tuples, str,
+# int, float, bool, None, tensors and storages: (size of the fixed argument, change
+# in the number of stack items since the last MARK). Opcodes it writes for nothing
+# a state dict holds (text forms, bytes, POP/DUP of recursive tuples, NEWOBJ,
+# extensions) are left out: a pickle using them takes the re-emitting path. MARK,
+# the memo, strings, globals, LONG1 and the opcodes that pop to a MARK are handled
+# on their own.
+_SIMPLE: dict[int, tuple[int, int]] = {
+    pickle.EMPTY_TUPLE[0]: (0, 1), pickle.EMPTY_LIST[0]: (0, 1), pickle.EMPTY_DICT[0]: (0, 1),
+    pickle.NONE[0]: (0, 1), pickle.NEWTRUE[0]: (0, 1), pickle.NEWFALSE[0]: (0, 1),
+    pickle.TUPLE1[0]: (0, 0), pickle.TUPLE2[0]: (0, -1), pickle.TUPLE3[0]: (0, -2),
+    pickle.SETITEM[0]: (0, -2), pickle.APPEND[0]: (0, -1), pickle.REDUCE[0]: (0, -1),
+    pickle.BUILD[0]: (0, -1), pickle.BINPERSID[0]: (0, 0),
+    pickle.BININT1[0]: (1, 1), pickle.BININT2[0]: (2, 1), pickle.BININT[0]: (4, 1),
+    pickle.BINFLOAT[0]: (8, 1),
+}  # fmt: skip
+_MARK = pickle.MARK[0]
+_TUPLE = pickle.TUPLE[0]
+_SETITEMS = pickle.SETITEMS[0]
+_APPENDS = pickle.APPENDS[0]
+# Opcodes whose result the pickler memoizes right away (a PUT must follow, and
+# only these are followed by one).
+_MEMOIZED = frozenset(
+    op[0]
+    for op in (
+        pickle.BINUNICODE, pickle.GLOBAL, pickle.REDUCE, pickle.EMPTY_DICT, pickle.EMPTY_LIST,
+        pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3,
+    )
+)  # fmt: skip
+
+# The globals ``_pickle_emit`` writes back under the very name it read.
+_GLOBALS = frozenset(
+    [
+        "collections.OrderedDict",
+        "torch._utils._rebuild_tensor_v2",
+        "torch._utils._rebuild_parameter",
+        "torch.storage.UntypedStorage",
+    ]
+    + [f"torch.{name}" for name in STORAGE_DTYPE if name != "UntypedStorage"]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PickleLayout:
+    """Where a pickle's strings lie, from a walk that found it in torch.save's own shape.
+
+    Attributes:
+        positions: Where each BINUNICODE opcode starts (arrays: 16 bytes a string).
+        slots: The memo slot of each of those strings.
+        shared: Memo slots some GET refers to.
+        edits: ``(position, bytes replaced, replacement)`` that turn the batches of
+            exact dicts and lists, which CPython's C pickler writes its own way (an
+            empty ``MARK SETITEMS`` after a full batch, a last batch of one item
+            with a MARK), into the form its Python pickler writes. Neither changes
+            what the pickle builds or its memo.
+        globals: ``(position, qualname, memo slot)`` of each GLOBAL opcode.
+    """
+
+    positions: array.array[int]
+    slots: array.array[int]
+    shared: frozenset[int]
+    edits: list[tuple[int, int, bytes]]
+    globals: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+
+    def strings(self) -> Iterator[tuple[int, int]]:
+        """``(position, memo slot)`` of each string, in the order they are written."""
+        return zip(self.positions, self.slots, strict=True)
+
+
+def walk(data: bytes) -> Optional[PickleLayout]:
+    """Check that ``data`` is a pickle as torch.save writes it, and note where its strings are.
+
+    The conditions make re-emitting the scanned tree give ``data`` back (after
+    the batch edits): protocol 2; only the opcodes listed above; memo slots filled
+    0, 1, 2... right after each object the pickler memoizes; each global named
+    once and one of the tensor, storage and OrderedDict globals; ints and tuples
+    in their shortest form; no dict, list or no-argument call result fetched from
+    the memo (a copy of it would be written apart); each string of at most one
+    character written once (the unpickler returns one shared object for all of
+    them, which a pickler memoizes). The memo checks cover
+    :func:`ddpstate._pickle_scan.check_memo_indexes` and more.
+
+    Args:
+        data: The bytes of ``data.pkl``.
+
+    Returns:
+        The layout, or None when the pickle is not in that shape (or damaged).
+
+    Example:
+        >>> import pickle
+        >>> list(walk(pickle.dumps({"a.w": 1, "b.w": 2}, protocol=2)).strings())
+        [(6, 1), (18, 2)]
+        >>> walk(pickle.dumps({"a": 1}, protocol=4)) is None
+        True
+    """
+    if not data.startswith(_PROTO_2):
+        return None
+    size = len(data)
+    simple = _SIMPLE
+    memoized = _MEMOIZED
+    positions = array.array("q")
+    slots = array.array("q")
+    edits: list[tuple[int, int, bytes]] = []
+    shared: set[int] = set()
+    containers: set[int] = set()
+    short: set[bytes] = set()
+    globals_seen: set[bytes] = set()
+    global_slots: list[tuple[int, str, int]] = []
+    marks: list[tuple[int, int]] = []  # (position of the MARK, items before it)
+    items = 0  # stack items since the last MARK
+    memo = 0
+    pending = False  # the previous opcode's result must be memoized now
+    previous = -1
+    pos = 2
+    while pos < size:
+        code = data[pos]
+        info = simple.get(code)
+        if info is not None:
+            if pending:
+                return None
+            n, effect = info
+            items += effect
+            if n:
+                if code == _INT_4:
+                    value = int.from_bytes(data[pos + 1 : pos + 5], "little", signed=True)
+                    if 0 <= value <= 0xFFFF:
+                        return None
+                elif code == _INT_2 and pos + 2 < size and data[pos + 2] == 0:
+                    return None
+            elif code in memoized:
+                pending = True
+                if code in (_EMPTY_DICT, _EMPTY_LIST):
+                    containers.add(memo)
+                elif code == _REDUCE and previous == _EMPTY_TUPLE:
+                    containers.add(memo)  # OrderedDict(): a container
+            previous = code
+            pos += 1 + n
+            continue
+        if code in (_PUT_1, _PUT_4):
+            if not pending:
+                return None
+            if code == _PUT_1:
+                index = data[pos + 1] if pos + 1 < size else -1
+                pos += 2
+            else:
+                if memo < 256:
+                    return None
+                index = int.from_bytes(data[pos + 1 : pos + 5], "little")
+                pos += 5
+            if index != memo:
+                return None
+            memo += 1
+            pending = False
+            previous = code
+            continue
+        if pending:
+            return None
+        if code in (_GET_1, _GET_4):
+            if code == _GET_1:
+                index = data[pos + 1] if pos + 1 < size else memo
+                pos += 2
+            else:
+                index = int.from_bytes(data[pos + 1 : pos + 5], "little")
+                if index < 256:
+                    return None
+                pos += 5
+            if index >= memo:
+                return None
+            shared.add(index)
+            items += 1
+        elif code == _STRING:
+            length = int.from_bytes(data[pos + 1 : pos + 5], "little")
+            end = pos + 5 + length
+            if end > size:
+                return None
+            if length <= 2:
+                text = data[pos + 5 : end]
+                try:
+                    chars = len(text.decode("utf-8", "surrogatepass"))
+                except UnicodeDecodeError:
+                    return None  # damaged: the scan says so
+                if chars <= 1:
+                    if text in short:
+                        return None
+                    short.add(text)
+            positions.append(pos)
+            slots.append(memo)
+            pending = True
+            items += 1
+            pos = end
+        elif code == _MARK:
+            marks.append((pos, items))
+            items = 0
+            pos += 1
+        elif code in (_SETITEMS, _APPENDS):
+            if not marks:
+                return None
+            mark, before = marks.pop()
+            single = 2 if code == _SETITEMS else 1
+            if items == 0:
+                edits.append((mark, 1, b""))
+                edits.append((pos, 1, b""))
+            elif items == single:
+                edits.append((mark, 1, b""))
+                edits.append((pos, 1, pickle.SETITEM if code == _SETITEMS else pickle.APPEND))
+            items = before
+            pos += 1
+        elif code == _TUPLE:
+            if not marks or items <= 3:
+                return None
+            items = marks.pop()[1] + 1
+            pending = True
+            pos += 1
+        elif code == _GLOBAL:
+            end = data.find(b"\n", data.find(b"\n", pos + 1) + 1)
+            if end < 0:
+                return None
+            name = data[pos + 1 : end]
+            qualname = name.replace(b"\n", b".").decode("utf-8", "replace")
+            if qualname not in _GLOBALS or name in globals_seen:
+                return None
+            globals_seen.add(name)
+            global_slots.append((pos, qualname, memo))
+            pending = True
+            items += 1
+            pos = end + 1
+        elif code == _LONG_1:
+            length = data[pos + 1] if pos + 1 < size else 0
+            value = int.from_bytes(data[pos + 2 : pos + 2 + length], "little", signed=True)
+            if -0x80000000 <= value <= 0x7FFFFFFF:
+                return None
+            items += 1
+            pos += 2 + length
+        elif code == _STOP:
+            if pos + 1 != size or marks or shared & containers:
+                return None
+            return PickleLayout(
+                positions=positions,
+                slots=slots,
+                shared=frozenset(shared),
+                edits=edits,
+                globals=global_slots,
+            )
+        else:
+            return None
+        previous = code
+    return None
+
+
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _string_at(data: bytes, pos: int) -> bytes:
+    length = int.from_bytes(data[pos + 1 : pos + 5], "little")
+    return data[pos + 5 : pos + 5 + length]
+
+
+def _memo_op(code: bytes, index: int) -> bytes:
+    # The opcode CPython's picklers choose for a memo slot: one byte below 256.
+    if index < 256:
+        return code + bytes((index,))
+    return (pickle.LONG_BINPUT if code == pickle.BINPUT else pickle.LONG_BINGET) + index.to_bytes(
+        4, "little"
+    )
+
+
+def _opcode_end(data: bytes, pos: int) -> int:
+    """Where the opcode at ``pos`` of a pickle :func:`walk` accepted ends."""
+    code = data[pos]
+    info = _SIMPLE.get(code)
+    if info is not None:
+        return pos + 1 + info[0]
+    if code in (_PUT_1, _GET_1):
+        return pos + 2
+    if code in (_PUT_4, _GET_4):
+        return pos + 5
+    if code == _STRING:
+        return pos + 5 + int.from_bytes(data[pos + 1 : pos + 5], "little")
+    if code == _GLOBAL:
+        return data.find(b"\n", data.find(b"\n", pos + 1) + 1) + 1
+    if code == _LONG_1:
+        return pos + 2 + data[pos + 1]
+    return pos + 1  # MARK, TUPLE, SETITEMS, APPENDS, STOP
+
+
+def _strings_in(obj: Any, out: set[str], depth: int = 0) -> bool:
+    """Collect the str objects of a small tree of dicts, lists and scalars; False if other."""
+    if depth > 20:
+        return False
+    if isinstance(obj, str):
+        out.add(obj)
+        return True
+    if obj is None or type(obj) in (int, float, bool):
+        return True
+    if type(obj) in (dict, collections.OrderedDict):
+        return all(
+            _strings_in(k, out, depth + 1) and _strings_in(v, out, depth + 1)
+            for k, v in obj.items()
+        )
+    if type(obj) in (list, tuple):
+        return all(_strings_in(v, out, depth + 1) for v in obj)
+    return False
+
+
+def _splice_state(
+    data: bytes, layout: PickleLayout, old_state: Any, new_state: Any
+) -> Optional[list[tuple[int, int, bytes]]]:
+    """Edits that replace a state dict's BUILD state (its ``_metadata``) by ``new_state``.
+
+    The state is found by its ``_metadata`` key (written once in the whole
+    pickle), re-emitted at that point of the memo as the old one must have been
+    (checked against the bytes there), replaced by the new one, and every memo
+    slot after it renumbered. None when any of that cannot be shown.
+    """
+    from ddpstate._pickle_emit import dump_within
+
+    found = [
+        (pos, index) for pos, index in layout.strings() if _string_at(data, pos) == b"_metadata"
+    ]
+    if len(found) != 1:
+        return None
+    name_pos, name_slot = found[0]
+    first = name_slot - 1  # the state dict's own slot, just before its key
+    start = name_pos - len(_memo_op(pickle.BINPUT, first)) - 1
+    if start < 0 or data[start:name_pos] != pickle.EMPTY_DICT + _memo_op(pickle.BINPUT, first):
+        return None
+    texts: set[str] = set()
+    if not (_strings_in(old_state, texts) and _strings_in(new_state, texts)):
+        return None
+    wanted = {_encode(t): t for t in texts}
+    memo: dict[int, Any] = {}
+    for pos, index in layout.strings():
+        if pos >= start:
+            break
+        text = wanted.get(_string_at(data, pos))
+        if text is None:
+            continue
+        if len(text) > 1:
+            return None  # an object from before the state that the state may share
+        memo[id(text)] = (index, text)  # one-character strings are one object each
+    global_slots = {name: index for pos, name, index in layout.globals if pos < start}
+    if "collections.OrderedDict" in global_slots:
+        # The tree holds real OrderedDicts; the pickler memoized their class there.
+        ordered = collections.OrderedDict
+        memo[id(ordered)] = (global_slots["collections.OrderedDict"], ordered)
+    old, old_count = dump_within(old_state, first, memo, global_slots)
+    old += pickle.BUILD
+    end = start + len(old)
+    if data[start:end] != old:
+        return None
+    new, new_count = dump_within(new_state, first, memo, global_slots)
+    edits = [(start, len(old), new + pickle.BUILD)]
+    after = first + old_count
+    delta = new_count - old_count
+    pos = end
+    size = len(data)
+    while pos < size:
+        code = data[pos]
+        stop = _opcode_end(data, pos)
+        if code in (_PUT_1, _PUT_4, _GET_1, _GET_4):
+            index = int.from_bytes(data[pos + 1 : stop], "little")
+            if first <= index < after:
+                return None  # an object of the old state used again later
+            if index >= after and delta:
+                kind = pickle.BINPUT if code in (_PUT_1, _PUT_4) else pickle.BINGET
+                edits.append((pos, stop - pos, _memo_op(kind, index + delta)))
+        pos = stop
+    return edits
+
+
+def rename_keys(
+    data: bytes,
+    layout: PickleLayout,
+    renames: Sequence[tuple[str, str]],
+    state: Optional[tuple[Any, Any]] = None,
+) -> Optional[bytes]:
+    """``data`` with the BINUNICODE string of each old key replaced by its new key.
+
+    Each old key must be written exactly once in the whole pickle and never fetched
+    from the memo (so the string is that dict key and nothing else), and no key,
+    old or new, may be one character or empty (the unpickler shares those). The
+    layout's batch edits are applied too.
+
+    Args:
+        data: A pickle :func:`walk` accepted.
+        layout: What :func:`walk` returned for it.
+        renames: ``(old key, new key)`` for every key that changes.
+        state: ``(old, new)`` BUILD state (``{"_metadata": ...}``) of the state
+            dict whose keys change, when that changes too.
+
+    Returns:
+        The new pickle, or None when a key cannot be proven to be only a dict key.
+
+    Example:
+        >>> import pickle
+        >>> data = pickle.dumps({"module.w": 1}, protocol=2)
+        >>> new = rename_keys(data, walk(data), [("module.w", "w1")])
+        >>> pickle.loads(new)
+        {'w1': 1}
+    """
+    wanted: Mapping[bytes, bytes] = {_encode(old): _encode(new) for old, new in renames}
+    if len(wanted) != len(renames):
+        return None
+    if any(len(old) <= 1 or len(new) <= 1 for old, new in renames):
+        return None
+    edits = [(pos, removed, replacement, False) for pos, removed, replacement in layout.edits]
+    if state is not None:
+        spliced = _splice_state(data, layout, *state)
+        if spliced is None:
+            return None
+        start, removed, _ = spliced[0]
+        # The re-emitted state writes its own batches.
+        edits = [e for e in edits if not start <= e[0] < start + removed]
+        edits += [(pos, removed, replacement, False) for pos, removed, replacement in spliced]
+    if wanted:
+        found: set[bytes] = set()
+        shared = layout.shared
+        for pos, index in layout.strings():
+            text = _string_at(data, pos)
+            new = wanted.get(text)
+            if new is not None:
+                if text in found or index in shared:
+                    return None
+                found.add(text)
+                # The length prefix and the text; the new text is not copied here.
+                edits.append((pos + 1, 4 + len(text), new, True))
+        if len(found) != len(wanted):
+            return None
+    if not edits:
+        return data
+    edits.sort()
+    out = bytearray()
+    view = memoryview(data)
+    start = 0
+    for pos, removed, replacement, counted in edits:
+        if pos < start:
+            return None  # overlapping edits: a key inside the replaced state
+        out += view[start:pos]
+        if counted:  # a string: its 4-byte length first
+            out += len(replacement).to_bytes(4, "little")
+        out += replacement
+        start = pos + removed
+    out += view[start:]
+    return bytes(out)
