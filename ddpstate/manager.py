@@ -921,7 +921,9 @@ class CheckpointManager:
             _exchange("CheckpointManager.clear_local", b"", self.timeout)
 
     def wait(self) -> None:
-        """Wait for the async write in flight, if any, and raise its error on every rank.
+        """Wait for the async writes in flight; raise a failed durable write's error on every rank.
+
+        A local-tier write (:meth:`save_local`) is waited for too; its failure is only a warning.
 
         A collective (a no-op on every rank when nothing is in flight).
 
@@ -937,6 +939,8 @@ class CheckpointManager:
             [1]
         """
         self._check_open("wait")
+        if self._local is not None:
+            self._local.wait()  # never raises for the local tier: a failure is a warning
         self._finish_pending()
 
     def restore(
