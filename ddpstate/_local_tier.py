@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import shutil
 import threading
@@ -316,6 +317,15 @@ class LocalTier:
             )
         return None
 
+    def _skip_restore(self, exc: BaseException) -> None:
+        warnings.warn(
+            f"CheckpointManager.restore: the node-local tier {self.directory} cannot be read "
+            f"on rank {get_rank()} ({_manager._error_text(exc)}); this node counts as holding "
+            f"no local step",
+            UserWarning,
+            stacklevel=4,
+        )
+
     def choose(self, manager: CheckpointManager) -> Optional[tuple[RestoreSource, dict[str, Any]]]:
         """A collective: the local step to restore on this rank, or None for the durable tier.
 
@@ -326,12 +336,24 @@ class LocalTier:
         """
         self.wait()
         rank = get_rank()
-        mine = self._newest_verified() if is_local_main_process() else None
+        mine = None
+        if is_local_main_process():
+            try:
+                mine = self._newest_verified()
+            except Exception as exc:  # an unreadable local tier is an empty one
+                self._skip_restore(exc)
+        durable: Optional[float] = None
+        if rank == 0:
+            try:
+                durable = manager.latest_step()
+            except Exception:
+                # The durable path below reads the folder again and raises the real error.
+                durable = math.inf
         report = {
             "main": is_local_main_process(),
             "node": _node_main(rank),
             "step": None if mine is None else mine[0],
-            "durable": manager.latest_step() if rank == 0 else None,
+            "durable": durable,
         }
         gathered = all_gather_object(report, timeout=self.timeout)
         held = {r: g["step"] for r, g in enumerate(gathered) if g["main"]}
@@ -376,12 +398,16 @@ class LocalTier:
         """
         rank = get_rank()
         folder = os.path.join(self.directory, _manager._step_name(step))
-        raw_manifest = None
+        raw_manifest: Any = None
         if rank == src:
-            with open(os.path.join(folder, _manager.MANIFEST_NAME), "rb") as f:
-                raw_manifest = f.read()
+            try:
+                with open(os.path.join(folder, _manager.MANIFEST_NAME), "rb") as f:
+                    raw_manifest = f.read()
+            except OSError as exc:
+                raw_manifest = _manager._error_text(exc)
         raw_manifest = broadcast_object(raw_manifest, src=src, timeout=self.timeout)
-        assert isinstance(raw_manifest, bytes)
+        if not isinstance(raw_manifest, bytes):  # the sender lost its copy: every rank gives up
+            return f"rank {src} could not read its local step {step}: {raw_manifest}"
         files: dict[str, Any] = json.loads(raw_manifest.decode())["files"]
         members = sorted({src, *receivers})
         # Every rank calls new_group (torch requires it); only the members exchange bytes.

@@ -1034,7 +1034,8 @@ class CheckpointManager:
             )
         error: Optional[Exception] = None
         try:
-            self._load_into(state, folder, manifest, map_location)
+            # The local tier is node-local memory: map it instead of copying (see _load_into).
+            self._load_into(state, folder, manifest, map_location, mmap=local is not None)
         except Exception as exc:
             if not is_distributed():
                 raise
@@ -1635,6 +1636,7 @@ class CheckpointManager:
         folder: str,
         manifest: dict[str, Any],
         map_location: Any,
+        mmap: bool = False,
     ) -> None:
         opts = self.storage_options
         saved_entries: dict[str, Any] = manifest["entries"]
@@ -1642,12 +1644,13 @@ class CheckpointManager:
         for name in state:
             if name in saved_entries:
                 path = storage.join(folder, saved_entries[name]["file"])
-                # No mmap: a later rotation deletes these files, and on a shared
-                # filesystem another node's mapped pages could then vanish (SIGBUS).
+                # No mmap on the durable tier: a later rotation deletes these files, and on
+                # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
+                # A local file unlinked on this node keeps its pages while mapped.
                 loaded[name] = checkpoint.load(
                     path,
                     map_location=map_location,
-                    mmap=False,
+                    mmap=mmap,
                     barrier=False,
                     storage_options=opts,
                 )

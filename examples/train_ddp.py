@@ -25,6 +25,18 @@ optimizer steps and at the end; a rerun resumes from the newest valid one
 At the end the plain model weights are exported as ``model.safetensors``
 (SyncBatchNorm reverted, wrapper prefixes removed), loadable with torch and
 safetensors alone.
+
+``--local-every K`` also saves every K steps to a node-local tier (``--local-dir``,
+default ``/dev/shm/ddpstate-<run id>-<out dir name>``), in the background; a worker
+that crashes is back within seconds and loses fewer than K steps:
+
+    torchrun --standalone --nproc-per-node=2 --max-restarts=1 examples/train_ddp.py \
+        --local-every=5 --save-every=50
+
+Every rank prints which tier and step it restored from. Restarts by torchrun work as
+typed: ``ddpstate.init_distributed`` gives each restart attempt its own store keys
+(pytorch/pytorch#135712; code calling ``init_process_group`` itself needs
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun instead).
 """
 
 from __future__ import annotations
