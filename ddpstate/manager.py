@@ -617,6 +617,7 @@ class CheckpointManager:
         local_dir: A node-local folder (``/dev/shm/ddpstate-<job id>``) for the
             fast tier written by :meth:`save_local`; None (default) turns it
             off. Name it per job: restore takes the newest step of any tier.
+            It may differ between nodes (not between the ranks of one node).
         local_every: :meth:`save_local` writes the steps divisible by this.
         local_keep: Local steps kept on each node (the newest ones).
 
@@ -962,6 +963,14 @@ class CheckpointManager:
         wrapping works); plain values are written back into ``state`` (the
         dict is updated in place, as ``torch.distributed.checkpoint.load``
         does). Each rank restores its own RNG states.
+
+        With a ``local_dir`` and no ``step``, the node-local tier answers first:
+        each node's local rank 0 verifies its newest local step, and the ranks
+        restore the newest local step any node holds (a node that lacks it
+        receives it from one that has it, over the process group), unless the
+        durable tier has a newer committed step or no node has a complete
+        local step. :attr:`restored_from` says, on each rank, which tier and
+        step it came from.
 
         If the world size changed since the save, a warning says so and ranks
         ``r < saved world size`` restore rank ``r``'s saved RNG states, while
