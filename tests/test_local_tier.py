@@ -304,3 +304,43 @@ def test_enospc_on_a_tiny_tmpfs_never_stops_training(tmp_path: Path) -> None:
         )
         assert all("No space left" in why for _, why in results[0]["skipped"])
         _check_full_tier_outcome(results, tmp_path / "run", shm / "job")
+
+
+def _four_ranks_two_nodes(rank: int, world: int, root: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank % 2)  # ranks 0-1 on node 0, ranks 2-3 on node 1
+    local = os.path.join(root, "shm", f"node{rank // 2}")
+    model = DDP(nn.Linear(64, 64))
+    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=3) as m:
+        for step in range(1, 7):
+            with torch.no_grad():
+                model.module.weight.fill_(float(step))
+            m.save_local(step, {"model": model})
+        draws = _draws()
+    if rank == 0:
+        shutil.rmtree(os.path.join(root, "shm", "node1"))  # node 1 is replaced
+    # Every rank waits until the wipe is done before restoring.
+    torch.distributed.barrier()
+    fresh = DDP(nn.Linear(64, 64))
+    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=3) as m:
+        step = m.restore({"model": fresh})
+        source = m.restored_from
+    assert source is not None
+    return {
+        "step": step,
+        "tier": source.tier,
+        "sender": source.sender,
+        "weight": fresh.module.weight[0, 0].item(),
+        "same_draws": _draws() == draws,
+    }
+
+
+def test_four_ranks_on_two_nodes_the_replaced_node_receives_once(tmp_path: Path) -> None:
+    results = run_ranks(_four_ranks_two_nodes, 4, args=(str(tmp_path),))
+    assert [(r["tier"], r["sender"]) for r in results] == [
+        ("local", None),
+        ("local", None),
+        ("peer", 0),
+        ("peer", 0),
+    ]
+    assert all(r["step"] == 6 and r["weight"] == 6.0 and r["same_draws"] for r in results)
+    assert verify_checkpoint(tmp_path / "shm" / "node1" / "step_0000000006").ok
