@@ -30,6 +30,7 @@ from typing import Any, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from ddpstate import _elastic
 from ddpstate.errors import (
     BarrierTimeoutError,
     InvalidArgumentError,
@@ -614,11 +615,19 @@ def init_distributed(
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        timeout=timedelta(seconds=_resolve_timeout(timeout)),
-    )
+    pg_timeout = timedelta(seconds=_resolve_timeout(timeout))
+    # Under torchrun's shared agent store, each restart attempt gets keys of its own.
+    store = _elastic.attempt_store(pg_timeout)
+    if store is not None:
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=get_rank(),
+            world_size=get_world_size(),
+            timeout=pg_timeout,
+        )
+    else:
+        dist.init_process_group(backend=backend, init_method="env://", timeout=pg_timeout)
     return DistContext(
         dist.get_rank(),
         local_rank,

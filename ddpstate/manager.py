@@ -42,7 +42,7 @@ from typing import IO, Any, Optional, Union
 import torch
 from torch import nn
 
-from ddpstate import _fs, _savecheck, checkpoint, errors, storage
+from ddpstate import _fs, _local_tier, _savecheck, checkpoint, errors, storage
 from ddpstate._version import __version__
 from ddpstate.dist import (
     _exchange,
@@ -650,6 +650,12 @@ class CheckpointManager:
             Needed only beyond the everyday ones: numpy scalars and numeric
             arrays, ``pathlib`` paths, ``datetime`` values, ``argparse.Namespace``,
             ``OrderedDict`` and ``defaultdict``. Pass the same list on every rank.
+        local_dir: A node-local folder (``/dev/shm/ddpstate-<job id>``) for the
+            fast tier written by :meth:`save_local`; None (default) turns it
+            off. Name it per job: restore takes the newest step of any tier.
+            It may differ between nodes (not between the ranks of one node).
+        local_every: :meth:`save_local` writes the steps divisible by this.
+        local_keep: Local steps kept on each node (the newest ones).
 
     Raises:
         DDPStateError: An argument is invalid, the ranks passed different
@@ -681,6 +687,9 @@ class CheckpointManager:
         handle_signals: bool = False,
         timeout: Timeout = None,
         safe_globals: Sequence[Any] = (),
+        local_dir: Optional[PathLike] = None,
+        local_every: int = 1,
+        local_keep: int = 2,
     ) -> None:
         if keep_last is not None and (
             isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
@@ -725,6 +734,11 @@ class CheckpointManager:
         self._stop_signal: Optional[int] = None
         self._previous_handlers: dict[int, Any] = {}
         self._check_same_config()
+        # The node-local tier (see _local_tier.py): off unless local_dir is given.
+        self._local: Optional[_local_tier.LocalTier] = None
+        self.restored_from: Optional[_local_tier.RestoreSource] = None
+        if local_dir is not None:
+            self._local = _local_tier.LocalTier(local_dir, local_every, local_keep, timeout)
         if handle_signals:
             self._install_signal_handlers()
 
@@ -882,8 +896,87 @@ class CheckpointManager:
                 error = exc
         self._share_outcome(step, folder, error)
 
+    # ------------------------------------------------------------------ node-local tier
+
+    def save_local(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Save ``state`` to the node-local tier when ``step`` is a multiple of ``local_every``.
+
+        Meant to be called every step: other steps return at once, with no
+        collective. On a due step it is a collective (the ranks' RNG states
+        travel through the store): each node's local rank 0 copies the state
+        into CPU memory kept between saves and writes it to ``local_dir`` in a
+        background thread (manifest last, as durable steps), keeping the
+        newest ``local_keep`` steps. It never raises for a failed local write
+        (out of space, a folder that cannot be made, any write error): it
+        warns once, skips that step on that node, and training goes on; the
+        durable checkpoints are never touched. :meth:`save` stays the durable
+        save, on your own schedule.
+
+        Args:
+            step: The training step (an int >= 0), the same on every rank.
+            state: As for :meth:`save`.
+
+        Returns:
+            True when this rank started a local write for ``step``.
+
+        Raises:
+            DDPStateError: The manager has no ``local_dir``, or invalid arguments.
+
+        Example:
+            >>> import tempfile, torch, ddpstate
+            >>> manager = ddpstate.CheckpointManager(
+            ...     tempfile.mkdtemp(), local_dir=tempfile.mkdtemp(), local_every=2
+            ... )
+            >>> model = torch.nn.Linear(2, 2)
+            >>> [manager.save_local(s, {"model": model}) for s in (1, 2)]
+            [False, True]
+            >>> manager.restore({"model": model}), str(manager.restored_from.tier)
+            (2, 'local')
+        """
+        self._check_open("save_local")
+        if self._local is None:
+            raise InvalidArgumentError(
+                "CheckpointManager.save_local: this manager has no node-local tier; pass "
+                "local_dir='/dev/shm/ddpstate-<job id>' (and local_every=K) to CheckpointManager"
+            )
+        step = _check_step(step)
+        _check_state(state, "save_local")
+        return self._local.save(self, step, state)
+
+    @property
+    def local_skipped(self) -> list[tuple[int, str]]:
+        """The local steps this rank skipped and why (empty without a node-local tier)."""
+        return [] if self._local is None else list(self._local.skipped)
+
+    def clear_local(self) -> None:
+        """Delete the node-local tier's folder on every node (for a fresh start).
+
+        A collective: waits for the local write in flight, lets each node's
+        local rank 0 delete ``local_dir``, then meets the other ranks. The
+        durable checkpoints are untouched. :meth:`close` leaves the local tier
+        in place for a restart; this is how it goes away. A no-op without a
+        ``local_dir``.
+
+        Example:
+            >>> import os, tempfile, torch, ddpstate
+            >>> local = os.path.join(tempfile.mkdtemp(), "shm")
+            >>> manager = ddpstate.CheckpointManager(tempfile.mkdtemp(), local_dir=local)
+            >>> manager.save_local(1, {"w": torch.ones(2)})
+            True
+            >>> manager.clear_local(); os.path.exists(local)
+            False
+        """
+        self._check_open("clear_local")
+        if self._local is None:
+            return
+        self._local.clear()
+        if is_distributed():
+            _exchange("CheckpointManager.clear_local", b"", self.timeout)
+
     def wait(self) -> None:
-        """Wait for the async write in flight, if any, and raise its error on every rank.
+        """Wait for the async writes in flight; raise a failed durable write's error on every rank.
+
+        A local-tier write (:meth:`save_local`) is waited for too; its failure is only a warning.
 
         A collective (a no-op on every rank when nothing is in flight).
 
@@ -899,6 +992,8 @@ class CheckpointManager:
             [1]
         """
         self._check_open("wait")
+        if self._local is not None:
+            self._local.wait()  # never raises for the local tier: a failure is a warning
         self._finish_pending()
 
     def restore(
@@ -921,6 +1016,14 @@ class CheckpointManager:
         wrapping works); plain values are written back into ``state`` (the
         dict is updated in place, as ``torch.distributed.checkpoint.load``
         does). Each rank restores its own RNG states.
+
+        With a ``local_dir`` and no ``step``, the node-local tier answers first:
+        each node's local rank 0 verifies its newest local step, and the ranks
+        restore the newest local step any node holds (a node that lacks it
+        receives it from one that has it, over the process group), unless the
+        durable tier has a newer committed step or no node has a complete
+        local step. :attr:`restored_from` says, on each rank, which tier and
+        step it came from.
 
         If the world size changed since the save, a warning says so and ranks
         ``r < saved world size`` restore rank ``r``'s saved RNG states, while
@@ -966,22 +1069,26 @@ class CheckpointManager:
         names = _check_state(state, "restore")
         if step is not None:
             step = _check_step(step)
-        decision: Any = None
-        if get_rank() == 0:
+        # The node-local tier answers first when it holds a step at least as new as the durable.
+        local = self._local.choose(self) if self._local is not None and step is None else None
+        decision: Any = ("ok", (local[0].step, local[1])) if local is not None else None
+        if local is None and get_rank() == 0:
             try:
                 decision = ("ok", self._choose(step))
             except Exception as exc:
                 if not is_distributed():
                     raise
                 decision = ("error", type(exc).__name__, str(exc))
-        decision = broadcast_object(decision, src=0, timeout=self.timeout)
+        if local is None:
+            decision = broadcast_object(decision, src=0, timeout=self.timeout)
         if decision[0] == "error":
             raise _shared_error_class(decision[1])(decision[2])
         choice = decision[1]
         if choice is None:
+            self.restored_from = _local_tier.RestoreSource(None, "none")
             return None
         chosen_step, manifest = choice
-        folder = self.checkpoint_path(chosen_step)
+        folder = self.checkpoint_path(chosen_step) if local is None else str(local[0].path)
         saved_entries: dict[str, Any] = manifest["entries"]
         missing = [n for n in names if n not in saved_entries]
         unexpected = [n for n in saved_entries if n not in names]
@@ -995,12 +1102,17 @@ class CheckpointManager:
             )
         error: Optional[Exception] = None
         try:
-            self._load_into(state, folder, manifest, map_location, ignore_mismatched)
+            # The local tier is node-local memory: map it instead of copying (see _load_into).
+            self._load_into(
+                state, folder, manifest, map_location, ignore_mismatched, mmap=local is not None
+            )
         except Exception as exc:
             if not is_distributed():
                 raise
             error = exc
         self._share_restore_outcome(chosen_step, error)
+        durable = _local_tier.RestoreSource(chosen_step, "durable", folder)
+        self.restored_from = local[0] if local is not None else durable
         return int(chosen_step)
 
     def should_stop(self) -> bool:
@@ -1081,6 +1193,8 @@ class CheckpointManager:
 
     def _release(self) -> None:
         self._closed = True
+        if self._local is not None:
+            self._local.close()
         self._thread = None
         self._buffers.clear()
         for signum, handler in self._previous_handlers.items():
@@ -1636,6 +1750,7 @@ class CheckpointManager:
         manifest: dict[str, Any],
         map_location: Any,
         ignore_mismatched: bool = False,
+        mmap: bool = False,
     ) -> None:
         opts = self.storage_options
         saved_entries: dict[str, Any] = manifest["entries"]
@@ -1643,12 +1758,13 @@ class CheckpointManager:
         for name in state:
             if name in saved_entries:
                 path = storage.join(folder, saved_entries[name]["file"])
-                # No mmap: a later rotation deletes these files, and on a shared
-                # filesystem another node's mapped pages could then vanish (SIGBUS).
+                # No mmap on the durable tier: a later rotation deletes these files, and on
+                # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
+                # A local file unlinked on this node keeps its pages while mapped.
                 loaded[name] = checkpoint.load(
                     path,
                     map_location=map_location,
-                    mmap=False,
+                    mmap=mmap,
                     barrier=False,
                     storage_options=opts,
                     safe_globals=self.safe_globals,

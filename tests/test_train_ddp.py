@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -209,3 +210,94 @@ def test_two_nodes_one_process_each_with_c10d_rendezvous(tmp_path: Path) -> None
     printed = "".join(o for o, _ in outs)
     assert printed.count("final validation accuracy") == 1  # one main process across nodes
     assert _steps(tmp_path / "run")[-1] == 30
+
+
+# --------------------------------------------------------------------------- node-local tier
+
+LOCAL = ["--epochs=2", "--save-every=40", "--local-every=5", *FAST]
+
+
+def _local_steps(folder: Path) -> list[int]:
+    return _steps(folder) if folder.exists() else []
+
+
+def test_kill9_of_one_worker_restarts_from_the_local_tier_bitwise(tmp_path: Path) -> None:
+    _run(_torchrun(*LOCAL, f"--out-dir={tmp_path / 'straight'}", f"--local-dir={tmp_path / 's'}"))
+    reference = load_file(str(tmp_path / "straight" / "model.safetensors"))
+
+    out, shm = tmp_path / "killed", tmp_path / "shm"
+    # torchrun restarts the workers once; its agent shares its store with them, so this
+    # also checks init_distributed's per-attempt store (pytorch/pytorch#135712).
+    cmd = _torchrun(*LOCAL, f"--out-dir={out}", f"--local-dir={shm}", extra=("--max-restarts=1",))
+    proc = _start(cmd)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not [s for s in _local_steps(shm) if s >= 15]:
+            time.sleep(0.05)
+        seen = max(_local_steps(shm))
+        workers = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "train_ddp.py" in " ".join(p.cmdline())
+        ]
+        assert len(workers) == 2
+        workers[-1].send_signal(signal.SIGKILL)  # one worker crashes; the agent restarts both
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        _killpg(proc, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-4000:]
+    restored = re.findall(r"rank (\d): restored local step (\d+)", stdout)
+    assert sorted(r for r, _ in restored) == ["0", "1"], stdout + stderr[-3000:]
+    step = int(restored[0][1])
+    assert 15 <= seen <= step < 40  # the local step: no durable checkpoint before step 40
+    final = load_file(str(out / "model.safetensors"))
+    assert final.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(final[key], tensor), key
+
+
+def test_two_nodes_a_wiped_node_gets_the_local_step_from_the_other(tmp_path: Path) -> None:
+    def both_nodes(*args: str) -> list[str]:
+        port = _free_port()
+        nodes = [
+            _start(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    "--nproc-per-node=1",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=local-tier",
+                    "--max-restarts=0",
+                    f"--node-rank={n}",
+                    str(TRAINER),
+                    *args,
+                    f"--out-dir={tmp_path / 'run'}",
+                    f"--local-dir={tmp_path / f'shm{n}'}",  # each "node" has its own /dev/shm
+                ]
+            )
+            for n in (0, 1)
+        ]
+        try:
+            outs = [p.communicate(timeout=240) for p in nodes]
+        finally:
+            for p in nodes:
+                _killpg(p, signal.SIGKILL)
+        for p, (_, stderr) in zip(nodes, outs, strict=True):
+            assert p.returncode == 0, stderr[-4000:]
+        return [o for o, _ in outs]
+
+    args = ("--epochs=2", "--max-steps=14", "--local-every=5", "--save-every=4", *FAST)
+    both_nodes(*args)
+    assert _steps(tmp_path / "run") == [12, 14] and _steps(tmp_path / "shm1") == [5, 10]
+    shutil.rmtree(tmp_path / "shm1")  # node 1 was replaced
+    # Make the local tier the newest: drop the durable steps after 10.
+    for step in (12, 14):
+        shutil.rmtree(tmp_path / "run" / f"step_{step:010d}")
+    printed = both_nodes(*args)
+    assert "rank 0: restored local step 10" in printed[0], printed[0]
+    assert "rank 1: restored peer step 10" in printed[1], printed[1]
+    assert "sent by rank 0's node" in printed[1]
+    assert 10 in _steps(tmp_path / "shm1")  # the replaced node holds the step again

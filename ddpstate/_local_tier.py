@@ -1,0 +1,546 @@
+"""The node-local checkpoint tier: a fast copy of the training state on every node (``/dev/shm``).
+
+Under DDP every rank holds the whole replicated state, so one copy per node in
+node-local memory is enough to survive a worker crash and torchrun's restart
+of the workers (``/dev/shm`` outlives the processes, not the node). The local
+main process (local rank 0) of each node writes it, in a background thread,
+in the same layout as a durable step folder (entries, every rank's RNG states,
+``manifest.json`` written last as the commit marker)::
+
+    <local_dir>/step_0000001230/{model.pt, optimizer.pt, _rng.pt, manifest.json}
+
+Nothing here may hurt training: every failure of a local save (out of space, a
+folder that cannot be made, any write error) is a warning, once, and the step
+is skipped on that node. On restore the nodes agree on the newest step any of
+them holds; a node that lacks it receives the files from a node that has it
+over the process group (so a replaced node, or a wiped ``/dev/shm``, costs a
+transfer, not a fall back to the durable tier).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import shutil
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+# Module-style, as manager.py imports this module: either may be imported first.
+from ddpstate import manager as _manager
+from ddpstate import storage
+from ddpstate._version import __version__
+from ddpstate.dist import (
+    all_gather_object,
+    broadcast_object,
+    get_local_rank,
+    get_rank,
+    is_distributed,
+    is_local_main_process,
+)
+from ddpstate.errors import InvalidArgumentError
+from ddpstate.rng import capture_rng_state
+
+if TYPE_CHECKING:
+    from ddpstate.manager import CheckpointManager
+
+__all__ = ["LocalTier", "RestoreSource"]
+
+Timeout = Union[float, timedelta, None]
+
+#: Files travel between nodes in pieces of this many bytes (bounds the memory a transfer takes).
+TRANSFER_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class RestoreSource:
+    """Where :meth:`CheckpointManager.restore` took the state from, on this rank.
+
+    Attributes:
+        step: The restored step, or None when nothing was restored (a fresh run).
+        tier: ``"local"`` (this node's own local tier), ``"peer"`` (this node
+            lacked the step and received it from another node's local tier),
+            ``"durable"`` (the manager's directory) or ``"none"``.
+        path: The step folder loaded from (None for ``"none"``).
+        sender: For ``"peer"``: the global rank whose node sent the step.
+    """
+
+    step: Optional[int]
+    tier: str
+    path: Optional[str] = None
+    sender: Optional[int] = None
+
+    def __str__(self) -> str:
+        if self.step is None:
+            return "nothing (no checkpoint in any tier)"
+        via = f" sent by rank {self.sender}'s node" if self.sender is not None else ""
+        return f"{self.tier} step {self.step} ({self.path}{via})"
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"CheckpointManager: {name}={value!r} must be an int >= 1")
+    return int(value)
+
+
+def _node_main(rank: int) -> int:
+    # torchrun and srun number the ranks of a node contiguously from its local rank 0.
+    return rank - get_local_rank()
+
+
+class LocalTier:
+    """The node-local tier of one :class:`~ddpstate.CheckpointManager` (internal)."""
+
+    def __init__(self, directory: Any, every: Any, keep: Any, timeout: Timeout) -> None:
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise InvalidArgumentError(
+                f"CheckpointManager: local_dir={directory!r} must be a local folder, such as "
+                f"'/dev/shm/ddpstate-<job id>'"
+            )
+        self.directory = os.path.abspath(os.fspath(directory))
+        if "://" in os.fspath(directory):
+            raise InvalidArgumentError(
+                f"CheckpointManager: local_dir={directory!r} must be a node-local folder, not a URL"
+            )
+        self.every = _check_positive("local_every", every)
+        self.keep = _check_positive("local_keep", keep)
+        self.timeout = timeout
+        self.skipped: list[tuple[int, str]] = []
+        self._warned = False
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._thread_step = -1
+        self._thread_error: Optional[BaseException] = None
+        if is_distributed():
+            config = all_gather_object((self.every, self.keep), timeout=timeout)
+            differing = [r for r, c in enumerate(config) if c != config[0]]
+            if differing:
+                raise InvalidArgumentError(
+                    f"CheckpointManager: rank(s) {differing} passed local_every/local_keep "
+                    f"{config[differing[0]]} but rank 0 passed {config[0]}; pass the same on "
+                    f"every rank"
+                )
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, manager: CheckpointManager, step: int, state: Mapping[str, Any]) -> bool:
+        """Snapshot ``state`` and write it in the background when ``step`` is due."""
+        if step % self.every:
+            return False
+        self.wait()
+        writer = is_local_main_process()
+        entries: Optional[dict[str, _manager._Entry]] = None
+        events: list[Any] = []
+        if writer:
+            try:
+                entries, events = self._snapshot(manager, state)
+            except Exception as exc:  # the local tier never stops training
+                self._skip(step, exc)
+        # Every rank's RNG states go to every node, so any node can restore any rank.
+        rng_states = all_gather_object(capture_rng_state(), timeout=self.timeout)
+        if entries is None:
+            return False
+        self._thread_error = None
+        self._thread_step = step
+        self._thread = threading.Thread(
+            target=self._write_in_thread,
+            args=(step, entries, rng_states, events),
+            name=f"ddpstate-local-tier-step-{step}",
+            daemon=False,
+        )
+        self._thread.start()
+        return True
+
+    def _snapshot(
+        self, manager: CheckpointManager, state: Mapping[str, Any]
+    ) -> tuple[dict[str, _manager._Entry], list[Any]]:
+        # The manager's snapshot code, with this tier's own copy buffers: an async
+        # durable write may still be reading the manager's.
+        durable_buffers = manager._buffers
+        manager._buffers = self._buffers
+        try:
+            return manager._collect(state, snapshot=True)
+        finally:
+            self._buffers = manager._buffers
+            manager._buffers = durable_buffers
+
+    def _write_in_thread(
+        self,
+        step: int,
+        entries: dict[str, _manager._Entry],
+        rng_states: list[Any],
+        events: list[Any],
+    ) -> None:
+        try:
+            for event in events:
+                event.synchronize()
+            self._write(step, entries, rng_states)
+        except BaseException as exc:
+            self._thread_error = exc
+
+    def _write(self, step: int, entries: dict[str, _manager._Entry], rng_states: list[Any]) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        self._clean()
+        target = os.path.join(self.directory, _manager._step_name(step))
+        staging = storage.temp_path_for(target)
+        os.makedirs(staging)
+        try:
+            files: dict[str, dict[str, Any]] = {}
+            manifest_entries: dict[str, dict[str, str]] = {}
+            for name, entry in entries.items():
+                filename = name + ".pt"
+                files[filename] = _write_file(os.path.join(staging, filename), entry.value)
+                manifest_entries[name] = {"file": filename, "kind": entry.kind}
+            rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
+            files[_manager.RNG_FILE] = _write_file(
+                os.path.join(staging, _manager.RNG_FILE), rng_payload
+            )
+            now = time.time()
+            manifest: dict[str, Any] = {
+                "manifest_version": _manager.MANIFEST_VERSION,
+                "step": step,
+                "metrics": {},
+                "world_size": len(rng_states),
+                "ddpstate_version": __version__,
+                "torch_version": torch.__version__,
+                "created": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+                "created_unix": now,
+                "checksum": "crc32",
+                "entries": manifest_entries,
+                "rng_file": _manager.RNG_FILE,
+                "files": files,
+            }
+            manifest[_manager.MANIFEST_CRC_FIELD] = _manager._manifest_crc(manifest)
+            _write_bytes(
+                os.path.join(staging, _manager.MANIFEST_NAME), _manager._manifest_bytes(manifest)
+            )
+            storage.replace_folder(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self._rotate()
+
+    def _committed(self) -> list[int]:
+        if not os.path.isdir(self.directory):
+            return []
+        found = []
+        for name in os.listdir(self.directory):
+            step = _manager._parse_step(name)
+            if step is not None and os.path.exists(
+                os.path.join(self.directory, name, _manager.MANIFEST_NAME)
+            ):
+                found.append(step)
+        return sorted(found)
+
+    def _clean(self) -> None:
+        """Delete what killed writers left: temp folders and uncommitted step folders."""
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            committed = os.path.exists(os.path.join(path, _manager.MANIFEST_NAME))
+            if storage.is_temp_name(name) or (
+                _manager._parse_step(name) is not None and not committed
+            ):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _rotate(self) -> None:
+        for step in self._committed()[: -self.keep]:
+            folder = os.path.join(self.directory, _manager._step_name(step))
+            # Manifest first: a crash midway leaves an uncommitted folder, never a broken one.
+            os.remove(os.path.join(folder, _manager.MANIFEST_NAME))
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _skip(self, step: int, exc: BaseException) -> None:
+        self.skipped.append((step, _manager._error_text(exc)))
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"CheckpointManager: the node-local tier skipped step {step} on rank {get_rank()} "
+            f"({_manager._error_text(exc)}); training goes on and the durable checkpoints are "
+            f"untouched. "
+            f"{self.directory} needs free space for local_keep + 1 copies of the state; "
+            f"later local failures are not warned about again (see manager.local_skipped)",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def wait(self) -> None:
+        """Wait for the local write in flight; a failure is a warning, never an error."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join()
+        self._thread = None
+        error, self._thread_error = self._thread_error, None
+        if error is None:
+            return
+        if not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt or SystemExit inside the writer
+        self._skip(self._thread_step, error)
+
+    def clear(self) -> None:
+        """Wait for the write in flight, then delete the local folder (local main process)."""
+        self.wait()
+        if is_local_main_process():
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def close(self) -> None:
+        """Finish the local write in flight and free the copy buffers; the files stay."""
+        try:
+            self.wait()
+        finally:
+            self._buffers.clear()
+
+    # ------------------------------------------------------------------ restoring
+
+    def _newest_verified(self) -> Optional[tuple[int, str]]:
+        for step in reversed(self._committed()):
+            folder = os.path.join(self.directory, _manager._step_name(step))
+            check = _manager._check_folder(folder, step, None)
+            if check.manifest is not None:
+                return step, folder
+            warnings.warn(
+                f"CheckpointManager.restore: skipping the local {folder}: "
+                f"{'; '.join(check.problems)}",
+                UserWarning,
+                stacklevel=4,
+            )
+        return None
+
+    def _skip_restore(self, exc: BaseException) -> None:
+        warnings.warn(
+            f"CheckpointManager.restore: the node-local tier {self.directory} cannot be read "
+            f"on rank {get_rank()} ({_manager._error_text(exc)}); this node counts as holding "
+            f"no local step",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def choose(self, manager: CheckpointManager) -> Optional[tuple[RestoreSource, dict[str, Any]]]:
+        """A collective: the local step to restore on this rank, or None for the durable tier.
+
+        Each node's local main process verifies its newest local step; the
+        ranks gather the findings and agree on the newest step any node holds,
+        unless the durable tier has a newer committed step. Nodes that lack
+        the step receive its files from the lowest rank that has it.
+        """
+        self.wait()
+        rank = get_rank()
+        mine = None
+        if is_local_main_process():
+            try:
+                mine = self._newest_verified()
+            except Exception as exc:  # an unreadable local tier is an empty one
+                self._skip_restore(exc)
+        durable: Optional[float] = None
+        if rank == 0:
+            try:
+                durable = manager.latest_step()
+            except Exception:
+                # The durable path below reads the folder again and raises the real error.
+                durable = math.inf
+        report = {
+            "main": is_local_main_process(),
+            "node": _node_main(rank),
+            "step": None if mine is None else mine[0],
+            "durable": durable,
+        }
+        gathered = all_gather_object(report, timeout=self.timeout)
+        held = {r: g["step"] for r, g in enumerate(gathered) if g["main"]}
+        steps = [s for s in held.values() if s is not None]
+        durable = gathered[0]["durable"]
+        if not steps or (durable is not None and durable > max(steps)):
+            return None
+        best = max(steps)
+        holders = sorted(r for r, s in held.items() if s == best)
+        lacking = sorted(r for r, s in held.items() if s != best)
+        folder = os.path.join(self.directory, _manager._step_name(best))
+        node = report["node"]
+        if lacking:
+            error = self._transfer(best, holders[0], lacking)
+            outcomes = all_gather_object(error, timeout=self.timeout)
+            failed = [(r, e) for r, e in enumerate(outcomes) if e]
+            if failed:
+                if rank == 0:
+                    warnings.warn(
+                        f"CheckpointManager.restore: sending local step {best} to the nodes "
+                        f"that lack it failed ("
+                        + "; ".join(f"rank {r}: {e}" for r, e in failed)
+                        + "); restoring from the durable tier instead",
+                        UserWarning,
+                        stacklevel=4,
+                    )
+                return None
+        manifest, problem = _manager._read_manifest(folder, None)
+        if manifest is None:
+            # Only possible if the folder changed under us after the agreement.
+            raise InvalidArgumentError(f"CheckpointManager.restore: {folder}: {problem}")
+        if node in lacking:
+            return RestoreSource(best, "peer", folder, holders[0]), manifest
+        return RestoreSource(best, "local", folder), manifest
+
+    def _transfer(self, step: int, src: int, receivers: list[int]) -> str:
+        """Send step ``step``'s files from ``src``'s node to the ``receivers`` (node mains).
+
+        A collective over every rank; returns this rank's error text ("" when fine).
+        Every member goes through every chunk even after its own failure, so a
+        full disk on one node never leaves the others waiting.
+        """
+        rank = get_rank()
+        folder = os.path.join(self.directory, _manager._step_name(step))
+        raw_manifest: Any = None
+        if rank == src:
+            try:
+                with open(os.path.join(folder, _manager.MANIFEST_NAME), "rb") as f:
+                    raw_manifest = f.read()
+            except OSError as exc:
+                raw_manifest = _manager._error_text(exc)
+        raw_manifest = broadcast_object(raw_manifest, src=src, timeout=self.timeout)
+        if not isinstance(raw_manifest, bytes):  # the sender lost its copy: every rank gives up
+            return f"rank {src} could not read its local step {step}: {raw_manifest}"
+        files: dict[str, Any] = json.loads(raw_manifest.decode())["files"]
+        members = sorted({src, *receivers})
+        # Every rank calls new_group (torch requires it); only the members exchange bytes.
+        group = dist.new_group(members) if is_distributed() else None
+        try:
+            if rank not in members:
+                return ""
+            sink = _Sink(storage.temp_path_for(folder) if rank in receivers else None)
+            for filename in sorted(files):
+                _send_file(
+                    os.path.join(folder, filename) if rank == src else None,
+                    sink,
+                    filename,
+                    int(files[filename]["size"]),
+                    str(files[filename]["crc32"]),
+                    src,
+                    group,
+                )
+            if sink.folder is not None:
+                sink.commit(raw_manifest, folder)
+                if not sink.error:
+                    self._rotate()
+            return sink.error
+        finally:
+            if group is not None and rank in members:
+                dist.destroy_process_group(group)
+
+
+class _Sink:
+    """A receiver's staging folder; the first error is kept and later writes are dropped."""
+
+    def __init__(self, folder: Optional[str]) -> None:
+        self.folder = folder
+        self.error = ""
+        self._file: Optional[Any] = None
+        self._crc = 0
+        if folder is not None:
+            self._guard(lambda: os.makedirs(folder))
+
+    def _guard(self, action: Any) -> None:
+        if self.error:
+            return
+        try:
+            action()
+        except Exception as exc:
+            # A failed receive costs the fast path, never the job: restore falls back.
+            self.error = _manager._error_text(exc)
+            self.close()
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+
+    def open(self, filename: str) -> None:
+        if self.folder is not None:
+            self._crc = 0
+            path = os.path.join(self.folder, filename)
+            self._guard(lambda: setattr(self, "_file", open(path, "wb")))  # noqa: SIM115
+
+    def write(self, data: memoryview) -> None:
+        if self._file is not None:
+            self._crc = zlib.crc32(data, self._crc)
+            self._guard(lambda: self._file.write(data))
+
+    def finish(self, filename: str, crc32: str) -> None:
+        def check() -> None:
+            self.close()
+            if _manager._checksum_hex(self._crc) != crc32:
+                raise OSError(f"{filename}: the received bytes fail their CRC-32 ({crc32})")
+
+        if self.folder is not None:
+            self._guard(check)
+
+    def close(self) -> None:
+        if self._file is not None:
+            file, self._file = self._file, None
+            file.close()
+
+    def commit(self, raw_manifest: bytes, target: str) -> None:
+        def done() -> None:
+            _write_bytes(os.path.join(str(self.folder), _manager.MANIFEST_NAME), raw_manifest)
+            storage.replace_folder(str(self.folder), target)
+
+        self._guard(done)
+
+
+def _write_file(path: str, obj: Any) -> dict[str, Any]:
+    # No fsync: the local tier is for surviving a crashed process, not a crashed node.
+    with storage.atomic_write(path, fsync=False) as raw:
+        writer = _manager._ChecksumWriter(raw)
+        try:
+            torch.save(obj, writer)  # type: ignore[arg-type]
+        except Exception as exc:
+            if writer.error is not None and writer.error is not exc:
+                raise writer.error from exc
+            raise
+    return {"size": writer.size, "crc32": _manager._checksum_hex(writer.crc)}
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with storage.atomic_write(path, fsync=False) as f:
+        f.write(data)
+
+
+def _send_file(
+    source: Optional[str],
+    sink: _Sink,
+    filename: str,
+    size: int,
+    crc32: str,
+    src: int,
+    group: Any,
+) -> None:
+    """Broadcast one file from ``src`` in chunks; a receiver's ``sink`` writes and checks it."""
+    nccl = group is not None and dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    buffer = torch.zeros(min(size, TRANSFER_CHUNK) or 1, dtype=torch.uint8)
+    sink.open(filename)
+    inp = open(source, "rb") if source is not None else None  # noqa: SIM115
+    try:
+        done = 0
+        while done < size:
+            n = min(TRANSFER_CHUNK, size - done)
+            chunk = buffer[:n]
+            if inp is not None:
+                # A short read sends zeros: the receivers' CRC check then fails, nobody hangs.
+                inp.readinto(chunk.numpy().data)
+            if group is not None:
+                moved = chunk.to(device)
+                dist.broadcast(moved, src=src, group=group)
+                if nccl:
+                    chunk.copy_(moved.cpu())
+            sink.write(chunk.numpy().data)
+            done += n
+        sink.finish(filename, crc32)
+    finally:
+        if inp is not None:
+            inp.close()

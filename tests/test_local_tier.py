@@ -1,0 +1,346 @@
+"""CheckpointManager's node-local tier: real files, real 2-rank gloo groups, real full disks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpstate.errors import InvalidArgumentError
+from ddpstate.manager import MANIFEST_NAME, CheckpointManager, verify_checkpoint
+from tests.multiproc import run_ranks
+from tests.test_manager import _assert_bitwise
+from tests.test_manager_dist import _build, _contents, _draws, _step
+
+# --------------------------------------------------------------------------- one process
+
+
+def test_save_local_writes_due_steps_and_keeps_the_newest(tmp_path: Path) -> None:
+    local = tmp_path / "shm"
+    model = nn.Linear(4, 4)
+    with CheckpointManager(tmp_path / "run", local_dir=local, local_every=3, local_keep=2) as m:
+        written = [s for s in range(1, 13) if m.save_local(s, {"model": model, "step": s})]
+    assert written == [3, 6, 9, 12]
+    assert sorted(p.name for p in local.iterdir()) == ["step_0000000009", "step_0000000012"]
+    check = verify_checkpoint(local / "step_0000000012")  # same layout and manifest as durable
+    assert check.ok, check.problems
+    assert not (tmp_path / "run").exists()  # the durable tier is the caller's business
+    assert local.exists()  # close() leaves the local tier for a restart
+
+
+def test_restore_takes_the_newest_tier_and_reports_it(tmp_path: Path) -> None:
+    local = tmp_path / "shm"
+    model = nn.Linear(4, 4)
+    with CheckpointManager(tmp_path / "run", local_dir=local, local_every=5) as m:
+        for s in range(1, 11):
+            with torch.no_grad():
+                model.weight.fill_(float(s))
+            m.save_local(s, {"model": model})
+            if s == 7:
+                m.save(s, {"model": model})
+    fresh = nn.Linear(4, 4)
+    with CheckpointManager(tmp_path / "run", local_dir=local, local_every=5) as m:
+        assert m.restore({"model": fresh}) == 10
+        assert m.restored_from is not None
+        assert (m.restored_from.tier, m.restored_from.step) == ("local", 10)
+        assert torch.equal(fresh.weight, torch.full((4, 4), 10.0))
+        m.save(12, {"model": fresh})  # now the durable tier is newer
+        assert m.restore({"model": fresh}) == 12
+        assert m.restored_from.tier == "durable"
+        # An explicit step always comes from the durable tier.
+        assert m.restore({"model": fresh}, step=7) == 7
+        assert m.restored_from.tier == "durable"
+        m.clear_local()
+    assert not local.exists()
+    assert (tmp_path / "run" / "step_0000000012" / MANIFEST_NAME).exists()
+
+
+def test_save_local_needs_a_local_dir_and_valid_settings(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as m, pytest.raises(InvalidArgumentError, match="local_dir"):
+        m.save_local(1, {"w": torch.ones(1)})
+    with pytest.raises(InvalidArgumentError, match="local_every"):
+        CheckpointManager(tmp_path, local_dir=tmp_path / "shm", local_every=0)
+    with pytest.raises(InvalidArgumentError, match="URL"):
+        CheckpointManager(tmp_path, local_dir="memory://shm")
+
+
+def test_a_local_write_error_warns_once_and_training_goes_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    model = nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(tmp_path / "run", local_dir=blocker / "shm", local_every=1) as m:
+            for s in range(1, 5):
+                m.save_local(s, {"model": model})
+            m.save(4, {"model": model})
+        skipped = m.local_skipped  # after close(), which waited for the last local write
+    local_warnings = [w for w in caught if "node-local tier skipped" in str(w.message)]
+    assert len(local_warnings) == 1, [str(w.message) for w in caught]
+    assert "step 1" in str(local_warnings[0].message)
+    assert [s for s, _ in skipped] == [1, 2, 3, 4]
+    assert all("NotADirectoryError" in why for _, why in skipped)
+    assert verify_checkpoint(tmp_path / "run" / "step_0000000004").ok
+
+
+# --------------------------------------------------------------------------- 2-rank gloo groups
+
+
+def _local_dir(base: str, rank: int, nodes: int) -> str:
+    return os.path.join(base, f"node{rank % nodes}")
+
+
+def _train_with_tiers(
+    rank: int, world: int, directory: str, local_base: str, nodes: int, refs: str
+) -> dict[str, Any]:
+    state, loader = _build(seed=0)
+    state["sampler"].set_epoch(1)
+    batches = iter(loader)
+    local = _local_dir(local_base, rank, nodes)
+    with CheckpointManager(directory, local_dir=local, local_every=5) as manager:
+        for step in range(1, 6):
+            _step(state, *next(batches))
+            state["epoch"] = step
+            if step == 2:
+                manager.save(step, state)
+            manager.save_local(step, state)
+    draws = _draws()
+    torch.save(_contents(state), os.path.join(refs, f"rank{rank}.pt"))
+    return {"draws": draws, "rest": [x.tolist() for x, _ in batches]}
+
+
+def _restore_with_tiers(
+    rank: int, world: int, directory: str, local_base: str, nodes: int, refs: str, sender: int
+) -> dict[str, Any]:
+    state, loader = _build(seed=1)  # different weights: everything must come from a tier
+    local = _local_dir(local_base, rank, nodes)
+    with CheckpointManager(directory, local_dir=local, local_every=5) as manager:
+        step = manager.restore(state)
+        source = manager.restored_from
+    draws = _draws()
+    if step == 5:
+        # The sending node's state: under DDP the same as rank 0's, except BatchNorm
+        # statistics, which each rank keeps (DDP broadcasts rank 0's at the next forward).
+        _assert_bitwise(_contents(state), torch.load(os.path.join(refs, f"rank{sender}.pt")))
+    state["sampler"].set_epoch(state["sampler"].epoch)
+    rest = [x.tolist() for x, _ in loader]
+    assert source is not None
+    return {
+        "step": step,
+        "tier": source.tier,
+        "sender": source.sender,
+        "path": source.path,
+        "draws": draws,
+        "rest": rest,
+        "epoch": state["epoch"],
+    }
+
+
+def _run_both(
+    tmp_path: Path, nodes: int, damage: Any = None, sender: int = 0
+) -> tuple[list[Any], list[Any]]:
+    args = (str(tmp_path / "run"), str(tmp_path / "shm"), nodes, str(tmp_path))
+    # LOCAL_RANK=0 on both ranks makes each its own "node" with its own local folder.
+    env = {"LOCAL_RANK": "0"} if nodes == 2 else {}
+    before = run_ranks(_train_with_tiers, 2, args=args, env=env)
+    if damage is not None:
+        damage(tmp_path / "shm")
+    after = run_ranks(_restore_with_tiers, 2, args=(*args, sender), env=env)
+    return before, after
+
+
+def test_two_ranks_restore_the_local_step_bitwise(tmp_path: Path) -> None:
+    before, after = _run_both(tmp_path, nodes=1)
+    for rank in range(2):
+        assert (after[rank]["step"], after[rank]["tier"]) == (5, "local")
+        assert after[rank]["epoch"] == 5
+        assert after[rank]["draws"] == before[rank]["draws"]  # each rank's own RNG
+        assert after[rank]["rest"] == before[rank]["rest"]  # the rest of the epoch
+    assert before[0]["draws"] != before[1]["draws"]
+
+
+def test_a_node_without_the_local_step_receives_it_from_another(tmp_path: Path) -> None:
+    def wipe_node1(shm: Path) -> None:
+        assert (shm / "node1" / "step_0000000005" / MANIFEST_NAME).exists()
+        shutil.rmtree(shm / "node1")  # a replaced node, or a wiped /dev/shm
+
+    before, after = _run_both(tmp_path, nodes=2, damage=wipe_node1)
+    assert (after[0]["tier"], after[0]["sender"]) == ("local", None)
+    assert (after[1]["tier"], after[1]["sender"]) == ("peer", 0)
+    for rank in range(2):
+        assert after[rank]["step"] == 5
+        assert after[rank]["draws"] == before[rank]["draws"]
+        assert after[rank]["rest"] == before[rank]["rest"]
+    # The receiving node now holds the step itself, verified like any other.
+    assert verify_checkpoint(tmp_path / "shm" / "node1" / "step_0000000005").ok
+
+
+def test_the_newest_step_of_any_node_wins(tmp_path: Path) -> None:
+    def node0_lost_step5(shm: Path) -> None:
+        (shm / "node0" / "step_0000000005" / MANIFEST_NAME).unlink()  # uncommitted there
+
+    _, after = _run_both(tmp_path, nodes=2, damage=node0_lost_step5, sender=1)
+    assert [(a["step"], a["tier"], a["sender"]) for a in after] == [
+        (5, "peer", 1),
+        (5, "local", None),
+    ]
+
+
+def test_no_complete_local_step_falls_back_to_durable(tmp_path: Path) -> None:
+    def uncommit_everywhere(shm: Path) -> None:
+        for manifest in shm.glob(f"node*/step_*/{MANIFEST_NAME}"):
+            manifest.unlink()  # killed before the commit marker
+
+    _, after = _run_both(tmp_path, nodes=2, damage=uncommit_everywhere)
+    for rank in range(2):
+        assert (after[rank]["step"], after[rank]["tier"]) == (2, "durable")
+        assert after[rank]["epoch"] == 2
+        assert after[rank]["path"] == str(tmp_path / "run" / "step_0000000002")
+
+
+def test_a_corrupt_local_step_is_skipped_for_the_durable_one(tmp_path: Path) -> None:
+    def corrupt(shm: Path) -> None:
+        for model in shm.glob("node*/step_*/model.pt"):
+            data = bytearray(model.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            model.write_bytes(bytes(data))
+
+    _, after = _run_both(tmp_path, nodes=2, damage=corrupt)
+    assert [(a["step"], a["tier"]) for a in after] == [(2, "durable"), (2, "durable")]
+
+
+# --------------------------------------------------------------------------- out of space
+
+
+def _train_on_a_full_local_tier(
+    rank: int, world: int, directory: str, local: str, fsize_limit: int
+) -> dict[str, Any]:
+    if fsize_limit:
+        # Past RLIMIT_FSIZE a write fails with EFBIG (SIGXFSZ ignored, as on a full disk).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, resource.RLIM_INFINITY))
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(512, 512))  # 1 MiB of weights: larger than the local tier's space
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(directory, local_dir=local, local_every=2) as manager:
+            for step in range(1, 7):
+                model(torch.randn(4, 512)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                steps += 1
+                manager.save_local(step, {"model": model, "opt": opt})
+                if step == 6:
+                    manager.wait()
+                    if fsize_limit:  # the durable tier has room: lift the limit for it
+                        resource.setrlimit(
+                            resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+                        )
+                    manager.save(step, {"model": model, "opt": opt})
+        skipped = manager.local_skipped
+    texts = [str(w.message) for w in caught if "node-local tier" in str(w.message)]
+    return {"steps": steps, "skipped": skipped, "warnings": texts}
+
+
+def _check_full_tier_outcome(results: list[Any], directory: Path, local: Path) -> None:
+    for rank, result in enumerate(results):
+        assert result["steps"] == 6
+        if rank == 0:  # the node's writer
+            assert [s for s, _ in result["skipped"]] == [2, 4, 6]
+            assert len(result["warnings"]) == 1
+        else:
+            assert result["skipped"] == [] and result["warnings"] == []
+    assert verify_checkpoint(directory / "step_0000000006").ok
+    # Nothing half-written is left to fill the tier further.
+    assert not list(local.glob("*/*")) if local.exists() else True
+
+
+def test_rlimit_fsize_on_the_local_tier_never_stops_training(tmp_path: Path) -> None:
+    results = run_ranks(
+        _train_on_a_full_local_tier,
+        2,
+        args=(str(tmp_path / "run"), str(tmp_path / "shm"), 256 << 10),
+    )
+    assert all("EFBIG" in why or "File too large" in why for _, why in results[0]["skipped"])
+    _check_full_tier_outcome(results, tmp_path / "run", tmp_path / "shm")
+
+
+@contextlib.contextmanager
+def _tiny_tmpfs(path: Path) -> Iterator[Path]:
+    path.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_enospc_on_a_tiny_tmpfs_never_stops_training(tmp_path: Path) -> None:
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with _tiny_tmpfs(tmp_path / "tmpfs") as shm:
+        results = run_ranks(
+            _train_on_a_full_local_tier, 2, args=(str(tmp_path / "run"), str(shm / "job"), 0)
+        )
+        assert all("No space left" in why for _, why in results[0]["skipped"])
+        _check_full_tier_outcome(results, tmp_path / "run", shm / "job")
+
+
+def _four_ranks_two_nodes(rank: int, world: int, root: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank % 2)  # ranks 0-1 on node 0, ranks 2-3 on node 1
+    local = os.path.join(root, "shm", f"node{rank // 2}")
+    model = DDP(nn.Linear(64, 64))
+    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=3) as m:
+        for step in range(1, 7):
+            with torch.no_grad():
+                model.module.weight.fill_(float(step))
+            m.save_local(step, {"model": model})
+        draws = _draws()
+    if rank == 0:
+        shutil.rmtree(os.path.join(root, "shm", "node1"))  # node 1 is replaced
+    # Every rank waits until the wipe is done before restoring.
+    torch.distributed.barrier()
+    fresh = DDP(nn.Linear(64, 64))
+    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=3) as m:
+        step = m.restore({"model": fresh})
+        source = m.restored_from
+    assert source is not None
+    return {
+        "step": step,
+        "tier": source.tier,
+        "sender": source.sender,
+        "weight": fresh.module.weight[0, 0].item(),
+        "same_draws": _draws() == draws,
+    }
+
+
+def test_four_ranks_on_two_nodes_the_replaced_node_receives_once(tmp_path: Path) -> None:
+    results = run_ranks(_four_ranks_two_nodes, 4, args=(str(tmp_path),))
+    assert [(r["tier"], r["sender"]) for r in results] == [
+        ("local", None),
+        ("local", None),
+        ("peer", 0),
+        ("peer", 0),
+    ]
+    assert all(r["step"] == 6 and r["weight"] == 6.0 and r["same_draws"] for r in results)
+    assert verify_checkpoint(tmp_path / "shm" / "node1" / "step_0000000006").ok
