@@ -24,6 +24,7 @@ from ddpstate.errors import (
     RankFailedError,
     ShapeMismatchError,
     StateDictNotFoundError,
+    StoreConnectionError,
     UnsafeCheckpointError,
 )
 
@@ -257,4 +258,5 @@ __all__ = [
     "CheckpointAccessError",
     "ShapeMismatchError",
     "DeviceMapError",
+    "StoreConnectionError",
 ]

@@ -42,15 +42,18 @@ from typing import IO, Any, Optional, Union
 import torch
 from torch import nn
 
-from ddpstate import _fs, checkpoint, errors, storage
+from ddpstate import _fs, checkpoint, storage
+from ddpstate._collectives import with_message
 from ddpstate._version import __version__
 from ddpstate.dist import (
-    _exchange,
-    all_gather_object,
+    all_reduce_flag,
     broadcast_object,
+    compare_across_ranks,
+    gather_object,
     get_rank,
     get_world_size,
     is_distributed,
+    share_outcome,
 )
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -208,13 +211,6 @@ def _is_flat_tensor_dict(obj: Any) -> bool:
 
 def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _shared_error_class(name: str) -> type[DDPStateError]:
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, DDPStateError):
-        return cls
-    return DDPStateError
 
 
 def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
@@ -798,16 +794,22 @@ class CheckpointManager:
                 if not is_distributed():
                     raise
                 local_error = exc
-        info = {
-            "step": step,
-            "names": sorted(names),
-            "rng": capture_rng_state(),
-            "error": "" if local_error is None else _error_text(local_error),
-        }
-        gathered = all_gather_object(info, timeout=self.timeout)
-        self._check_gathered(gathered, step, folder, local_error)
-        rng_states = [g["rng"] for g in gathered]
+        # Per-rank metadata and RNG states go to the writer only; it checks that
+        # the ranks agree, and the outcome tells every rank.
+        info = {"step": step, "names": sorted(names), "rng": capture_rng_state()}
+        gathered = gather_object(
+            info,
+            dst=_WRITER_RANK,
+            timeout=self.timeout,
+            name=f"CheckpointManager.save(step={step})",
+        )
+        error: Optional[DDPStateError] = None
+        rng_states: list[Any] = []
+        if gathered is not None:
+            error = self._check_gathered(gathered, step, folder, local_error)
+            rng_states = [g["rng"] for g in gathered]
         if self.async_save:
+            self._share_outcome(step, folder, error, local_error)
             self._pending = _Pending(step, folder)
             if writer:
                 self._thread_error = None
@@ -820,15 +822,13 @@ class CheckpointManager:
                 )
                 self._thread.start()
             return
-        error: Optional[Exception] = None
-        if writer:
+        cause: Optional[BaseException] = local_error
+        if writer and error is None:
             try:
                 self._write(step, entries, rng_states, checked_metrics)
             except Exception as exc:
-                if not is_distributed():
-                    raise self._write_failure(step, folder, [(0, _error_text(exc))]) from exc
-                error = exc
-        self._share_outcome(step, folder, error)
+                error, cause = self._write_failure(step, folder, [(0, _error_text(exc))]), exc
+        self._share_outcome(step, folder, error, cause)
 
     def wait(self) -> None:
         """Wait for the async write in flight, if any, and raise its error on every rank.
@@ -907,18 +907,17 @@ class CheckpointManager:
         names = _check_state(state, "restore")
         if step is not None:
             step = _check_step(step)
-        decision: Any = None
+        choice: Optional[tuple[int, dict[str, Any]]] = None
+        choose_error: Optional[Exception] = None
         if get_rank() == 0:
             try:
-                decision = ("ok", self._choose(step))
+                choice = self._choose(step)
             except Exception as exc:
                 if not is_distributed():
                     raise
-                decision = ("error", type(exc).__name__, str(exc))
-        decision = broadcast_object(decision, src=0, timeout=self.timeout)
-        if decision[0] == "error":
-            raise _shared_error_class(decision[1])(decision[2])
-        choice = decision[1]
+                choose_error = exc
+        share_outcome(choose_error, name="CheckpointManager.restore", timeout=self.timeout)
+        choice = broadcast_object(choice, src=0, timeout=self.timeout)
         if choice is None:
             return None
         chosen_step, manifest = choice
@@ -949,8 +948,10 @@ class CheckpointManager:
 
         A collective: every rank gets the same answer at the same call, so all
         of them save at the same step and leave the loop together. Once True,
-        it stays True. Cheap (one small message through the store), so it can
-        be called every step.
+        it stays True. Cheap enough for every step: one ``all_reduce`` of a
+        one-element tensor on the backend's device (gloo: CPU; NCCL: this
+        rank's GPU), no store traffic; it waits as long as the process group's
+        own timeout.
 
         Returns:
             True when some rank was asked to stop.
@@ -961,13 +962,9 @@ class CheckpointManager:
             False
         """
         self._check_open("should_stop")
-        local = self._stop_requested
-        if not is_distributed():
-            return local
-        outcome = _exchange("CheckpointManager.should_stop", b"1" if local else b"", self.timeout)
-        if outcome is not None:
+        if all_reduce_flag(self._stop_requested):
             self._stop_requested = True
-        return outcome is not None
+        return self._stop_requested
 
     def close(self) -> None:
         """Finish the async write in flight, restore signal handlers, free the snapshot buffers.
@@ -1040,9 +1037,9 @@ class CheckpointManager:
             self.async_save,
             self.format,
         )
-        gathered = all_gather_object(config, timeout=self.timeout)
-        differing = [r for r, c in enumerate(gathered) if c != gathered[0]]
-        if differing:
+        gathered = compare_across_ranks(config, name="CheckpointManager(...)", timeout=self.timeout)
+        if gathered is not None:
+            differing = [r for r, c in enumerate(gathered) if c != gathered[0]]
             raise InvalidArgumentError(
                 f"CheckpointManager: rank(s) {differing} were created with different arguments "
                 f"than rank 0 ({gathered[differing[0]]!r} vs {gathered[0]!r}); every rank must "
@@ -1361,17 +1358,19 @@ class CheckpointManager:
 
     def _check_gathered(
         self, gathered: list[Any], step: int, folder: str, local_error: Optional[Exception]
-    ) -> None:
-        failures = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
-        if failures:
-            raise CheckpointWriteError(
-                f"saving step {step} to {folder} failed before writing: "
-                + "; ".join(f"rank {r}: {m}" for r, m in failures)
-                + "; nothing was written"
-            ) from local_error
+    ) -> Optional[DDPStateError]:
+        """The writer's verdict on the gathered metadata: None, or the error every rank raises."""
+        if local_error is not None:
+            message = (
+                f"saving step {step} to {folder} failed before writing: rank {_WRITER_RANK}: "
+                f"{_error_text(local_error)}; nothing was written"
+            )
+            if isinstance(local_error, DDPStateError):
+                return with_message(local_error, message)
+            return CheckpointWriteError(message)
         steps = [g["step"] for g in gathered]
         if len(set(steps)) > 1:
-            raise InvalidArgumentError(
+            return InvalidArgumentError(
                 f"CheckpointManager.save: the ranks passed different steps "
                 f"({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))}); every rank must "
                 f"save the same step at the same time"
@@ -1379,11 +1378,12 @@ class CheckpointManager:
         names = [g["names"] for g in gathered]
         differing = [r for r, n in enumerate(names) if n != names[0]]
         if differing:
-            raise InvalidArgumentError(
+            return InvalidArgumentError(
                 f"CheckpointManager.save(step={step}): rank(s) {differing} passed state entries "
                 f"{names[differing[0]]} but rank 0 passed {names[0]}; pass the same names on "
                 f"every rank"
             )
+        return None
 
     def _write_failure(
         self, step: int, folder: str, failures: list[tuple[int, str]]
@@ -1395,18 +1395,24 @@ class CheckpointManager:
             f"writable folder"
         )
 
-    def _share_outcome(self, step: int, folder: str, error: Optional[BaseException]) -> None:
-        message = "" if error is None else _error_text(error)
-        if is_distributed():
-            outcomes = _exchange(
-                f"CheckpointManager.save(step={step})", message.encode(), self.timeout
-            )
-            texts = [o.decode() for o in outcomes] if outcomes is not None else []
-        else:
-            texts = [message]
-        failures = [(r, t) for r, t in enumerate(texts) if t]
-        if failures:
-            raise self._write_failure(step, folder, failures) from error
+    def _share_outcome(
+        self,
+        step: int,
+        folder: str,
+        error: Optional[DDPStateError],
+        cause: Optional[BaseException] = None,
+    ) -> None:
+        """Raise ``error`` (the writer's) on every rank, or return on every rank."""
+        if not is_distributed():
+            if error is not None:
+                raise error from cause
+            return
+        try:
+            share_outcome(error, name=f"CheckpointManager.save(step={step})", timeout=self.timeout)
+        except DDPStateError as shared:
+            if cause is not None and shared.__cause__ is error:
+                raise shared from cause
+            raise
 
     def _finish_pending(self) -> None:
         pending = self._pending
@@ -1421,25 +1427,31 @@ class CheckpointManager:
             self._thread_error = None
         if error is not None and not isinstance(error, Exception):
             raise error  # KeyboardInterrupt or SystemExit inside the writer
-        self._share_outcome(pending.step, pending.folder, error)
+        failure = (
+            None
+            if error is None
+            else self._write_failure(pending.step, pending.folder, [(0, _error_text(error))])
+        )
+        self._share_outcome(pending.step, pending.folder, failure, error)
 
     def _share_restore_outcome(self, step: int, error: Optional[Exception]) -> None:
-        message = "" if error is None else f"{type(error).__name__}\n{error}"
-        if is_distributed():
-            outcomes = _exchange(
-                f"CheckpointManager.restore(step={step})", message.encode(), self.timeout
-            )
-            texts = [o.decode() for o in outcomes] if outcomes is not None else []
+        if error is None:
+            shared: Optional[DDPStateError] = None
         else:
-            texts = [message]
-        failures = [(r, t.split("\n", 1)) for r, t in enumerate(texts) if t]
-        if not failures:
-            return
-        rank, (cls_name, text) = failures[0]
-        others = f" (and on rank(s) {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""
-        raise _shared_error_class(cls_name)(
-            f"restoring step {step} failed on rank {rank}{others}: {text}"
-        ) from error
+            text = f"restoring step {step} failed on rank {get_rank()}: {error}"
+            shared = (
+                with_message(error, text)
+                if isinstance(error, DDPStateError)
+                else DDPStateError(f"{text} ({type(error).__name__})")
+            )
+        try:
+            share_outcome(
+                shared, name=f"CheckpointManager.restore(step={step})", timeout=self.timeout
+            )
+        except DDPStateError as raised:
+            if error is not None:
+                raise raised from error
+            raise
 
     # ------------------------------------------------------------------ reading
 
