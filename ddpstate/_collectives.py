@@ -33,7 +33,7 @@ import struct
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional, cast
 
@@ -427,6 +427,51 @@ def gather(
         return None
     log = records(group.op(name, group.store.get, f"{call}/log"))
     return [log[r] for r in range(group.world)]
+
+
+def gather_and_decide(
+    group: StoreGroup,
+    payload: bytes,
+    dst: int,
+    name: str,
+    seconds: float,
+    decide: Callable[[list[bytes]], Optional[DDPStateError]],
+) -> Optional[DDPStateError]:
+    """One round: every rank's payload to ``dst``, ``dst``'s verdict to every rank.
+
+    ``dst`` waits until all have arrived, reads the log, runs ``decide`` on the
+    payloads (it may do work, such as writing a checkpoint, before answering)
+    and sets the verdict; the others wait on that one key. Returns the shared
+    error (None: success). If ``decide`` raises, the others are told (as a
+    RankFailedError naming it) and the exception goes on on ``dst``.
+    """
+    start = time.monotonic()
+    call = group.next_call()
+    last, _ = _arrive(group, call, name, payload, False)
+    if last:
+        _finish(group, call, name, b"0")
+    verdict_key = f"{call}/value"
+    if group.rank == dst:
+        if not last:
+            _await_all(group, call, name, seconds, start)
+        log = records(group.op(name, group.store.get, f"{call}/log"))
+        try:
+            error = decide([log[r] for r in range(group.world)])
+        except BaseException as exc:
+            told = encode_error(as_shareable(exc, group, name))
+            group.op(name, group.store.set, verdict_key, b"v" + told)
+            raise
+        told = b"" if error is None else encode_error(error)
+        group.op(name, group.store.set, verdict_key, b"v" + told)
+        return error
+
+    def missing() -> list[int]:
+        here = _arrived(group, f"{call}/log")
+        return [r for r in range(group.world) if r not in here] or [dst]
+
+    _wait(group, verdict_key, name, seconds, start, missing)
+    raw = group.op(name, group.store.get, verdict_key)[1:]
+    return decode_error(raw) if raw else None
 
 
 def agree(group: StoreGroup, value: Any, name: str, seconds: float) -> Optional[list[Any]]:

@@ -6,11 +6,12 @@ process group when there is one, else torchrun's ``RANK``/``LOCAL_RANK``/
 else 0/0/1.
 
 The collectives here (:func:`barrier`, :func:`share_outcome`,
-:func:`gather_object`, :func:`broadcast_object`, :func:`all_gather_object`,
-:func:`compare_across_ranks`) do not use the process group's backend: they go
-through its key-value store (the TCPStore torchrun or ``init_process_group``
-already set up), with a constant number of store operations per rank (an
-atomic counter and one "done" key; see ``ddpstate._collectives``). When a rank
+:func:`gather_object`, :func:`gather_and_decide`, :func:`broadcast_object`,
+:func:`all_gather_object`, :func:`compare_across_ranks`) do not use the process
+group's backend: they go through its key-value store (the TCPStore torchrun or
+``init_process_group`` already set up), with a constant number of store
+operations per rank (an atomic counter and one "done" key; see
+``ddpstate._collectives``). When a rank
 never arrives, *every* rank that did arrive raises
 :class:`~ddpstate.errors.BarrierTimeoutError` naming the missing ranks, whatever
 the backend (gloo or NCCL); a lost store connection raises
@@ -54,6 +55,7 @@ __all__ = [
     "broadcast_object",
     "compare_across_ranks",
     "default_timeout",
+    "gather_and_decide",
     "gather_object",
     "get_local_rank",
     "get_rank",
@@ -308,7 +310,6 @@ def share_outcome(
         StoreConnectionError: The rendezvous store's host died.
 
     Example:
-        >>> import ddpstate
         >>> from ddpstate.dist import share_outcome
         >>> share_outcome(None, name="my step")  # every rank succeeded: returns
     """
@@ -379,8 +380,8 @@ def gather_object(
         BarrierTimeoutError: Some ranks did not arrive in time (named).
 
     Example:
-        >>> import ddpstate
-        >>> ddpstate.dist.gather_object("rank 0's note")
+        >>> from ddpstate.dist import gather_object
+        >>> gather_object("rank 0's note")
         ["rank 0's note"]
     """
     if not is_distributed():
@@ -395,6 +396,59 @@ def gather_object(
         return None
     # Trusted input: these bytes come from this job's own ranks, never from a file.
     return [pickle.loads(b) for b in gathered]
+
+
+def gather_and_decide(
+    obj: Any,
+    decide: Callable[[list[Any]], Optional[DDPStateError]],
+    *,
+    dst: int = 0,
+    name: str = "gather_and_decide",
+    timeout: float | timedelta | None = None,
+) -> None:
+    """Gather one object per rank on ``dst``, let ``dst`` decide, raise its verdict everywhere.
+
+    A collective in one round: every rank sends its object and waits for
+    ``dst``'s verdict; ``dst`` waits for all, calls ``decide`` with every
+    rank's object (indexed by rank), which may do work before answering (e.g.
+    write a checkpoint), and returns None or the error every rank raises
+    (rebuilt as by :func:`share_outcome`). The other ranks' wait includes
+    ``decide``'s time.
+
+    Args:
+        obj: This rank's small picklable object.
+        decide: Called on ``dst`` only.
+        dst: The deciding rank.
+        name: The operation, used in timeout and failure messages.
+        timeout: As for :func:`barrier`.
+
+    Raises:
+        DDPStateError: The error ``decide`` returned, on every rank.
+        BarrierTimeoutError: Some ranks did not arrive in time (named).
+
+    Example:
+        >>> from ddpstate.dist import gather_and_decide
+        >>> gather_and_decide({"step": 3}, lambda infos: None, name="check steps")
+    """
+    if not is_distributed():
+        error = decide([obj])
+        if error is not None:
+            raise error
+        return
+    world = dist.get_world_size()
+    if not 0 <= dst < world:
+        raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+
+    def on_dst(payloads: list[bytes]) -> Optional[DDPStateError]:
+        # Trusted input: these bytes come from this job's own ranks, never from a file.
+        return decide([pickle.loads(b) for b in payloads])
+
+    group = _group()
+    shared = _collectives.gather_and_decide(
+        group, pickle.dumps(obj), dst, name, _resolve_timeout(timeout), on_dst
+    )
+    if shared is not None:
+        raise shared
 
 
 def compare_across_ranks(
@@ -417,8 +471,8 @@ def compare_across_ranks(
         BarrierTimeoutError: Some ranks did not arrive in time (named).
 
     Example:
-        >>> import ddpstate
-        >>> ddpstate.dist.compare_across_ranks("run/ckpt.pt", name="save path") is None
+        >>> from ddpstate.dist import compare_across_ranks
+        >>> compare_across_ranks("run/ckpt.pt", name="save path") is None
         True
     """
     if not is_distributed():
@@ -484,8 +538,8 @@ def all_reduce_flag(flag: bool) -> bool:
         RankFailedError: The all-reduce failed (a rank crashed or the group broke).
 
     Example:
-        >>> import ddpstate
-        >>> ddpstate.dist.all_reduce_flag(False)
+        >>> from ddpstate.dist import all_reduce_flag
+        >>> all_reduce_flag(False)
         False
     """
     if not is_distributed():
