@@ -15,9 +15,11 @@ reported for:
   13 KB of RNG states and metadata, as CheckpointManager.save sends them),
   ``broadcast`` (a small object from rank 0);
 * ``save collectives``: what one synchronous ``CheckpointManager.save`` does
-  besides writing bytes: the gather of ``{"step", "names", "rng"}`` to the
-  writer (pickled as ``ddpstate.dist.gather_object`` does, then unpickled on the
-  writer) and the outcome shared with every rank.
+  besides writing bytes: one ``gather_and_decide`` round in which every rank
+  sends ``{"step", "names", "rng"}`` (its RNG states as one pickled blob) to
+  the writer, the writer unpickles and checks every rank's step and names, and
+  its verdict reaches every rank. (The writer unpickles the RNG blobs while it
+  writes ``_rng.pt``, in the background thread for async saves.)
 
 Store operations per rank are counted in one extra round per collective with
 a counting wrapper around each client (not in the timed rounds): the mean over
@@ -145,6 +147,7 @@ def _simulated(n: int, rounds: int) -> dict[str, Any]:
     from torch.distributed.elastic.utils.store import barrier as torch_barrier
 
     from ddpstate import _collectives as c
+    from ddpstate.manager import _rng_to_wire
     from ddpstate.rng import capture_rng_state
 
     server, clients = _clients(n)
@@ -171,17 +174,26 @@ def _simulated(n: int, rounds: int) -> dict[str, Any]:
 
     # Each rank pickles its own RNG states before the collective (in parallel on a
     # real cluster, serialised by the GIL here), so that is done outside the timing.
-    payloads = [pickle.dumps({**info, "rng": capture_rng_state()}) for _ in range(n)]
+    payloads = [
+        pickle.dumps({**info, "rng": pickle.dumps(_rng_to_wire(capture_rng_state()))})
+        for _ in range(n)
+    ]
+
+    def decide(raw: list[bytes]) -> Any:
+        infos = [pickle.loads(b) for b in raw]
+        if len({i["step"] for i in infos}) > 1 or len({tuple(i["names"]) for i in infos}) > 1:
+            raise AssertionError("the simulated ranks disagree")
+        assert len([i["rng"] for i in infos]) == n
+        # Here CheckpointManager.save writes the checkpoint, unpickling the RNG
+        # states (manager._rng_states) as it writes _rng.pt.
+        return None
 
     def save_collectives(rank: int) -> None:
-        # CheckpointManager.save (synchronous), minus the writing: gather_object to
-        # the writer, which unpickles and checks, then share_outcome.
+        # CheckpointManager.save (synchronous) minus the writing: one gather_and_decide
+        # round; the writer unpickles every rank's step and names and checks them, and
+        # its verdict reaches every rank.
         name = "CheckpointManager.save(step=1000)"
-        got = c.gather(groups[rank], payloads[rank], 0, name, TIMEOUT)
-        if got is not None:
-            infos = [pickle.loads(b) for b in got]
-            assert len({i["step"] for i in infos}) == 1
-        c.share_outcome(groups[rank], None, name, TIMEOUT)
+        c.gather_and_decide(groups[rank], payloads[rank], 0, name, TIMEOUT, decide)
 
     ranks = _Ranks(n)
     cases: dict[str, Callable[[int], None]] = {

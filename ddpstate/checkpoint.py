@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import posixpath
@@ -18,6 +17,7 @@ from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate.dist import (
     broadcast_object,
     compare_across_ranks,
+    gather_and_decide,
     get_rank,
     get_world_size,
     is_distributed,
@@ -124,20 +124,27 @@ def _save_error(exc: BaseException, path: str, writer: int) -> DDPStateError:
     return CheckpointWriteError(message)
 
 
-def _check_same_call(what: str, arguments: tuple[Any, ...], timeout: Timeout) -> None:
-    """Every rank passed the same path (and format, src_rank); else raise on every rank."""
-    seen = compare_across_ranks(arguments, name=what, timeout=timeout)
-    if seen is None:
-        return
+def _disagreement(what: str, seen: list[tuple[Any, ...]]) -> Optional[InvalidArgumentError]:
+    """None when every rank passed the same (path, format, src_rank); else the error."""
     differ = [r for r, a in enumerate(seen) if a != seen[0]]
+    if not differ:
+        return None
     shown = ", ".join(f"rank {r}: {seen[r]!r}" for r in [0, *differ[:7]])
     more = f" and {len(differ) - 7} more" if len(differ) > 7 else ""
-    raise InvalidArgumentError(
+    return InvalidArgumentError(
         f"{what} is a collective, but the ranks passed different arguments "
         f"((path, format, src_rank) {shown}{more}); nothing was read or written. Pass the "
         f"same path on every rank (only src_rank writes or reads it); to write or read one "
         f"file per rank, pass barrier=False on every rank"
     )
+
+
+def _check_same_call(what: str, arguments: tuple[Any, ...], timeout: Timeout) -> None:
+    """Every rank passed the same path (and format, src_rank); else raise on every rank."""
+    seen = compare_across_ranks(arguments, name=what, timeout=timeout)
+    error = None if seen is None else _disagreement(what, seen)
+    if error is not None:
+        raise error
 
 
 def save(
@@ -198,30 +205,38 @@ def save(
             f"format='safetensors', or put the metadata inside the saved object"
         )
     _check_rank(src_rank, "src_rank")
-    distributed = is_distributed()
-    collective = distributed and barrier
-    if collective:
-        _check_same_call(SAVE_COLLECTIVE, (text, fmt, src_rank), timeout)
-    rank = get_rank() if distributed else src_rank
-    error: Optional[DDPStateError] = None
-    if rank == src_rank:
+    if not (barrier and is_distributed()):
+        if (get_rank() if is_distributed() else src_rank) == src_rank:
+            try:
+                _write(obj, text, fmt, storage_options, metadata)
+            except BaseException as exc:
+                raise _save_error(exc, text, src_rank) from exc
+        return
+    # One round: every rank sends its (path, format, src_rank) to the writer, which
+    # checks that they agree, writes, and answers every rank.
+    causes: list[BaseException] = []
+
+    def decide(seen: list[tuple[Any, ...]]) -> Optional[DDPStateError]:
+        disagreement = _disagreement(SAVE_COLLECTIVE, seen)
+        if disagreement is not None:
+            return disagreement
         try:
             _write(obj, text, fmt, storage_options, metadata)
         except BaseException as exc:
-            error = _save_error(exc, text, src_rank)
-            if not collective:
-                raise error from exc
-            if not isinstance(exc, Exception):
-                # Tell the others, then let the interrupt itself go on.
-                with contextlib.suppress(DDPStateError):
-                    share_outcome(error, name=SAVE_COLLECTIVE, timeout=timeout)
-                raise
-            try:
-                share_outcome(error, name=SAVE_COLLECTIVE, timeout=timeout)
-            except DDPStateError as shared:
-                raise shared from exc
-    if collective and error is None:
-        share_outcome(None, name=SAVE_COLLECTIVE, timeout=timeout)
+            causes.append(exc)
+            return _save_error(exc, text, src_rank)
+        return None
+
+    try:
+        gather_and_decide(
+            (text, fmt, src_rank), decide, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout
+        )
+    except DDPStateError as shared:
+        if causes and not isinstance(causes[0], Exception):
+            raise causes[0] from None  # the others were told; the interrupt goes on here
+        if causes:
+            raise shared from causes[0]
+        raise
 
 
 # ------------------------------------------------------------------------------- load

@@ -25,6 +25,7 @@ import datetime
 import json
 import math
 import os
+import pickle
 import posixpath
 import re
 import signal
@@ -240,6 +241,12 @@ def _rng_from_wire(state: Any) -> Any:
     if isinstance(state, list):
         return [_rng_from_wire(v) for v in state]
     return state
+
+
+def _rng_states(blobs: list[bytes]) -> list[Any]:
+    """Every rank's RNG states from the blobs the writer gathered, indexed by rank."""
+    # Trusted input: pickled by this job's own ranks in CheckpointManager.save.
+    return [_rng_from_wire(pickle.loads(blob)) for blob in blobs]
 
 
 def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
@@ -826,8 +833,11 @@ class CheckpointManager:
         # One round: per-rank metadata and RNG states go to the writer only; it checks
         # that the ranks agree, writes (synchronous mode), and its verdict reaches
         # every rank.
-        info = {"step": step, "names": sorted(names), "rng": _rng_to_wire(capture_rng_state())}
-        rng_states: list[Any] = []
+        # The RNG states ride as one opaque blob per rank: the writer's check needs only
+        # step and names, and unpickles the states when it writes them.
+        rng = pickle.dumps(_rng_to_wire(capture_rng_state()))
+        info = {"step": step, "names": sorted(names), "rng": rng}
+        rng_blobs: list[bytes] = []
         causes: list[BaseException] = []
 
         def decide(infos: list[Any]) -> Optional[DDPStateError]:
@@ -835,11 +845,11 @@ class CheckpointManager:
             if error is not None:
                 causes.extend([local_error] if local_error is not None else [])
                 return error
-            rng_states.extend(_rng_from_wire(i["rng"]) for i in infos)
+            rng_blobs.extend(i["rng"] for i in infos)
             if self.async_save:
                 return None
             try:
-                self._write(step, entries, rng_states, checked_metrics)
+                self._write(step, entries, _rng_states(rng_blobs), checked_metrics)
             except Exception as exc:
                 causes.append(exc)
                 return self._write_failure(step, folder, [(_WRITER_RANK, _error_text(exc))])
@@ -863,7 +873,7 @@ class CheckpointManager:
                 self._thread_error = None
                 self._thread = threading.Thread(
                     target=self._write_in_thread,
-                    args=(step, entries, rng_states, checked_metrics, events),
+                    args=(step, entries, rng_blobs, checked_metrics, events),
                     name=f"ddpstate-checkpoint-writer-step-{step}",
                     # Not a daemon: an interpreter exiting normally still finishes the write.
                     daemon=False,
@@ -1200,14 +1210,14 @@ class CheckpointManager:
         self,
         step: int,
         entries: dict[str, _Entry],
-        rng_states: list[Any],
+        rng_blobs: list[bytes],
         metrics: dict[str, float],
         events: list[Any],
     ) -> None:
         try:
             for event in events:
                 event.synchronize()
-            self._write(step, entries, rng_states, metrics)
+            self._write(step, entries, _rng_states(rng_blobs), metrics)
         except BaseException as exc:
             self._thread_error = exc
 
