@@ -28,8 +28,8 @@ the previous call's keys, or the receiving rank).
 
 Part 2, real processes: 2 and 8 gloo processes on 127.0.0.1 time
 ``CheckpointManager.should_stop()`` against a bare ``dist.all_reduce`` of a
-one-element tensor (the floor: should_stop is one such all-reduce), in
-alternating blocks; per call, the median over blocks of the slowest rank.
+one-element tensor (the floor: should_stop is one such all-reduce), call by
+call in alternating order; per call, the median over calls of the slowest rank.
 
 Threads share one interpreter, so Python overhead weighs more than on a real
 cluster, on both sides alike. Targets (issue 16): barrier <= 1.5x torch's at
@@ -261,32 +261,27 @@ def _stop_worker(
     flag = torch.zeros(1, dtype=torch.int32)
 
     def bare() -> None:
-        for _ in range(calls):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
-    def ours() -> None:
-        for _ in range(calls):
-            manager.should_stop()
-
-    sides = {"should_stop": ours, "all_reduce": bare}
-    for fn in sides.values():  # warm-up
-        fn()
+    sides: dict[str, Callable[[], Any]] = {"should_stop": manager.should_stop, "all_reduce": bare}
     times: dict[str, list[float]] = {name: [] for name in sides}
-    for block in range(blocks):
-        order = list(sides) if block % 2 == 0 else list(sides)[::-1]
+    # Call by call, alternating which side goes first: load from other processes on
+    # the machine then hits both sides alike.
+    for i in range(calls * blocks + 50):
+        order = list(sides) if i % 2 == 0 else list(sides)[::-1]
         for name in order:
-            dist.barrier()
             start = time.perf_counter()
             sides[name]()
-            times[name].append((time.perf_counter() - start) / calls)
+            if i >= 50:  # warm-up
+                times[name].append(time.perf_counter() - start)
     manager.close()
+    medians = {name: statistics.median(v) for name, v in times.items()}
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, times)
+    dist.all_gather_object(gathered, medians)
     if rank == 0:
-        slowest = {
-            name: [max(g[name][b] for g in gathered) for b in range(blocks)] for name in times
-        }
-        Path(out).write_text(json.dumps({k: statistics.median(v) for k, v in slowest.items()}))
+        # A collective is as slow as its slowest rank.
+        slowest = {name: max(g[name] for g in gathered) for name in medians}
+        Path(out).write_text(json.dumps(slowest))
     dist.destroy_process_group()
 
 
@@ -375,8 +370,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ranks", default="8,64,256,1024", help="simulated rank counts")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per collective")
     parser.add_argument("--procs", default="2,8", help="gloo process counts ('' for none)")
-    parser.add_argument("--calls", type=int, default=200, help="should_stop calls per block")
-    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per side")
+    parser.add_argument("--calls", type=int, default=500, help="should_stop calls per block")
+    parser.add_argument("--blocks", type=int, default=4, help="blocks of calls per side")
     parser.add_argument("--out", type=Path, default=None, help="write scale.md/.json/.png here")
     args = parser.parse_args(argv)
     # 1,024 clients plus their server connections need more than the usual 1,024 files.

@@ -521,6 +521,9 @@ def broadcast_object(
     return pickle.loads(raw)
 
 
+_flag_buffer: list[tuple[Any, torch.Tensor]] = []
+
+
 def all_reduce_flag(flag: bool) -> bool:
     """True on every rank when ``flag`` is True on any rank; a collective on the backend.
 
@@ -542,10 +545,19 @@ def all_reduce_flag(flag: bool) -> bool:
         >>> all_reduce_flag(False)
         False
     """
-    if not is_distributed():
-        return flag
-    device = _device_for(str(dist.get_backend()), get_local_rank())
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    # A per-step call: the process group's device and a one-element buffer are
+    # looked up once per group (a fresh tensor per call costs the backend more
+    # than the all-reduce of one element).
+    world = dist.GroupMember.WORLD if dist.is_available() else None
+    if _flag_buffer and _flag_buffer[0][0] is world:
+        tensor = _flag_buffer[0][1]
+    else:
+        if not is_distributed():
+            return flag
+        device = _device_for(str(dist.get_backend()), get_local_rank())
+        tensor = torch.zeros(1, dtype=torch.int32, device=device)
+        _flag_buffer[:] = [(world, tensor)]
+    tensor.fill_(1 if flag else 0)
     try:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     except Exception as exc:
