@@ -1012,9 +1012,12 @@ class CheckpointManager:
             False
         """
         self._check_open("should_stop")
-        if all_reduce_flag(self._stop_requested):
+        # Return the agreed answer, not the flag: a signal landing after the all-reduce
+        # must not make this rank alone stop now (it is seen at the next call).
+        stop = all_reduce_flag(self._stop_requested)
+        if stop:
             self._stop_requested = True
-        return self._stop_requested
+        return stop
 
     def close(self) -> None:
         """Finish the async write in flight, restore signal handlers, free the snapshot buffers.
