@@ -25,6 +25,7 @@ from ddpstate.errors import (
     ShapeMismatchError,
     ShardedStateError,
     StateDictNotFoundError,
+    StoreConnectionError,
     UnsafeCheckpointError,
 )
 
@@ -259,4 +260,5 @@ __all__ = [
     "ShapeMismatchError",
     "ShardedStateError",
     "DeviceMapError",
+    "StoreConnectionError",
 ]

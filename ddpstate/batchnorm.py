@@ -19,7 +19,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpstate.dist import all_gather_object, get_local_rank, get_world_size, is_distributed
+from ddpstate.dist import (
+    all_gather_object,
+    compare_across_ranks,
+    get_local_rank,
+    get_world_size,
+    is_distributed,
+)
 from ddpstate.errors import (
     BatchNormBufferSyncError,
     BatchNormPolicyError,
@@ -371,11 +377,13 @@ def sync_batchnorm_stats(
     signature = repr(
         [(name, _stat_shape(m), m.num_batches_tracked is not None) for name, m in layers]
     )
-    digests = all_gather_object(
-        (len(layers), hashlib.sha256(signature.encode()).hexdigest()), timeout=timeout
+    digests = compare_across_ranks(
+        (len(layers), hashlib.sha256(signature.encode()).hexdigest()),
+        name="sync_batchnorm_stats",
+        timeout=timeout,
     )
-    differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
-    if differ:
+    if digests is not None:
+        differ = [rank for rank, d in enumerate(digests) if d != digests[0]]
         counts = ", ".join(f"rank {r}: {d[0]}" for r, d in enumerate(digests))
         raise BatchNormPolicyError(
             f"sync_batchnorm_stats: ranks {', '.join(map(str, differ))} have different BatchNorm "

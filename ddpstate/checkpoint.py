@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
 import posixpath
 import warnings
@@ -15,16 +14,16 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.distributed as torch_dist
 
-from ddpstate import _fs, _savecheck, _torch_io, errors, storage
+from ddpstate import _fs, _savecheck, _torch_io, storage
+from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate.dist import (
-    _exchange,
     broadcast_object,
+    compare_across_ranks,
+    gather_and_decide,
     get_rank,
     get_world_size,
     is_distributed,
-)
-from ddpstate.dist import (
-    barrier as _barrier,
+    share_outcome,
 )
 from ddpstate.errors import (
     CheckpointAccessError,
@@ -34,7 +33,6 @@ from ddpstate.errors import (
     DDPStateError,
     InvalidArgumentError,
     ShapeMismatchError,
-    UnsafeCheckpointError,
 )
 from ddpstate.formats import (
     DCP,
@@ -72,8 +70,6 @@ _FORMAT_ALIASES = {
     "pt": TORCH_ZIP,
     "safetensors": SAFETENSORS,
 }
-# Error texts travel through the rendezvous store; keep them small.
-_MAX_MESSAGE = 4000
 
 
 # ------------------------------------------------------------------------------- save
@@ -121,43 +117,41 @@ def _write(
 
 def _save_error(exc: BaseException, path: str, writer: int) -> DDPStateError:
     if isinstance(exc, DDPStateError):
-        cls: type[DDPStateError] = type(exc)
         detail = str(exc)
     else:
-        cls = CheckpointWriteError
         detail = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             detail = f"the writer was interrupted ({type(exc).__name__})"
     message = (
         f"saving {path} failed on rank {writer} (the writer): {detail}. The previous file at "
         f"{path}, if any, is untouched"
+    )[:MAX_MESSAGE]
+    if isinstance(exc, DDPStateError):
+        return with_message(exc, message)
+    return CheckpointWriteError(message)
+
+
+def _disagreement(what: str, seen: list[tuple[Any, ...]]) -> Optional[InvalidArgumentError]:
+    """None when every rank passed the same (path, format, src_rank); else the error."""
+    differ = [r for r, a in enumerate(seen) if a != seen[0]]
+    if not differ:
+        return None
+    shown = ", ".join(f"rank {r}: {seen[r]!r}" for r in [0, *differ[:7]])
+    more = f" and {len(differ) - 7} more" if len(differ) > 7 else ""
+    return InvalidArgumentError(
+        f"{what} is a collective, but the ranks passed different arguments "
+        f"((path, format, src_rank) {shown}{more}); nothing was read or written. Pass the "
+        f"same path on every rank (only src_rank writes or reads it); to write or read one "
+        f"file per rank, pass barrier=False on every rank"
     )
-    return _rebuild(cls.__name__, message[:_MAX_MESSAGE])
 
 
-def _rebuild(class_name: str, message: str) -> DDPStateError:
-    cls = getattr(errors, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, DDPStateError)):
-        cls = CheckpointWriteError
-    try:
-        return cls(message)
-    except TypeError:  # a subclass whose constructor needs more than a message
-        return CheckpointWriteError(message)
-
-
-def _encode(error: DDPStateError) -> bytes:
-    return json.dumps({"type": type(error).__name__, "message": str(error)}).encode()
-
-
-def _decode(outcomes: Optional[list[bytes]]) -> Optional[DDPStateError]:
-    for raw in outcomes or []:
-        if raw:
-            sent = json.loads(raw.decode())
-            error = _rebuild(sent["type"], sent["message"])
-            if isinstance(error, UnsafeCheckpointError):
-                error.unsafe_globals = tuple(sent.get("unsafe_globals", ()))
-            return error
-    return None
+def _check_same_call(what: str, arguments: tuple[Any, ...], timeout: Timeout) -> None:
+    """Every rank passed the same path (and format, src_rank); else raise on every rank."""
+    seen = compare_across_ranks(arguments, name=what, timeout=timeout)
+    error = None if seen is None else _disagreement(what, seen)
+    if error is not None:
+        raise error
 
 
 def save(
@@ -214,6 +208,8 @@ def save(
         ShardedStateError: ``obj`` holds sharded tensors (FSDP2 ``DTensor``).
         CheckpointFormatError: The format cannot hold ``obj`` or ``metadata``
             (e.g. non-tensor values for safetensors; the message names the keys).
+        InvalidArgumentError: The ranks passed different paths, formats or
+            ``src_rank`` (each rank's is named); nothing is written.
         BarrierTimeoutError: Some rank never arrived.
 
     Example:
@@ -232,30 +228,39 @@ def save(
             f"format='safetensors', or put the metadata inside the saved object"
         )
     _check_rank(src_rank, "src_rank")
-    distributed = is_distributed()
-    rank = get_rank() if distributed else src_rank
-    error: Optional[DDPStateError] = None
-    cause: Optional[BaseException] = None
-    if rank == src_rank:
+    if not (barrier and is_distributed()):
+        if (get_rank() if is_distributed() else src_rank) == src_rank:
+            try:
+                _write(obj, text, fmt, storage_options, metadata)
+            except BaseException as exc:
+                raise _save_error(exc, text, src_rank) from exc
+        return
+    # One round: every rank sends its (path, format, src_rank) to the writer, which
+    # checks that they agree, writes, and answers every rank.
+    causes: list[BaseException] = []
+
+    def decide(seen: list[tuple[Any, ...]]) -> Optional[DDPStateError]:
+        disagreement = _disagreement(SAVE_COLLECTIVE, seen)
+        if disagreement is not None:
+            return disagreement
         try:
             allowed = list(safe_globals) if weights_only else None
             _write(obj, text, fmt, storage_options, metadata, allowed)
         except BaseException as exc:
-            cause = exc
-            error = _save_error(exc, text, src_rank)
-            if not (distributed and barrier):
-                raise error from exc
-            if not isinstance(exc, Exception):
-                _exchange(SAVE_COLLECTIVE, _encode(error), timeout)
-                raise
-    if not (distributed and barrier):
-        return
-    outcomes = _exchange(SAVE_COLLECTIVE, _encode(error) if error is not None else b"", timeout)
-    if error is not None:
-        raise error from cause
-    shared = _decode(outcomes)
-    if shared is not None:
-        raise shared
+            causes.append(exc)
+            return _save_error(exc, text, src_rank)
+        return None
+
+    try:
+        gather_and_decide(
+            (text, fmt, src_rank), decide, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout
+        )
+    except DDPStateError as shared:
+        if causes and not isinstance(causes[0], Exception):
+            raise causes[0] from None  # the others were told; the interrupt goes on here
+        if causes:
+            raise shared from causes[0]
+        raise
 
 
 # ------------------------------------------------------------------------------- load
@@ -420,20 +425,16 @@ def _load_and_broadcast(
                 if isinstance(exc, DDPStateError)
                 else CheckpointCorruptError(f"{text}: {type(exc).__name__}: {exc}")
             )
-    payload = b""
     if error is not None:
-        message = f"loading {text} failed on rank {src_rank} (the reader): {error}"
-        sent = {
-            "type": type(error).__name__,
-            "message": message[:_MAX_MESSAGE],
-            "unsafe_globals": list(getattr(error, "unsafe_globals", ()))[:100],
-        }
-        payload = json.dumps(sent).encode()
-    outcome = _decode(_exchange(LOAD_COLLECTIVE, payload, timeout))
-    if outcome is not None:
+        error = with_message(
+            error, f"loading {text} failed on rank {src_rank} (the reader): {error}"[:MAX_MESSAGE]
+        )
+    try:
+        share_outcome(error, name=LOAD_COLLECTIVE, timeout=timeout)
+    except DDPStateError as shared:
         if cause is not None:
-            raise outcome from cause
-        raise outcome
+            raise shared from cause
+        raise
     if rank == src_rank:
         skeleton, local_tensors = _split(obj, locations)
     else:
@@ -469,8 +470,9 @@ def load(
 ) -> Any:
     """Load a checkpoint safely onto this rank's device; a collective.
 
-    Every rank first meets the others at a barrier (named ``ddpstate.load``),
-    so nobody reads before the writer of a preceding :func:`save` is done.
+    Every rank first meets the others (a collective named ``ddpstate.load``
+    that also checks every rank passed the same path), so nobody reads before
+    the writer of a preceding :func:`save` is done.
     The format comes from the file's bytes, whatever its name: torch.save zip,
     legacy (pre-1.6) torch pickle, safetensors, or a
     ``torch.distributed.checkpoint`` folder (read with torch's own reader).
@@ -485,7 +487,8 @@ def load(
             pass False for files you trust; there is never a silent fallback.
         mmap: Map the file instead of reading it (only the tensors you touch
             cost memory). Default: on for local zip and safetensors files.
-        barrier: Meet the other ranks first. With False this is a plain local read.
+        barrier: Meet the other ranks first. With False this is a plain local
+            read (also the way to read a different file on each rank).
         src_rank: Only this rank reads the file; the others receive the object
             from it (for nodes without a shared filesystem), one tensor at a time.
         storage_options: fsspec options for URLs.
@@ -504,6 +507,7 @@ def load(
         CheckpointCorruptError: The file is truncated or damaged.
         UnsafeCheckpointError: The file needs arbitrary unpickling; the error
             lists the globals and says how to opt in.
+        InvalidArgumentError: The ranks passed different paths or ``src_rank``.
         BarrierTimeoutError: Some rank never arrived.
 
     Example:
@@ -520,7 +524,7 @@ def load(
         _check_rank(src_rank, "src_rank")
     distributed = is_distributed()
     if barrier and distributed:
-        _barrier(timeout=timeout, name=LOAD_COLLECTIVE)
+        _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout)
     if src_rank is None or not distributed:
         return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
     return _load_and_broadcast(

@@ -5,13 +5,18 @@ process group when there is one, else torchrun's ``RANK``/``LOCAL_RANK``/
 ``WORLD_SIZE``, else SLURM's ``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS``,
 else 0/0/1.
 
-The collectives here (:func:`barrier`, :func:`broadcast_object`,
-:func:`all_gather_object`) do not use the process group's backend at all: they
-go through its key-value store (the TCPStore torchrun or ``init_process_group``
-already set up). Each rank writes one key per collective and waits for the
-others' keys with a deadline, so when a rank never arrives, *every* rank that
-did arrive raises :class:`~ddpstate.errors.BarrierTimeoutError` naming the
-missing ranks, whatever the backend (gloo or NCCL). See docs/architecture.md.
+The collectives here (:func:`barrier`, :func:`share_outcome`,
+:func:`gather_object`, :func:`gather_and_decide`, :func:`broadcast_object`,
+:func:`all_gather_object`, :func:`compare_across_ranks`) do not use the process
+group's backend: they go through its key-value store (the TCPStore torchrun or
+``init_process_group`` already set up), with a constant number of store
+operations per rank (an atomic counter and one "done" key; see
+``ddpstate._collectives``). When a rank
+never arrives, *every* rank that did arrive raises
+:class:`~ddpstate.errors.BarrierTimeoutError` naming the missing ranks, whatever
+the backend (gloo or NCCL); a lost store connection raises
+:class:`~ddpstate.errors.StoreConnectionError` at once. The per-step stop check
+(:func:`all_reduce_flag`) uses the backend instead. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from typing import Any, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpstate import _elastic
+from ddpstate import _collectives, _elastic
+from ddpstate._collectives import REMINDER as _REMINDER
+from ddpstate._collectives import TIMEOUT_ENV, WARN_AFTER_ENV
 from ddpstate.errors import (
-    BarrierTimeoutError,
+    DDPStateError,
     InvalidArgumentError,
     RankFailedError,
 )
@@ -40,11 +47,16 @@ from ddpstate.errors import (
 __all__ = [
     "DEFAULT_TIMEOUT",
     "TIMEOUT_ENV",
+    "WARN_AFTER_ENV",
     "DistContext",
     "all_gather_object",
+    "all_reduce_flag",
     "barrier",
     "broadcast_object",
+    "compare_across_ranks",
     "default_timeout",
+    "gather_and_decide",
+    "gather_object",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -54,21 +66,14 @@ __all__ = [
     "is_main_process",
     "main_process_first",
     "rank_zero_only",
+    "share_outcome",
 ]
 
-#: Environment variable that sets the default collective timeout, in seconds.
-TIMEOUT_ENV = "DDPSTATE_TIMEOUT"
 #: Default collective timeout in seconds: torch's own default process-group
 #: timeout, long enough for a multi-GB save to object storage.
 DEFAULT_TIMEOUT = 1800.0
 
 _R = TypeVar("_R")
-
-_REMINDER = (
-    "ddpstate's collective functions (barrier, save, load, CheckpointManager.save/restore, "
-    "broadcast_object) must be called on every rank, not inside `if rank == 0:`; "
-    "a missing rank may also have crashed or be stuck"
-)
 
 
 # --------------------------------------------------------------------------- rank queries
@@ -217,10 +222,10 @@ def _resolve_timeout(timeout: float | timedelta | None) -> float:
 
 # --------------------------------------------------------------------------- store collectives
 
-# Every collective takes the next number from this counter; all ranks call
-# collectives in the same order, so the same number names the same call.
+# This process's view of the current process group's store (see _collectives.StoreGroup).
+# It holds the store itself, so a later group's store can never be mistaken for it.
 _lock = threading.Lock()
-_state: dict[str, Any] = {"generation": 0, "store_id": None, "pending": []}
+_current: list[_collectives.StoreGroup] = []
 
 
 def _default_store() -> Any:
@@ -235,98 +240,28 @@ def _default_store() -> Any:
     return getter()
 
 
-def _next_prefix(kind: str, store: Any) -> str:
+def _group() -> _collectives.StoreGroup:
+    """The store collectives' context for the current process group."""
+    store, rank, world = _default_store(), dist.get_rank(), dist.get_world_size()
     with _lock:
-        # A new process group (tests, or destroy + init) starts numbering again.
-        if _state["store_id"] != id(store):
-            _state.update(store_id=id(store), generation=0, pending=[])
-        gen = _state["generation"]
-        _state["generation"] = gen + 1
-    return f"ddpstate/{gen}/{kind}"
-
-
-def _forget_later(key: str) -> None:
+        if _current and (_current[0].store, _current[0].rank, _current[0].world) == (
+            store,
+            rank,
+            world,
+        ):
+            return _current[0]
+    group = _collectives.StoreGroup.join(store, rank, world)
     with _lock:
-        _state["pending"].append(key)
-
-
-def _cleanup_before(prefix: str, store: Any) -> None:
-    # Once every rank reached this collective, every rank is done with all earlier
-    # ones, so the keys this rank wrote for them can go.
-    with _lock:
-        old = [k for k in _state["pending"] if not k.startswith(prefix + "/")]
-        _state["pending"] = [k for k in _state["pending"] if k.startswith(prefix + "/")]
-    for key in old:
-        with contextlib.suppress(Exception):
-            store.delete_key(key)
-
-
-def _missing(store: Any, keys: list[str]) -> list[int]:
-    missing = []
-    for rank, key in enumerate(keys):
-        try:
-            present = store.check([key])
-        except Exception:
-            present = False
-        if not present:
-            missing.append(rank)
-    return missing
-
-
-def _timeout_error(
-    name: str, missing: list[int], world: int, seconds: float
-) -> BarrierTimeoutError:
-    who = ", ".join(str(r) for r in missing) if missing else "unknown"
-    plural = "s" if len(missing) != 1 else ""
-    return BarrierTimeoutError(
-        f"rank {get_rank()}: rank{plural} {who} of {world} did not reach {name} within "
-        f"{seconds:g} s. {_REMINDER}. If a rank is legitimately slow, pass timeout= or set "
-        f"{TIMEOUT_ENV} (seconds).",
-        missing_ranks=missing,
-        timeout=seconds,
-    )
-
-
-def _wait(store: Any, keys: list[str], name: str, seconds: float) -> None:
-    try:
-        store.wait(keys, timedelta(seconds=seconds))
-    except Exception as exc:  # DistStoreError (timeout) or a lost connection
-        missing = _missing(store, keys)
-        raise _timeout_error(name, missing, get_world_size(), seconds) from exc
-
-
-def _exchange(name: str, payload: bytes, timeout: float | timedelta | None) -> list[bytes] | None:
-    """All-gather small byte strings through the store; None means nobody sent any."""
-    seconds = _resolve_timeout(timeout)
-    store = _default_store()
-    prefix = _next_prefix("x", store)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    keys = [f"{prefix}/{r}" for r in range(world)]
-    count_key = f"{prefix}/nonempty"
-    try:
-        if payload:
-            store.add(count_key, 1)
-        store.set(keys[rank], payload)
-    except Exception as exc:
-        raise BarrierTimeoutError(
-            f"rank {rank}: lost contact with the rendezvous store during {name} "
-            f"({type(exc).__name__}: {exc}); the process hosting it (torchrun's agent or "
-            f"rank 0) may have died. {_REMINDER}.",
-            timeout=seconds,
-        ) from exc
-    _forget_later(keys[rank])
-    _forget_later(count_key)
-    _wait(store, keys, f"{name!r}", seconds)
-    _cleanup_before(prefix, store)
-    if int(store.add(count_key, 0)) == 0:
-        return None
-    return [store.get(k) for k in keys]
+        _current[:] = [group]
+    return group
 
 
 def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") -> None:
     """Wait until every rank arrives; never hang silently.
 
-    A collective: every rank must call it. A no-op when not distributed.
+    A collective: every rank must call it. A no-op when not distributed. A
+    rank still waiting after ``DDPSTATE_WARN_AFTER`` seconds (30 by default,
+    then at each doubling) warns, naming the ranks it waits for.
 
     Args:
         timeout: Seconds (or a ``timedelta``) to wait for the other ranks.
@@ -336,6 +271,7 @@ def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") 
     Raises:
         BarrierTimeoutError: Some ranks did not arrive in time; it names them,
             on every rank that did arrive.
+        StoreConnectionError: The rendezvous store's host died (raised at once).
 
     Example:
         >>> import ddpstate
@@ -343,14 +279,56 @@ def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") 
     """
     if not is_distributed():
         return
-    _exchange(name, b"", timeout)
+    _collectives.barrier(_group(), name, _resolve_timeout(timeout))
+
+
+def share_outcome(
+    error: Optional[BaseException],
+    *,
+    name: str,
+    timeout: float | timedelta | None = None,
+) -> None:
+    """Tell every rank how an operation went; raise the same error on every rank if one failed.
+
+    A collective: every rank passes its own outcome (None for success). When
+    any rank failed, every rank raises the error of the lowest failing rank,
+    rebuilt with the same class, message and attributes (e.g.
+    ``UnsafeCheckpointError.unsafe_globals``); when several failed, the message
+    names them all. A rank that failed itself chains its own error as the
+    cause. An error that is not a :class:`DDPStateError` travels as a
+    :class:`RankFailedError` naming its type and rank. A no-op that just
+    re-raises ``error`` when not distributed.
+
+    Args:
+        error: This rank's failure, or None.
+        name: The operation, used in timeout and failure messages.
+        timeout: As for :func:`barrier`.
+
+    Raises:
+        DDPStateError: Some rank failed (the shared error, on every rank).
+        BarrierTimeoutError: Some ranks did not arrive in time (named).
+        StoreConnectionError: The rendezvous store's host died.
+
+    Example:
+        >>> from ddpstate.dist import share_outcome
+        >>> share_outcome(None, name="my step")  # every rank succeeded: returns
+    """
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return
+    group = _group()
+    shared = _collectives.share_outcome(group, error, name, _resolve_timeout(timeout))
+    if shared is not None:
+        raise shared from error
 
 
 def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> list[Any]:
     """Gather one small picklable object from every rank, on every rank.
 
-    A collective. Meant for metadata (outcomes, RNG states, decisions), not
-    tensors: values travel through the rendezvous store.
+    A collective. Meant for small metadata: values travel through the
+    rendezvous store and every rank reads all of them (N payloads per rank);
+    prefer :func:`gather_object` when one rank needs them.
 
     Args:
         obj: This rank's object.
@@ -369,10 +347,137 @@ def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> 
     """
     if not is_distributed():
         return [obj]
-    gathered = _exchange("all_gather_object", pickle.dumps(obj), timeout)
-    assert gathered is not None  # every rank sent a non-empty pickle
+    gathered = _collectives.gather(
+        _group(), pickle.dumps(obj), None, "all_gather_object", _resolve_timeout(timeout)
+    )
+    assert gathered is not None
     # Trusted input: these bytes come from this job's own ranks, never from a file.
     return [pickle.loads(b) for b in gathered]
+
+
+def gather_object(
+    obj: Any,
+    dst: int = 0,
+    *,
+    timeout: float | timedelta | None = None,
+    name: str = "gather_object",
+) -> Optional[list[Any]]:
+    """Gather one small picklable object from every rank on rank ``dst`` only.
+
+    A collective: every rank waits until all have arrived (so a missing rank is
+    named on every rank), but only ``dst`` reads the payloads.
+
+    Args:
+        obj: This rank's object.
+        dst: The receiving rank.
+        timeout: As for :func:`barrier`.
+        name: What the gather is for, used in the error message.
+
+    Returns:
+        On ``dst``, every rank's object indexed by rank; None elsewhere.
+
+    Raises:
+        BarrierTimeoutError: Some ranks did not arrive in time (named).
+
+    Example:
+        >>> from ddpstate.dist import gather_object
+        >>> gather_object("rank 0's note")
+        ["rank 0's note"]
+    """
+    if not is_distributed():
+        return [obj]
+    world = dist.get_world_size()
+    if not 0 <= dst < world:
+        raise InvalidArgumentError(f"gather_object: dst={dst} is not a rank of a {world}-rank job")
+    gathered = _collectives.gather(
+        _group(), pickle.dumps(obj), dst, name, _resolve_timeout(timeout)
+    )
+    if gathered is None:
+        return None
+    # Trusted input: these bytes come from this job's own ranks, never from a file.
+    return [pickle.loads(b) for b in gathered]
+
+
+def gather_and_decide(
+    obj: Any,
+    decide: Callable[[list[Any]], Optional[DDPStateError]],
+    *,
+    dst: int = 0,
+    name: str = "gather_and_decide",
+    timeout: float | timedelta | None = None,
+) -> None:
+    """Gather one object per rank on ``dst``, let ``dst`` decide, raise its verdict everywhere.
+
+    A collective in one round: every rank sends its object and waits for
+    ``dst``'s verdict; ``dst`` waits for all, calls ``decide`` with every
+    rank's object (indexed by rank), which may do work before answering (e.g.
+    write a checkpoint), and returns None or the error every rank raises
+    (rebuilt as by :func:`share_outcome`). The other ranks' wait includes
+    ``decide``'s time.
+
+    Args:
+        obj: This rank's small picklable object.
+        decide: Called on ``dst`` only.
+        dst: The deciding rank.
+        name: The operation, used in timeout and failure messages.
+        timeout: As for :func:`barrier`.
+
+    Raises:
+        DDPStateError: The error ``decide`` returned, on every rank.
+        BarrierTimeoutError: Some ranks did not arrive in time (named).
+
+    Example:
+        >>> from ddpstate.dist import gather_and_decide
+        >>> gather_and_decide({"step": 3}, lambda infos: None, name="check steps")
+    """
+    if not is_distributed():
+        error = decide([obj])
+        if error is not None:
+            raise error
+        return
+    world = dist.get_world_size()
+    if not 0 <= dst < world:
+        raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+
+    def on_dst(payloads: list[bytes]) -> Optional[DDPStateError]:
+        # Trusted input: these bytes come from this job's own ranks, never from a file.
+        return decide([pickle.loads(b) for b in payloads])
+
+    group = _group()
+    shared = _collectives.gather_and_decide(
+        group, pickle.dumps(obj), dst, name, _resolve_timeout(timeout), on_dst
+    )
+    if shared is not None:
+        raise shared
+
+
+def compare_across_ranks(
+    value: Any, *, name: str, timeout: float | timedelta | None = None
+) -> Optional[list[Any]]:
+    """Check that every rank passed an equal ``value``; every rank gets the same answer.
+
+    A collective. One rank compares; the others read one verdict, so the
+    values travel to every rank only when they differ (to name them).
+
+    Args:
+        value: This rank's small picklable value (a path, a config tuple...).
+        name: What is compared, used in the error message.
+        timeout: As for :func:`barrier`.
+
+    Returns:
+        None when all values are equal, else every rank's value, indexed by rank.
+
+    Raises:
+        BarrierTimeoutError: Some ranks did not arrive in time (named).
+
+    Example:
+        >>> from ddpstate.dist import compare_across_ranks
+        >>> compare_across_ranks("run/ckpt.pt", name="save path") is None
+        True
+    """
+    if not is_distributed():
+        return None
+    return _collectives.agree(_group(), value, name, _resolve_timeout(timeout))
 
 
 def broadcast_object(
@@ -381,7 +486,8 @@ def broadcast_object(
     """Send one small picklable object from rank ``src`` to every rank.
 
     A collective. Values travel through the rendezvous store, so use it for
-    metadata and decisions; use torch collectives for tensors.
+    metadata and decisions; use torch collectives for tensors. ``src`` writes
+    one key and returns; the others read that key.
 
     Args:
         obj: The object, read on ``src`` only.
@@ -406,18 +512,61 @@ def broadcast_object(
         raise InvalidArgumentError(
             f"broadcast_object: src={src} is not a rank of a {world}-rank job"
         )
-    seconds = _resolve_timeout(timeout)
-    store = _default_store()
-    key = _next_prefix("b", store) + "/value"
-    if dist.get_rank() == src:
-        store.set(key, pickle.dumps(obj))
-        _forget_later(key)
+    group = _group()
+    payload = pickle.dumps(obj) if group.rank == src else None
+    raw = _collectives.broadcast(group, payload, src, "broadcast_object", _resolve_timeout(timeout))
+    if group.rank == src:
         return obj
+    # Trusted input: these bytes come from this job's own rank src, never from a file.
+    return pickle.loads(raw)
+
+
+_flag_buffer: list[tuple[Any, torch.Tensor]] = []
+
+
+def all_reduce_flag(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on any rank; a collective on the backend.
+
+    One ``all_reduce`` (MAX) of a one-element tensor on the backend's device
+    (gloo: CPU; NCCL: ``cuda:LOCAL_RANK``), no store traffic: cheap enough for
+    every training step. It waits as long as the process group's own timeout.
+
+    Args:
+        flag: This rank's flag.
+
+    Returns:
+        Whether any rank's flag is True (``flag`` itself when not distributed).
+
+    Raises:
+        RankFailedError: The all-reduce failed (a rank crashed or the group broke).
+
+    Example:
+        >>> from ddpstate.dist import all_reduce_flag
+        >>> all_reduce_flag(False)
+        False
+    """
+    # A per-step call: the process group's device and a one-element buffer are
+    # looked up once per group (a fresh tensor per call costs the backend more
+    # than the all-reduce of one element).
+    world = dist.GroupMember.WORLD if dist.is_available() else None
+    if _flag_buffer and _flag_buffer[0][0] is world:
+        tensor = _flag_buffer[0][1]
+    else:
+        if not is_distributed():
+            return flag
+        device = _device_for(str(dist.get_backend()), get_local_rank())
+        tensor = torch.zeros(1, dtype=torch.int32, device=device)
+        _flag_buffer[:] = [(world, tensor)]
+    tensor.fill_(1 if flag else 0)
     try:
-        store.wait([key], timedelta(seconds=seconds))
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     except Exception as exc:
-        raise _timeout_error("broadcast_object", [src], world, seconds) from exc
-    return pickle.loads(store.get(key))
+        raise RankFailedError(
+            f"rank {dist.get_rank()}: the all-reduce of the stop flag failed "
+            f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}); "
+            f"a rank has likely crashed or left the process group. {_REMINDER}"
+        ) from exc
+    return bool(tensor.item())
 
 
 def rank_zero_only(fn: Callable[..., _R]) -> Callable[..., Optional[_R]]:
@@ -472,21 +621,21 @@ def main_process_first(
         return
     name = "main_process_first"
     if not leader:
-        outcomes = _exchange(name, b"", timeout)
-        failures = [o.decode() for o in outcomes or [] if o]
-        if failures:
-            raise RankFailedError(
-                f"rank {get_rank()}: the main process failed inside main_process_first "
-                f"({'; '.join(failures)}); not running this rank's block"
-            )
+        share_outcome(None, name=name, timeout=timeout)
         yield
         return
     try:
         yield
     except BaseException as exc:
-        _exchange(name, f"rank {get_rank()}: {type(exc).__name__}: {exc}".encode(), timeout)
+        told = RankFailedError(
+            f"rank {get_rank()}: the main process failed inside main_process_first "
+            f"({type(exc).__name__}: {exc}); not running this rank's block"
+        )
+        # Tell the waiting ranks, then raise this rank's own error, not the shared one.
+        with contextlib.suppress(DDPStateError):
+            share_outcome(told, name=name, timeout=timeout)
         raise
-    _exchange(name, b"", timeout)
+    share_outcome(None, name=name, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- initialisation

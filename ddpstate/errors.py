@@ -29,6 +29,7 @@ __all__ = [
     "ShapeMismatchError",
     "CheckpointAccessError",
     "RankFailedError",
+    "StoreConnectionError",
 ]
 
 
@@ -170,3 +171,10 @@ class CheckpointAccessError(DDPStateError, PermissionError):
 
 class RankFailedError(DDPStateError):
     """Another rank failed inside a collective block; this rank stops instead of going on."""
+
+
+class StoreConnectionError(DDPStateError, ConnectionError):
+    """A rank lost its connection to the rendezvous store (its host died, or the network).
+
+    Raised at once, not after the collective timeout; the job cannot continue.
+    """

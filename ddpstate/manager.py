@@ -25,6 +25,7 @@ import datetime
 import json
 import math
 import os
+import pickle
 import posixpath
 import re
 import signal
@@ -42,15 +43,19 @@ from typing import IO, Any, Optional, Union
 import torch
 from torch import nn
 
-from ddpstate import _fs, _local_tier, _savecheck, checkpoint, errors, storage
+from ddpstate import _fs, _local_tier, _savecheck, checkpoint, storage
+from ddpstate._collectives import with_message
 from ddpstate._version import __version__
 from ddpstate.dist import (
-    _exchange,
-    all_gather_object,
+    all_reduce_flag,
+    barrier,
     broadcast_object,
+    compare_across_ranks,
+    gather_and_decide,
     get_rank,
     get_world_size,
     is_distributed,
+    share_outcome,
 )
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -105,6 +110,13 @@ _KIND_VALUE = "value"
 class _Pending:
     step: int
     folder: str
+
+
+@dataclass(frozen=True)
+class _WireBytes:
+    """A byte tensor's contents on their way to the writer (see ``_rng_to_wire``)."""
+
+    data: bytes
 
 
 @dataclass
@@ -233,11 +245,32 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _shared_error_class(name: str) -> type[DDPStateError]:
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, DDPStateError):
-        return cls
-    return DDPStateError
+def _rng_to_wire(state: Any) -> Any:
+    """RNG states with each 1-D byte tensor as raw bytes: a torch tensor costs ~0.4 ms to
+    unpickle, and the writer unpickles every rank's states at every save."""
+    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+        return _WireBytes(state.detach().cpu().numpy().tobytes())
+    if isinstance(state, dict):
+        return {k: _rng_to_wire(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_rng_to_wire(v) for v in state]
+    return state
+
+
+def _rng_from_wire(state: Any) -> Any:
+    if isinstance(state, _WireBytes):
+        return torch.frombuffer(bytearray(state.data), dtype=torch.uint8)
+    if isinstance(state, dict):
+        return {k: _rng_from_wire(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_rng_from_wire(v) for v in state]
+    return state
+
+
+def _rng_states(blobs: list[bytes]) -> list[Any]:
+    """Every rank's RNG states from the blobs the writer gathered, indexed by rank."""
+    # Trusted input: pickled by this job's own ranks in CheckpointManager.save.
+    return [_rng_from_wire(pickle.loads(blob)) for blob in blobs]
 
 
 def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
@@ -864,37 +897,55 @@ class CheckpointManager:
                 if not is_distributed():
                     raise
                 local_error = exc
-        info = {
-            "step": step,
-            "names": sorted(names),
-            "rng": capture_rng_state(),
-            "error": "" if local_error is None else _error_text(local_error),
-        }
-        gathered = all_gather_object(info, timeout=self.timeout)
-        self._check_gathered(gathered, step, folder, local_error)
-        rng_states = [g["rng"] for g in gathered]
+        # One round: per-rank metadata and RNG states go to the writer only; it checks
+        # that the ranks agree, writes (synchronous mode), and its verdict reaches
+        # every rank.
+        # The RNG states ride as one opaque blob per rank: the writer's check needs only
+        # step and names, and unpickles the states when it writes them.
+        rng = pickle.dumps(_rng_to_wire(capture_rng_state()))
+        info = {"step": step, "names": sorted(names), "rng": rng}
+        rng_blobs: list[bytes] = []
+        causes: list[BaseException] = []
+
+        def decide(infos: list[Any]) -> Optional[DDPStateError]:
+            error = self._check_gathered(infos, step, folder, local_error)
+            if error is not None:
+                causes.extend([local_error] if local_error is not None else [])
+                return error
+            rng_blobs.extend(i["rng"] for i in infos)
+            if self.async_save:
+                return None
+            try:
+                self._write(step, entries, _rng_states(rng_blobs), checked_metrics)
+            except Exception as exc:
+                causes.append(exc)
+                return self._write_failure(step, folder, [(_WRITER_RANK, _error_text(exc))])
+            return None
+
+        try:
+            gather_and_decide(
+                info,
+                decide,
+                dst=_WRITER_RANK,
+                name=f"CheckpointManager.save(step={step})",
+                timeout=self.timeout,
+            )
+        except DDPStateError as shared:
+            if causes:
+                raise shared from causes[0]
+            raise
         if self.async_save:
             self._pending = _Pending(step, folder)
             if writer:
                 self._thread_error = None
                 self._thread = threading.Thread(
                     target=self._write_in_thread,
-                    args=(step, entries, rng_states, checked_metrics, events),
+                    args=(step, entries, rng_blobs, checked_metrics, events),
                     name=f"ddpstate-checkpoint-writer-step-{step}",
                     # Not a daemon: an interpreter exiting normally still finishes the write.
                     daemon=False,
                 )
                 self._thread.start()
-            return
-        error: Optional[Exception] = None
-        if writer:
-            try:
-                self._write(step, entries, rng_states, checked_metrics)
-            except Exception as exc:
-                if not is_distributed():
-                    raise self._write_failure(step, folder, [(0, _error_text(exc))]) from exc
-                error = exc
-        self._share_outcome(step, folder, error)
 
     # ------------------------------------------------------------------ node-local tier
 
@@ -971,7 +1022,7 @@ class CheckpointManager:
             return
         self._local.clear()
         if is_distributed():
-            _exchange("CheckpointManager.clear_local", b"", self.timeout)
+            barrier(timeout=self.timeout, name="CheckpointManager.clear_local")
 
     def wait(self) -> None:
         """Wait for the async writes in flight; raise a failed durable write's error on every rank.
@@ -1069,21 +1120,23 @@ class CheckpointManager:
         names = _check_state(state, "restore")
         if step is not None:
             step = _check_step(step)
-        # The node-local tier answers first when it holds a step at least as new as the durable.
+        # The node-local tier answers first when it holds a step at least as new as the durable
+        # (a collective: every rank gets the same answer).
         local = self._local.choose(self) if self._local is not None and step is None else None
-        decision: Any = ("ok", (local[0].step, local[1])) if local is not None else None
+        choice: Optional[tuple[int, dict[str, Any]]] = None
+        if local is not None and local[0].step is not None:
+            choice = (local[0].step, local[1])
+        choose_error: Optional[Exception] = None
         if local is None and get_rank() == 0:
             try:
-                decision = ("ok", self._choose(step))
+                choice = self._choose(step)
             except Exception as exc:
                 if not is_distributed():
                     raise
-                decision = ("error", type(exc).__name__, str(exc))
+                choose_error = exc
         if local is None:
-            decision = broadcast_object(decision, src=0, timeout=self.timeout)
-        if decision[0] == "error":
-            raise _shared_error_class(decision[1])(decision[2])
-        choice = decision[1]
+            share_outcome(choose_error, name="CheckpointManager.restore", timeout=self.timeout)
+            choice = broadcast_object(choice, src=0, timeout=self.timeout)
         if choice is None:
             self.restored_from = _local_tier.RestoreSource(None, "none")
             return None
@@ -1120,8 +1173,10 @@ class CheckpointManager:
 
         A collective: every rank gets the same answer at the same call, so all
         of them save at the same step and leave the loop together. Once True,
-        it stays True. Cheap (one small message through the store), so it can
-        be called every step.
+        it stays True. Cheap enough for every step: one ``all_reduce`` of a
+        one-element tensor on the backend's device (gloo: CPU; NCCL: this
+        rank's GPU), no store traffic; it waits as long as the process group's
+        own timeout.
 
         Returns:
             True when some rank was asked to stop.
@@ -1132,13 +1187,12 @@ class CheckpointManager:
             False
         """
         self._check_open("should_stop")
-        local = self._stop_requested
-        if not is_distributed():
-            return local
-        outcome = _exchange("CheckpointManager.should_stop", b"1" if local else b"", self.timeout)
-        if outcome is not None:
+        # Return the agreed answer, not the flag: a signal landing after the all-reduce
+        # must not make this rank alone stop now (it is seen at the next call).
+        stop = all_reduce_flag(self._stop_requested)
+        if stop:
             self._stop_requested = True
-        return outcome is not None
+        return stop
 
     def close(self) -> None:
         """Finish the async write in flight, restore signal handlers, free the snapshot buffers.
@@ -1213,9 +1267,9 @@ class CheckpointManager:
             self.async_save,
             self.format,
         )
-        gathered = all_gather_object(config, timeout=self.timeout)
-        differing = [r for r, c in enumerate(gathered) if c != gathered[0]]
-        if differing:
+        gathered = compare_across_ranks(config, name="CheckpointManager(...)", timeout=self.timeout)
+        if gathered is not None:
+            differing = [r for r, c in enumerate(gathered) if c != gathered[0]]
             raise InvalidArgumentError(
                 f"CheckpointManager: rank(s) {differing} were created with different arguments "
                 f"than rank 0 ({gathered[differing[0]]!r} vs {gathered[0]!r}); every rank must "
@@ -1336,14 +1390,14 @@ class CheckpointManager:
         self,
         step: int,
         entries: dict[str, _Entry],
-        rng_states: list[Any],
+        rng_blobs: list[bytes],
         metrics: dict[str, float],
         events: list[Any],
     ) -> None:
         try:
             for event in events:
                 event.synchronize()
-            self._write(step, entries, rng_states, metrics)
+            self._write(step, entries, _rng_states(rng_blobs), metrics)
         except BaseException as exc:
             self._thread_error = exc
 
@@ -1577,17 +1631,19 @@ class CheckpointManager:
 
     def _check_gathered(
         self, gathered: list[Any], step: int, folder: str, local_error: Optional[Exception]
-    ) -> None:
-        failures = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
-        if failures:
-            raise CheckpointWriteError(
-                f"saving step {step} to {folder} failed before writing: "
-                + "; ".join(f"rank {r}: {m}" for r, m in failures)
-                + "; nothing was written"
-            ) from local_error
+    ) -> Optional[DDPStateError]:
+        """The writer's verdict on the gathered metadata: None, or the error every rank raises."""
+        if local_error is not None:
+            message = (
+                f"saving step {step} to {folder} failed before writing: rank {_WRITER_RANK}: "
+                f"{_error_text(local_error)}; nothing was written"
+            )
+            if isinstance(local_error, DDPStateError):
+                return with_message(local_error, message)
+            return CheckpointWriteError(message)
         steps = [g["step"] for g in gathered]
         if len(set(steps)) > 1:
-            raise InvalidArgumentError(
+            return InvalidArgumentError(
                 f"CheckpointManager.save: the ranks passed different steps "
                 f"({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))}); every rank must "
                 f"save the same step at the same time"
@@ -1595,11 +1651,12 @@ class CheckpointManager:
         names = [g["names"] for g in gathered]
         differing = [r for r, n in enumerate(names) if n != names[0]]
         if differing:
-            raise InvalidArgumentError(
+            return InvalidArgumentError(
                 f"CheckpointManager.save(step={step}): rank(s) {differing} passed state entries "
                 f"{names[differing[0]]} but rank 0 passed {names[0]}; pass the same names on "
                 f"every rank"
             )
+        return None
 
     def _write_failure(
         self, step: int, folder: str, failures: list[tuple[int, str]]
@@ -1611,18 +1668,24 @@ class CheckpointManager:
             f"writable folder"
         )
 
-    def _share_outcome(self, step: int, folder: str, error: Optional[BaseException]) -> None:
-        message = "" if error is None else _error_text(error)
-        if is_distributed():
-            outcomes = _exchange(
-                f"CheckpointManager.save(step={step})", message.encode(), self.timeout
-            )
-            texts = [o.decode() for o in outcomes] if outcomes is not None else []
-        else:
-            texts = [message]
-        failures = [(r, t) for r, t in enumerate(texts) if t]
-        if failures:
-            raise self._write_failure(step, folder, failures) from error
+    def _share_outcome(
+        self,
+        step: int,
+        folder: str,
+        error: Optional[DDPStateError],
+        cause: Optional[BaseException] = None,
+    ) -> None:
+        """Raise ``error`` (the writer's) on every rank, or return on every rank."""
+        if not is_distributed():
+            if error is not None:
+                raise error from cause
+            return
+        try:
+            share_outcome(error, name=f"CheckpointManager.save(step={step})", timeout=self.timeout)
+        except DDPStateError as shared:
+            if cause is not None and shared.__cause__ is error:
+                raise shared from cause
+            raise
 
     def _finish_pending(self) -> None:
         pending = self._pending
@@ -1637,25 +1700,31 @@ class CheckpointManager:
             self._thread_error = None
         if error is not None and not isinstance(error, Exception):
             raise error  # KeyboardInterrupt or SystemExit inside the writer
-        self._share_outcome(pending.step, pending.folder, error)
+        failure = (
+            None
+            if error is None
+            else self._write_failure(pending.step, pending.folder, [(0, _error_text(error))])
+        )
+        self._share_outcome(pending.step, pending.folder, failure, error)
 
     def _share_restore_outcome(self, step: int, error: Optional[Exception]) -> None:
-        message = "" if error is None else f"{type(error).__name__}\n{error}"
-        if is_distributed():
-            outcomes = _exchange(
-                f"CheckpointManager.restore(step={step})", message.encode(), self.timeout
-            )
-            texts = [o.decode() for o in outcomes] if outcomes is not None else []
+        if error is None:
+            shared: Optional[DDPStateError] = None
         else:
-            texts = [message]
-        failures = [(r, t.split("\n", 1)) for r, t in enumerate(texts) if t]
-        if not failures:
-            return
-        rank, (cls_name, text) = failures[0]
-        others = f" (and on rank(s) {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""
-        raise _shared_error_class(cls_name)(
-            f"restoring step {step} failed on rank {rank}{others}: {text}"
-        ) from error
+            text = f"restoring step {step} failed on rank {get_rank()}: {error}"
+            shared = (
+                with_message(error, text)
+                if isinstance(error, DDPStateError)
+                else DDPStateError(f"{text} ({type(error).__name__})")
+            )
+        try:
+            share_outcome(
+                shared, name=f"CheckpointManager.restore(step={step})", timeout=self.timeout
+            )
+        except DDPStateError as raised:
+            if error is not None:
+                raise raised from error
+            raise
 
     # ------------------------------------------------------------------ reading
 

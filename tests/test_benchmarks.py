@@ -23,3 +23,13 @@ def test_quickest_case_writes_a_row_and_parseable_files(tmp_path: Path) -> None:
     table = (out / "results.md").read_text()
     assert "| save | 1 MiB | ddpstate.save | torch.save + fsync |" in table
     assert (out / "results.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_scale_benchmark_runs_every_collective_and_counts_store_operations() -> None:
+    from benchmarks.scale import main
+
+    result = main(["--ranks", "4", "--rounds", "1", "--procs", ""])
+    (row,) = result["simulated"]
+    assert row["n"] == 4 and all(ms > 0 for ms in row["ms"].values())
+    mean, most = row["ops"]["barrier"]
+    assert mean <= 4 and most <= 8, row["ops"]  # O(1) per rank: add + append + wait
