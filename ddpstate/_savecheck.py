@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import pickle
 import sys
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from typing import IO, Any, Optional
@@ -102,6 +103,27 @@ def allowed_globals(extra: Sequence[Any] = ()) -> list[Any]:
     return found
 
 
+# loading_allowed's globals: how many blocks (in any thread) currently need each one
+# that ddpstate added. Added on 0 -> 1, removed on 1 -> 0, under the lock, so one
+# thread's exit never takes out a global another thread's load is still using.
+_ALLOWED_LOCK = threading.Lock()
+_ALLOWED_COUNTS: dict[Any, int] = {}
+
+
+def _remove_safe_globals(remove: list[Any]) -> None:
+    """Take ``remove`` out of torch's weights_only list, leaving every other entry."""
+    from torch import _weights_only_unpickler as unpickler
+
+    remover = getattr(unpickler, "_remove_safe_globals", None)
+    if remover is not None:
+        remover(remove)
+        return
+    serialization = torch.serialization  # older torch: rebuild the list (under our lock)
+    now = serialization.get_safe_globals()
+    serialization.clear_safe_globals()
+    serialization.add_safe_globals([g for g in now if g not in remove])
+
+
 @contextlib.contextmanager
 def loading_allowed(extra: Sequence[Any] = ()) -> Iterator[None]:
     """Allow :func:`allowed_globals` in torch's weights_only list inside the block only.
@@ -109,18 +131,35 @@ def loading_allowed(extra: Sequence[Any] = ()) -> Iterator[None]:
     Unlike ``torch.serialization.safe_globals``, which on exit puts back the list
     it found, this takes out only what it added: a module imported inside the
     block (``torch.distributed.tensor`` registers DTensor this way) keeps its
-    entries.
+    entries. Thread-safe: a global is counted per block that needs it and
+    removed when the last such block (in any thread) exits.
     """
     serialization = torch.serialization
-    before = list(serialization.get_safe_globals())
-    added = [g for g in allowed_globals(extra) if g not in before]
-    serialization.add_safe_globals(added)
+    held: list[Any] = []
+    with _ALLOWED_LOCK:
+        present = set(serialization.get_safe_globals())
+        new: list[Any] = []
+        for g in dict.fromkeys(allowed_globals(extra)):
+            if g in _ALLOWED_COUNTS:
+                _ALLOWED_COUNTS[g] += 1
+                held.append(g)
+            elif g not in present:  # someone else's entries stay theirs
+                _ALLOWED_COUNTS[g] = 1
+                held.append(g)
+                new.append(g)
+        serialization.add_safe_globals(new)
     try:
         yield
     finally:
-        now = serialization.get_safe_globals()
-        serialization.clear_safe_globals()
-        serialization.add_safe_globals([g for g in now if g not in added or g in before])
+        with _ALLOWED_LOCK:
+            done = []
+            for g in held:
+                _ALLOWED_COUNTS[g] -= 1
+                if _ALLOWED_COUNTS[g] == 0:
+                    del _ALLOWED_COUNTS[g]
+                    done.append(g)
+            if done:
+                _remove_safe_globals(done)
 
 
 # ------------------------------------------------------------------------- walking

@@ -131,8 +131,15 @@ def _save_error(exc: BaseException, path: str, writer: int) -> DDPStateError:
     message = (
         f"saving {path} failed on rank {writer} (the writer): {detail}. The previous file at "
         f"{path}, if any, is untouched"
-    )
-    return _rebuild(cls.__name__, message[:_MAX_MESSAGE])
+    )[:_MAX_MESSAGE]
+    if isinstance(exc, DDPStateError):
+        # The same class with the same attributes (UnsafeCheckpointError.unsafe_globals...),
+        # whatever its constructor needs: only the message gains the path and rank.
+        same = cls.__new__(cls)
+        same.args = (message,)
+        same.__dict__.update(vars(exc))
+        return same
+    return _rebuild(cls.__name__, message)
 
 
 def _rebuild(class_name: str, message: str) -> DDPStateError:
@@ -576,10 +583,12 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
     from ddpstate.batchnorm import warn_if_stats_differ
     from ddpstate.keys import normalize_keys, unwrap_model
 
-    if save_kwargs.get("barrier", True):
-        warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
     state = normalize_keys(unwrap_model(model).state_dict())
     save(state, path, **save_kwargs)
+    if save_kwargs.get("barrier", True):
+        # After the save: its own agreement has proven every rank is here, so a
+        # rank that skipped the call fails inside save, named as such.
+        warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
 
 
 def load_model_state(

@@ -76,6 +76,8 @@ STEP_DIGITS = 10
 MANIFEST_NAME = "manifest.json"
 #: The pointer file naming the most recently committed step folder.
 LATEST_NAME = "latest"
+# In write errors raised after the step's commit (the folder has changed).
+_COMMITTED_BUT = "was committed, but"
 #: Every rank's RNG states; entry names cannot start with "_", so it never collides.
 RNG_FILE = "_rng.pt"
 #: Bumped when the manifest layout changes incompatibly.
@@ -721,6 +723,8 @@ class CheckpointManager:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._metrics_cache: dict[int, dict[str, float]] = {}
         self._warned_newer = False
+        # The step restore() loaded: saving it or a higher step rolls back the steps above.
+        self._restored_step: Optional[int] = None
         self._stop_requested = False
         self._stop_signal: Optional[int] = None
         self._previous_handlers: dict[int, Any] = {}
@@ -784,14 +788,22 @@ class CheckpointManager:
         return max(found) if found else None
 
     def save(
-        self, step: int, state: Mapping[str, Any], *, metrics: Optional[Mapping[str, Any]] = None
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Optional[Mapping[str, Any]] = None,
+        rollback: bool = False,
     ) -> None:
         """Save a checkpoint of ``state`` (plus every rank's RNG states) for ``step``.
 
         A collective. Synchronous mode returns once the checkpoint is committed
         and rotation is done; async mode returns after the snapshot. A step
-        lower than committed ones is a rollback: it becomes the latest and the
-        higher steps are deleted once it is committed. Models ``wrap_ddp``
+        lower than committed ones is a rollback (it becomes the latest and the
+        higher steps are deleted once it is committed) when this manager's
+        :meth:`restore` loaded that step or a lower one, or with
+        ``rollback=True``; otherwise it is refused, since the higher steps may
+        be another run's in a reused folder. Models ``wrap_ddp``
         prepared with unsynced BatchNorm get their running statistics averaged
         across ranks first (:func:`~ddpstate.sync_batchnorm_stats`).
 
@@ -800,11 +812,15 @@ class CheckpointManager:
             state: Entry name -> object with ``state_dict()`` or plain value.
             metrics: Name -> number, stored in the manifest; ``metric`` must be
                 among them when ``keep_best`` is used.
+            rollback: Allow deleting committed steps higher than ``step``
+                without having restored ``step`` or a lower one.
 
         Raises:
             CheckpointWriteError: This write failed (synchronous mode), or the
                 previous async write failed (raised before saving anything);
                 the checkpoints committed before are untouched.
+            InvalidArgumentError: ``step`` is below committed steps that are
+                not a rollback (see above); nothing is written or deleted.
             DDPStateError: Invalid arguments, or the ranks passed different
                 steps or entry names; a value ``restore`` could not load (named
                 by its path, with the ``safe_globals`` way out) or a meta tensor,
@@ -836,14 +852,17 @@ class CheckpointManager:
         # Every rank looks at its own model and optimizer: sharded state is refused
         # on every rank before anyone writes (rank 0 alone holds only its shards).
         _check_not_sharded(state, folder)
-        self._batchnorm_stats(state, folder)
+        batchnorm = self._batchnorm_checks(state)
         writer = get_rank() == _WRITER_RANK
         entries: dict[str, _Entry] = {}
         events: list[Any] = []
         local_error: Optional[Exception] = None
+        refusal = ""
         if writer:
             try:
-                entries, events = self._collect(state, snapshot=self.async_save)
+                refusal = self._rollback_refusal(step, rollback)
+                if not refusal:
+                    entries, events = self._collect(state, snapshot=self.async_save)
                 for name, entry in entries.items():
                     _savecheck.check_tensors(entry.value, f"state[{name!r}]", folder)
             except Exception as exc:
@@ -855,9 +874,17 @@ class CheckpointManager:
             "names": sorted(names),
             "rng": capture_rng_state(),
             "error": "" if local_error is None else _error_text(local_error),
+            "batchnorm": batchnorm,
+            "refusal": refusal,
         }
         gathered = all_gather_object(info, timeout=self.timeout)
         self._check_gathered(gathered, step, folder, local_error)
+        if gathered[0]["refusal"]:
+            raise InvalidArgumentError(gathered[0]["refusal"])
+        # BatchNorm collectives only now that step and entry names agree: run earlier,
+        # ranks with different entries would hang or fail inside them.
+        if self._batchnorm_stats(state, folder, gathered) and writer and self.async_save:
+            entries, events = self._collect(state, snapshot=True)  # snapshot the synced stats
         rng_states = [g["rng"] for g in gathered]
         if self.async_save:
             self._pending = _Pending(step, folder)
@@ -1001,6 +1028,7 @@ class CheckpointManager:
                 raise
             error = exc
         self._share_restore_outcome(chosen_step, error)
+        self._restored_step = int(chosen_step)
         return int(chosen_step)
 
     def should_stop(self) -> bool:
@@ -1307,16 +1335,23 @@ class CheckpointManager:
             self._discard(folder, exc)
             raise
         self._metrics_cache[step] = metrics
-        # A save of an older step is a rollback: now that it is committed, the newer
-        # steps are uncommitted (oldest first, so restore() takes either the old newest
-        # or this step, never one in between), then `latest` names this step.
+        # A save of an older step is a rollback (save() checked it is one): now that it
+        # is committed, `latest` names it, then the newer steps are uncommitted (oldest
+        # first, so restore() takes either the old newest or this step, never one in
+        # between). `latest` first: if writing it fails, nothing was uncommitted yet.
         newer = sorted(s for s in self._committed_steps() if s > step)
+        latest = storage.join(self.directory, LATEST_NAME)
+        try:
+            with storage.atomic_write(latest, storage_options=opts) as f:
+                f.write((_step_name(step) + "\n").encode())
+        except Exception as exc:
+            kept = f"; steps {newer} are still committed, so restore() takes step {max(newer)}"
+            raise CheckpointWriteError(
+                f"step {step} {_COMMITTED_BUT} writing {latest} failed ({_error_text(exc)})"
+                + (kept if newer else "")
+            ) from exc
         for s in newer:
             self._uncommit(s, step)
-        with storage.atomic_write(
-            storage.join(self.directory, LATEST_NAME), storage_options=opts
-        ) as f:
-            f.write((_step_name(step) + "\n").encode())
         for s in newer:
             self._delete_step(s, step)
         self._rotate(step)
@@ -1409,19 +1444,58 @@ class CheckpointManager:
             self._uncommit(s, newest)
             self._delete_step(s, newest)
 
-    def _batchnorm_stats(self, state: Mapping[str, Any], folder: str) -> None:
-        """Every rank: average unsynced BatchNorm statistics of ``wrap_ddp`` models, or warn."""
-        from ddpstate.batchnorm import _wrapped_unsynced, sync_batchnorm_stats, warn_if_stats_differ
+    def _rollback_refusal(self, step: int, rollback: bool) -> str:
+        """Rank 0: why saving ``step`` must not delete the higher committed steps, or ""."""
+        higher = sorted(s for s in self._committed_steps() if s > step)
+        restored = self._restored_step
+        if not higher or rollback or (restored is not None and restored <= step):
+            return ""
+        came = "never restored" if restored is None else f"restored step {restored}"
+        return (
+            f"CheckpointManager.save(step={step}): {self.directory} already has committed steps "
+            f"{higher} above it, and this manager {came}, so they may be another run's (a "
+            f"reused folder). Saving step {step} would roll back: delete them. To roll back on "
+            f"purpose, pass save({step}, ..., rollback=True) or restore(step=N) with N <= "
+            f"{step} first; otherwise save into another folder or continue above step "
+            f"{higher[-1]}. Nothing was written or deleted"
+        )
+
+    def _batchnorm_checks(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's BatchNorm facts per model entry, sent in ``save``'s agreement exchange.
+
+        ``"sync"`` for a ``wrap_ddp`` model with unsynced statistics, else its
+        :func:`~ddpstate.batchnorm.stats_checksums` (None: nothing to compare).
+        Not a collective.
+        """
+        from ddpstate.batchnorm import _wrapped_unsynced, stats_checksums
+
+        return {
+            name: "sync" if _wrapped_unsynced(obj) else stats_checksums(obj)
+            for name, obj in state.items()
+            if isinstance(obj, nn.Module)
+        }
+
+    def _batchnorm_stats(self, state: Mapping[str, Any], folder: str, gathered: list[Any]) -> bool:
+        """Every rank, after agreement: average unsynced statistics, or warn; True if synced.
+
+        Rank 0's facts decide which models get averaged, so every rank runs the
+        same collectives.
+        """
+        from ddpstate.batchnorm import sync_batchnorm_stats, warn_if_checksums_differ
 
         given = self.timeout
         timeout = given.total_seconds() if isinstance(given, timedelta) else given
+        synced = False
         for name, obj in state.items():
             if not isinstance(obj, nn.Module):
                 continue
-            if _wrapped_unsynced(obj):
+            facts = [g["batchnorm"].get(name) for g in gathered]
+            if facts[0] == "sync":
                 sync_batchnorm_stats(obj, timeout=timeout)
-            else:
-                warn_if_stats_differ(obj, where=f"{folder} (entry {name!r})", timeout=timeout)
+                synced = True
+            elif "sync" not in facts:
+                warn_if_checksums_differ(obj, facts, where=f"{folder} (entry {name!r})")
+        return synced
 
     def _uncommit(self, step: int, newest: int) -> None:
         folder = self.checkpoint_path(step)
@@ -1433,7 +1507,7 @@ class CheckpointManager:
             )
         except Exception as exc:
             raise CheckpointWriteError(
-                f"step {newest} was committed, but deleting the old checkpoint {folder} "
+                f"step {newest} {_COMMITTED_BUT} deleting the old checkpoint {folder} "
                 f"failed ({_error_text(exc)}); delete it by hand"
             ) from exc
 
@@ -1445,7 +1519,7 @@ class CheckpointManager:
             )
         except Exception as exc:
             raise CheckpointWriteError(
-                f"step {newest} was committed, but deleting the old checkpoint {folder} "
+                f"step {newest} {_COMMITTED_BUT} deleting the old checkpoint {folder} "
                 f"failed ({_error_text(exc)}); delete it by hand"
             ) from exc
         self._metrics_cache.pop(step, None)
@@ -1491,10 +1565,17 @@ class CheckpointManager:
         self, step: int, folder: str, failures: list[tuple[int, str]]
     ) -> CheckpointWriteError:
         detail = "; ".join(f"rank {r}: {m}" for r, m in failures)
+        if any(_COMMITTED_BUT in m for _, m in failures):
+            # The step itself was committed and a later part failed: the folder changed.
+            outcome = (
+                f"run `ddpstate verify {self.directory}` to see what is committed; restore() "
+                f"takes the newest committed step that verifies"
+            )
+        else:
+            outcome = "the checkpoints committed before it are untouched"
         return CheckpointWriteError(
-            f"saving step {step} to {folder} failed ({detail}); the checkpoints committed before "
-            f"it are untouched. Check free space, permissions and that {self.directory} is a "
-            f"writable folder"
+            f"saving step {step} to {folder} failed ({detail}); {outcome}. Check free space, "
+            f"permissions and that {self.directory} is a writable folder"
         )
 
     def _share_outcome(self, step: int, folder: str, error: Optional[BaseException]) -> None:

@@ -28,6 +28,7 @@ from ddpstate.errors import (
     CheckpointFormatError,
     DDPStateError,
     DeviceMapError,
+    InvalidArgumentError,
     ShapeMismatchError,
     UnsafeCheckpointError,
 )
@@ -287,7 +288,7 @@ def test_saving_an_older_step_is_a_rollback(existing: bool, tmp_path: Path) -> N
             manager.save(step, {"x": step})
         assert manager.steps() == ([3, 4, 5] if existing else [4, 5])
         with pytest.warns(UserWarning, match="rollback"):
-            manager.save(3, {"x": 33})
+            manager.save(3, {"x": 33}, rollback=True)
         assert manager.steps() == [3]
         assert manager.latest_step() == 3
         assert (tmp_path / "latest").read_text() == "step_0000000003\n"
@@ -298,6 +299,59 @@ def test_saving_an_older_step_is_a_rollback(existing: bool, tmp_path: Path) -> N
         manager.save(4, {"x": 44})  # and training goes on from there
         assert manager.steps() == [3, 4] and verify_checkpoint(tmp_path).ok
     assert main(["verify", str(tmp_path), "-q"]) == 0
+
+
+def test_a_lower_step_is_a_rollback_only_after_restoring_it_or_when_asked(tmp_path: Path) -> None:
+    # An earlier run's checkpoints in a reused folder.
+    with ddpstate.CheckpointManager(tmp_path) as earlier:
+        earlier.save(10, {"x": 10})
+        earlier.save(20, {"x": 20})
+    with ddpstate.CheckpointManager(tmp_path) as manager:
+        for step in (1, 10):
+            with pytest.raises(InvalidArgumentError) as info:
+                manager.save(step, {"x": step})
+            message = str(info.value)
+            assert "[20]" in message if step == 10 else "[10, 20]" in message
+            assert "rollback=True" in message and "restore(step=N)" in message
+        assert manager.steps() == [10, 20]
+        assert manager.restore({"x": None}) == 20
+        with pytest.raises(InvalidArgumentError, match="restored step 20"):
+            manager.save(15, {"x": 15})
+        # Restoring step 10 makes saving 10 (or above) a rollback.
+        assert manager.restore({"x": None}, step=10) == 10
+        with pytest.warns(UserWarning, match="rollback"):
+            manager.save(11, {"x": 11})
+        assert manager.steps() == [10, 11] and verify_checkpoint(tmp_path).ok
+    assert main(["verify", str(tmp_path), "-q"]) == 0
+
+
+def test_a_rollback_whose_latest_write_fails_deletes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ddpstate.manager as manager_module
+
+    with ddpstate.CheckpointManager(tmp_path) as manager:
+        for step in (3, 4, 5):
+            manager.save(step, {"x": step})
+        real = manager_module.storage.atomic_write
+
+        def failing(path: str, *args: Any, **kwargs: Any) -> Any:
+            if path.endswith("latest"):
+                raise OSError("disk full")
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(manager_module.storage, "atomic_write", failing)
+        with pytest.warns(UserWarning, match="rollback"), pytest.raises(DDPStateError) as info:
+            manager.save(2, {"x": 2}, rollback=True)
+        monkeypatch.undo()
+        message = str(info.value)
+        assert "untouched" not in message and "disk full" in message
+        assert "steps [3, 4, 5] are still committed, so restore() takes step 5" in message
+        # restore, steps() and verify agree: step 5 is still the newest.
+        assert manager.steps() == [2, 3, 4, 5]
+        assert manager.restore({"x": None}) == 5
+    check = verify_checkpoint(tmp_path)
+    assert check.ok and check.steps == (2, 3, 4, 5), check.problems
 
 
 # --------------------------------------------------------------------------- row 12: meta tensors
