@@ -580,6 +580,36 @@ def _latest_problems(
     return []
 
 
+def _without_skipped(value: Any, optimizer: Any, skipped: set[int], where: str) -> Any:
+    """``value`` (an optimizer state dict) less the state of the ``skipped`` parameters.
+
+    Saved optimizer state is keyed by parameter position in ``param_groups``, so
+    positions are matched against the live optimizer's parameters; those start
+    afresh (as new parameters do) and a warning names how many.
+    """
+    if not isinstance(value, Mapping) or not isinstance(value.get("state"), Mapping):
+        return value
+    positions: set[Any] = set()
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in skipped:
+                positions.add(index)
+            index += 1
+    dropped = [k for k in value["state"] if k in positions]
+    if not dropped:
+        return value
+    warnings.warn(
+        f"{where}: dropped the saved optimizer state of {len(dropped)} parameter(s) skipped "
+        f"by ignore_mismatched=True (they start with fresh optimizer state)",
+        UserWarning,
+        stacklevel=4,
+    )
+    kept = dict(value)
+    kept["state"] = {k: v for k, v in value["state"].items() if k not in positions}
+    return kept
+
+
 class CheckpointManager:
     """Save training state every few steps, keep a few, and resume from the newest good one.
 
@@ -963,7 +993,9 @@ class CheckpointManager:
             strict: Raise when ``state`` and the checkpoint have different entries.
             ignore_mismatched: In models, skip tensors whose shape differs from
                 the live model's (it keeps its own values there), e.g. a classifier
-                head resized for fine-tuning; a warning names them.
+                head resized for fine-tuning; a warning names them. Optimizers in
+                ``state`` drop their saved state for those parameters (another
+                warning), so the first step after restore works.
 
         Returns:
             The restored step, or None when the folder has no checkpoint yet.
@@ -1741,7 +1773,12 @@ class CheckpointManager:
             barrier=False,
             storage_options=opts,
         )
-        for name, value in loaded.items():
+        # Parameters ignore_mismatched skipped: optimizers must not get their old
+        # per-parameter state (it has the old shape), so models load first.
+        skipped: set[int] = set()
+        in_order = sorted(loaded, key=lambda n: not isinstance(state[n], nn.Module))
+        for name in in_order:
+            value = loaded[name]
             target = state[name]
             file = storage.join(folder, saved_entries[name]["file"])
             if isinstance(target, nn.Module):
@@ -1751,14 +1788,18 @@ class CheckpointManager:
                         f"dict, so it cannot be loaded into {type(target).__name__}"
                     )
                 adapted = adapt_state_dict(value, target)
-                checkpoint._load_fitting(
+                keys = checkpoint._load_fitting(
                     target,
                     adapted,
                     name=f"{file} (entry {name!r})",
                     strict=True,
                     ignore_mismatched=ignore_mismatched,
                 )
+                params = dict(target.named_parameters())
+                skipped.update(id(params[k]) for k in keys if k in params)
             elif _has_state_dict(target):
+                if skipped and isinstance(target, torch.optim.Optimizer):
+                    value = _without_skipped(value, target, skipped, f"{file} (entry {name!r})")
                 try:
                     target.load_state_dict(value)
                 except DDPStateError:

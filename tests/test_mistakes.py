@@ -277,6 +277,30 @@ def test_ignore_mismatched_skips_a_resized_head_and_reports_it(tmp_path: Path) -
     assert torch.equal(wrapped.module[0].weight, source[0].weight)
 
 
+def test_ignore_mismatched_restore_drops_the_optimizer_state_of_skipped_parameters(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    optimizer = torch.optim.Adam(source.parameters())
+    source(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    with ddpstate.CheckpointManager(tmp_path) as manager:
+        manager.save(1, {"model": source, "optimizer": optimizer})
+        # Fine-tuning: a resized head, the optimizer listed before the model.
+        target = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5))
+        fresh = torch.optim.Adam(target.parameters())
+        state: dict[str, Any] = {"optimizer": fresh, "model": target}
+        with pytest.warns(UserWarning, match="dropped the saved optimizer state of 2"):
+            assert manager.restore(state, ignore_mismatched=True) == 1
+    assert torch.equal(target[0].weight, source[0].weight)
+    # The first training step works; the kept parameters resume their Adam state.
+    target(torch.randn(2, 4)).sum().backward()
+    fresh.step()
+    assert int(fresh.state[target[0].weight]["step"]) == 2
+    assert int(fresh.state[target[1].weight]["step"]) == 1
+
+
 # --------------------------------------------------------------------------- row 11: rollback
 
 
