@@ -255,7 +255,28 @@ class _Refused(Exception):
 
 
 def _qualified(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+    qualname = getattr(obj, "__qualname__", None)
+    if qualname is None and _reduces_to_name(obj):
+        name = obj.__reduce_ex__(2)
+        return f"{pickle.whichmodule(obj, name)}.{name}"
+    return f"{getattr(obj, '__module__', '?')}.{qualname or repr(obj)}"
+
+
+def _reduces_to_name(obj: Any) -> bool:
+    """True when pickle writes ``obj`` as a global name (its reduce value is a string).
+
+    Only types overriding ``__reduce__``/``__reduce_ex__`` can (``object``'s never
+    does); numpy values are skipped, since their reduce copies the data.
+    """
+    kind = type(obj)
+    if kind.__reduce_ex__ is object.__reduce_ex__ and kind.__reduce__ is object.__reduce__:
+        return False
+    if kind.__module__.startswith("numpy"):
+        return False
+    try:
+        return isinstance(obj.__reduce_ex__(2), str)
+    except Exception:
+        return False  # pickle itself reports it
 
 
 _GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
@@ -291,6 +312,8 @@ def _pickle_module(extra: Sequence[Any]) -> Any:
                 raise _Refused(obj)
             if isinstance(obj, dtype_base) and id(kind) not in allowed:
                 raise _Refused(kind)
+            if _reduces_to_name(obj) and id(obj) not in allowed:
+                raise _Refused(obj)  # pickled as a global (Ellipsis, NotImplemented...)
             return NotImplemented
 
     return types.SimpleNamespace(Pickler=_CheckingPickler, __name__="pickle")

@@ -321,3 +321,13 @@ def test_concurrent_loads_do_not_remove_each_others_globals(tmp_path: Path) -> N
         t.join()
     assert failures == []
     assert set(map(str, torch.serialization.get_safe_globals())) == before
+
+
+@pytest.mark.parametrize("value", [Ellipsis, NotImplemented], ids=["Ellipsis", "NotImplemented"])
+def test_values_pickled_as_a_global_name_are_refused_at_save(value: Any, tmp_path: Path) -> None:
+    # They pickle as a bare global (their reduce value is a name), which
+    # weights_only loading refuses: the save must refuse them first.
+    with pytest.raises(UnsafeCheckpointError, match=f"builtins.{value!r}") as info:
+        save({"x": [value]}, tmp_path / "v.pt")
+    assert info.value.unsafe_globals == (f"builtins.{value!r}",)
+    assert "obj['x'][0]" in str(info.value) and not (tmp_path / "v.pt").exists()
