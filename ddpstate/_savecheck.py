@@ -258,7 +258,8 @@ def _qualified(obj: Any) -> str:
     qualname = getattr(obj, "__qualname__", None)
     if qualname is None and _reduces_to_name(obj):
         name = obj.__reduce_ex__(2)
-        return f"{pickle.whichmodule(obj, name)}.{name}"
+        module = getattr(obj, "__module__", None) or getattr(pickle, "whichmodule")(obj, name)
+        return f"{module}.{name}"
     return f"{getattr(obj, '__module__', '?')}.{qualname or repr(obj)}"
 
 
@@ -268,7 +269,7 @@ def _reduces_to_name(obj: Any) -> bool:
     Only types overriding ``__reduce__``/``__reduce_ex__`` can (``object``'s never
     does); numpy values are skipped, since their reduce copies the data.
     """
-    kind = type(obj)
+    kind: Any = type(obj)
     if kind.__reduce_ex__ is object.__reduce_ex__ and kind.__reduce__ is object.__reduce__:
         return False
     if kind.__module__.startswith("numpy"):
