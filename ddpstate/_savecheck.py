@@ -258,7 +258,7 @@ def _qualified(obj: Any) -> str:
     qualname = getattr(obj, "__qualname__", None)
     if qualname is None and _reduces_to_name(obj):
         name = obj.__reduce_ex__(2)
-        module = getattr(obj, "__module__", None) or getattr(pickle, "whichmodule")(obj, name)
+        module = getattr(obj, "__module__", None) or pickle.whichmodule(obj, name)  # type: ignore[attr-defined]
         return f"{module}.{name}"
     return f"{getattr(obj, '__module__', '?')}.{qualname or repr(obj)}"
 
