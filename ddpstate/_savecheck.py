@@ -33,10 +33,16 @@ from typing import IO, Any, Optional
 import torch
 
 from ddpstate._everyday import EVERYDAY_GLOBALS
-from ddpstate.errors import CheckpointFormatError, ShardedStateError, UnsafeCheckpointError
+from ddpstate.errors import (
+    CheckpointFormatError,
+    InvalidArgumentError,
+    ShardedStateError,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "allowed_globals",
+    "check_safe_globals",
     "check_tensors",
     "loading_allowed",
     "save_torch",
@@ -122,6 +128,36 @@ def _remove_safe_globals(remove: list[Any]) -> None:
     now = serialization.get_safe_globals()
     serialization.clear_safe_globals()
     serialization.add_safe_globals([g for g in now if g not in remove])
+
+
+def check_safe_globals(value: Any, where: str) -> tuple[Any, ...]:
+    """Return ``safe_globals`` as a tuple, or raise InvalidArgumentError naming the bad item.
+
+    Each item must be what torch's weights_only list takes: a class or function,
+    or a ``(class_or_function, "module.Name")`` pair. Checked up front so a wrong
+    argument is never reported later as a damaged file.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(
+            f"{where}: safe_globals={value!r} must be a list of classes or functions, e.g. "
+            f"safe_globals=[MyEnum]"
+        )
+    for item in value:
+        pair = isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], str)
+        target = item[0] if pair else item
+        if not callable(target) or isinstance(target, str):
+            raise InvalidArgumentError(
+                f"{where}: safe_globals item {item!r} is not a class or function (nor a "
+                f"(class, 'module.Name') pair); pass the type itself, e.g. safe_globals=[MyEnum] "
+                f"rather than 'module.MyEnum' or MyEnum.A"
+            )
+        try:
+            hash(item)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"{where}: safe_globals item {item!r} is not hashable; pass the class itself"
+            ) from None
+    return tuple(value)
 
 
 @contextlib.contextmanager

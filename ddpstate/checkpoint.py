@@ -232,6 +232,7 @@ def save(
         tensor([1., 1.])
     """
     text = os.fspath(path)
+    _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
     fmt = _save_format(text, format)
     if metadata is not None and fmt != SAFETENSORS:
         raise CheckpointFormatError(
@@ -522,6 +523,7 @@ def load(
         tensor([0., 0.])
     """
     text = os.fspath(path)
+    _savecheck.check_safe_globals(safe_globals, f"load({text!r})")
     resolved = resolve_map_location(map_location)
     if src_rank is not None:
         _check_rank(src_rank, "src_rank")
@@ -648,6 +650,7 @@ def load_model_state(
         >>> load_model_state(torch.nn.Linear(2, 2), path)
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     """
+    _savecheck.check_safe_globals(safe_globals, "load_model_state")
     from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
 
     if isinstance(source, (str, os.PathLike)):

@@ -745,7 +745,9 @@ class CheckpointManager:
         self.format = format
         self.storage_options = storage_options
         self.timeout = timeout
-        self.safe_globals: tuple[Any, ...] = tuple(safe_globals)
+        self.safe_globals: tuple[Any, ...] = _savecheck.check_safe_globals(
+            safe_globals, "CheckpointManager"
+        )
         self._closed = False
         self._pending: Optional[_Pending] = None
         self._thread: Optional[threading.Thread] = None

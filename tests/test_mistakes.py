@@ -476,3 +476,29 @@ def test_every_everyday_global_resolves_here() -> None:
     named = {name for g in allowed_globals() if isinstance(g, tuple) for name in [g[1]]}
     moved = {n for n in EVERYDAY_GLOBALS if n.startswith(("pathlib._local.", "numpy.core."))}
     assert set(EVERYDAY_GLOBALS) - named <= moved
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [f"{__name__}.Color", [["x"]], [Color.RED], [(f"{__name__}.Color",)]],
+    ids=["string", "list-in-list", "enum-member", "one-tuple"],
+)
+def test_a_bad_safe_globals_argument_is_named_not_a_corrupt_file(bad: Any, tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    ddpstate.save({"c": Color.RED}, path, safe_globals=[Color])
+    before = set(map(str, torch.serialization.get_safe_globals()))
+    calls = {
+        "save": lambda: ddpstate.save({"c": Color.RED}, tmp_path / "d.pt", safe_globals=bad),
+        "load": lambda: ddpstate.load(path, safe_globals=bad),
+        "load_model_state": lambda: ddpstate.load_model_state(
+            nn.Linear(2, 2), path, safe_globals=bad
+        ),
+        "CheckpointManager": lambda: ddpstate.CheckpointManager(tmp_path / "r", safe_globals=bad),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgumentError, match="safe_globals") as info:
+            call()
+        assert name in str(info.value) or str(path) in str(info.value)
+    assert set(map(str, torch.serialization.get_safe_globals())) == before
+    assert not (tmp_path / "d.pt").exists()
+    assert ddpstate.load(path, safe_globals=[Color])["c"] is Color.RED
