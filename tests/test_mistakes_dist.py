@@ -232,7 +232,15 @@ def _bn_order_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
             warnings.simplefilter("always")
             ddpstate.save_model_state(net, os.path.join(folder, f"{name}.pt"))
         out[name] = [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
-    return {"ema": ema, **out}
+    # An async save snapshots the statistics after averaging them, not before.
+    wrapped = ddpstate.wrap_ddp(_net(), batchnorm="auto")
+    torch.manual_seed(300 + rank)
+    wrapped(torch.randn(8, 4) * (rank + 1)).sum().backward()
+    with ddpstate.CheckpointManager(os.path.join(folder, "async"), async_save=True) as writer:
+        writer.save(1, {"model": wrapped})
+    saved = ddpstate.load(os.path.join(folder, "async", "step_0000000001", "model.pt"))
+    live = ddpstate.unwrap_model(wrapped)[1].running_mean
+    return {"ema": ema, **out, "async_synced": torch.equal(saved["1.running_mean"], live)}
 
 
 def _bn_alone_worker(rank: int, world: int, folder: str) -> tuple[str, str]:
@@ -256,6 +264,7 @@ def test_batchnorm_checks_run_after_the_ranks_agree(tmp_path: Path) -> None:
         assert "['ema', 'model']" in message and "['model']" in message
         assert out["nan"] == []
         assert len(out["swapped"]) == 1 and "'1'" in out["swapped"][0]
+        assert out["async_synced"]
     assert not os.path.exists(tmp_path / "ema" / "step_0000000001")
     kind, message = run_ranks(_bn_alone_worker, 2, args=(str(tmp_path),), timeout=60)[0]
     assert kind == "BarrierTimeoutError" and "did not reach 'ddpstate.save'" in message, message
