@@ -638,8 +638,10 @@ class CheckpointManager:
     ``metric``, and deletes the rest. Saving a step that already exists
     replaces it (its manifest is removed first, so a crash midway leaves it
     uncommitted, never mixed). Saving a step lower than existing ones is a
-    rollback: once it is committed it becomes ``latest`` and the higher steps
-    are deleted, so ``restore``, ``steps()`` and ``ddpstate verify`` agree on it.
+    rollback when :meth:`restore` loaded that step or a lower one, or with
+    ``save(..., rollback=True)`` (refused otherwise: the higher steps may be an
+    earlier run's): once it is committed it becomes ``latest`` and the higher
+    steps are deleted, so ``restore``, ``steps()`` and ``ddpstate verify`` agree.
 
     ``restore`` verifies the newest checkpoint's files against its manifest on
     rank 0 (sizes and CRC-32, as :func:`verify_checkpoint`), falls back to
