@@ -375,15 +375,14 @@ def _splice_state(
         return None
     wanted = {_encode(t): t for t in texts}
     memo: dict[int, Any] = {}
-    for pos, index in layout.strings():
+    for pos, _ in layout.strings():
         if pos >= start:
             break
-        text = wanted.get(_string_at(data, pos))
-        if text is None:
-            continue
-        if len(text) > 1:
-            return None  # an object from before the state that the state may share
-        memo[id(text)] = (index, text)  # one-character strings are one object each
+        if _string_at(data, pos) in wanted:
+            # The same text before the state: an object the state may share, or not
+            # (re-emitting writes nn.Sequential's "0" afresh after the storage key
+            # "0"); which one depends on object identity, so re-emit instead.
+            return None
     global_slots = {name: index for pos, name, index in layout.globals if pos < start}
     if "collections.OrderedDict" in global_slots:
         # The tree holds real OrderedDicts; the pickler memoized their class there.

@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import pickle
 import sys
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from typing import IO, Any, Optional
@@ -32,10 +33,16 @@ from typing import IO, Any, Optional
 import torch
 
 from ddpstate._everyday import EVERYDAY_GLOBALS
-from ddpstate.errors import CheckpointFormatError, ShardedStateError, UnsafeCheckpointError
+from ddpstate.errors import (
+    CheckpointFormatError,
+    InvalidArgumentError,
+    ShardedStateError,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "allowed_globals",
+    "check_safe_globals",
     "check_tensors",
     "loading_allowed",
     "save_torch",
@@ -102,6 +109,57 @@ def allowed_globals(extra: Sequence[Any] = ()) -> list[Any]:
     return found
 
 
+# loading_allowed's globals: how many blocks (in any thread) currently need each one
+# that ddpstate added. Added on 0 -> 1, removed on 1 -> 0, under the lock, so one
+# thread's exit never takes out a global another thread's load is still using.
+_ALLOWED_LOCK = threading.Lock()
+_ALLOWED_COUNTS: dict[Any, int] = {}
+
+
+def _remove_safe_globals(remove: list[Any]) -> None:
+    """Take ``remove`` out of torch's weights_only list, leaving every other entry."""
+    from torch import _weights_only_unpickler as unpickler
+
+    remover = getattr(unpickler, "_remove_safe_globals", None)
+    if remover is not None:
+        remover(remove)
+        return
+    serialization = torch.serialization  # older torch: rebuild the list (under our lock)
+    now = serialization.get_safe_globals()
+    serialization.clear_safe_globals()
+    serialization.add_safe_globals([g for g in now if g not in remove])
+
+
+def check_safe_globals(value: Any, where: str) -> tuple[Any, ...]:
+    """Return ``safe_globals`` as a tuple, or raise InvalidArgumentError naming the bad item.
+
+    Each item must be what torch's weights_only list takes: a class or function,
+    or a ``(class_or_function, "module.Name")`` pair. Checked up front so a wrong
+    argument is never reported later as a damaged file.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(
+            f"{where}: safe_globals={value!r} must be a list of classes or functions, e.g. "
+            f"safe_globals=[MyEnum]"
+        )
+    for item in value:
+        pair = isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], str)
+        target = item[0] if pair else item
+        if not callable(target) or isinstance(target, str):
+            raise InvalidArgumentError(
+                f"{where}: safe_globals item {item!r} is not a class or function (nor a "
+                f"(class, 'module.Name') pair); pass the type itself, e.g. safe_globals=[MyEnum] "
+                f"rather than 'module.MyEnum' or MyEnum.A"
+            )
+        try:
+            hash(item)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"{where}: safe_globals item {item!r} is not hashable; pass the class itself"
+            ) from None
+    return tuple(value)
+
+
 @contextlib.contextmanager
 def loading_allowed(extra: Sequence[Any] = ()) -> Iterator[None]:
     """Allow :func:`allowed_globals` in torch's weights_only list inside the block only.
@@ -109,18 +167,35 @@ def loading_allowed(extra: Sequence[Any] = ()) -> Iterator[None]:
     Unlike ``torch.serialization.safe_globals``, which on exit puts back the list
     it found, this takes out only what it added: a module imported inside the
     block (``torch.distributed.tensor`` registers DTensor this way) keeps its
-    entries.
+    entries. Thread-safe: a global is counted per block that needs it and
+    removed when the last such block (in any thread) exits.
     """
     serialization = torch.serialization
-    before = list(serialization.get_safe_globals())
-    added = [g for g in allowed_globals(extra) if g not in before]
-    serialization.add_safe_globals(added)
+    held: list[Any] = []
+    with _ALLOWED_LOCK:
+        present = set(serialization.get_safe_globals())
+        new: list[Any] = []
+        for g in dict.fromkeys(allowed_globals(extra)):
+            if g in _ALLOWED_COUNTS:
+                _ALLOWED_COUNTS[g] += 1
+                held.append(g)
+            elif g not in present:  # someone else's entries stay theirs
+                _ALLOWED_COUNTS[g] = 1
+                held.append(g)
+                new.append(g)
+        serialization.add_safe_globals(new)
     try:
         yield
     finally:
-        now = serialization.get_safe_globals()
-        serialization.clear_safe_globals()
-        serialization.add_safe_globals([g for g in now if g not in added or g in before])
+        with _ALLOWED_LOCK:
+            done = []
+            for g in held:
+                _ALLOWED_COUNTS[g] -= 1
+                if _ALLOWED_COUNTS[g] == 0:
+                    del _ALLOWED_COUNTS[g]
+                    done.append(g)
+            if done:
+                _remove_safe_globals(done)
 
 
 # ------------------------------------------------------------------------- walking
@@ -216,7 +291,29 @@ class _Refused(Exception):
 
 
 def _qualified(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+    qualname = getattr(obj, "__qualname__", None)
+    if qualname is None and _reduces_to_name(obj):
+        name = obj.__reduce_ex__(2)
+        module = getattr(obj, "__module__", None) or pickle.whichmodule(obj, name)  # type: ignore[attr-defined]
+        return f"{module}.{name}"
+    return f"{getattr(obj, '__module__', '?')}.{qualname or repr(obj)}"
+
+
+def _reduces_to_name(obj: Any) -> bool:
+    """True when pickle writes ``obj`` as a global name (its reduce value is a string).
+
+    Only types overriding ``__reduce__``/``__reduce_ex__`` can (``object``'s never
+    does); numpy values are skipped, since their reduce copies the data.
+    """
+    kind: Any = type(obj)
+    if kind.__reduce_ex__ is object.__reduce_ex__ and kind.__reduce__ is object.__reduce__:
+        return False
+    if kind.__module__.startswith("numpy"):
+        return False
+    try:
+        return isinstance(obj.__reduce_ex__(2), str)
+    except Exception:
+        return False  # pickle itself reports it
 
 
 _GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
@@ -252,6 +349,8 @@ def _pickle_module(extra: Sequence[Any]) -> Any:
                 raise _Refused(obj)
             if isinstance(obj, dtype_base) and id(kind) not in allowed:
                 raise _Refused(kind)
+            if _reduces_to_name(obj) and id(obj) not in allowed:
+                raise _Refused(obj)  # pickled as a global (Ellipsis, NotImplemented...)
             return NotImplemented
 
     return types.SimpleNamespace(Pickler=_CheckingPickler, __name__="pickle")

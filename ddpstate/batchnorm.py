@@ -8,6 +8,7 @@ import hashlib
 import inspect
 import warnings
 import weakref
+import zlib
 from collections.abc import Iterator
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -406,9 +407,10 @@ def sync_batchnorm_stats(
 def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[float] = None) -> None:
     """Warn once per model when ranks' BatchNorm running statistics differ; a collective.
 
-    Each rank sends two float64 sums per layer (``running_mean``, ``running_var``)
-    through one ``all_gather_object``; exact equality, since synced statistics
-    are bit-identical on every rank. Nothing is exchanged when not distributed,
+    Each rank sends one CRC-32 per layer (of ``running_mean`` and
+    ``running_var``'s bytes) through one ``all_gather_object``; synced
+    statistics are bit-identical on every rank, so equal checksums mean equal
+    statistics (NaN included). Nothing is exchanged when not distributed,
     under a DDP wrapper that broadcasts buffers (rank 0's are then the model's),
     or when the model has no BatchNorm statistics (the same on every rank).
 
@@ -417,25 +419,55 @@ def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[floa
         where: What is being saved, for the message.
         timeout: Seconds to wait for the other ranks.
     """
-    if not is_distributed():
+    mine = stats_checksums(model)
+    if mine is None:
         return
+    warn_if_checksums_differ(model, all_gather_object(mine, timeout=timeout), where=where)
+
+
+def stats_checksums(model: nn.Module) -> Optional[list[int]]:
+    """This rank's CRC-32 per BatchNorm layer, or None when there is nothing to compare.
+
+    Not a collective: callers exchange the result (``warn_if_stats_differ``,
+    or ``CheckpointManager.save`` inside its own agreement exchange) and pass
+    every rank's list to :func:`warn_if_checksums_differ`. None when not
+    distributed, under a DDP wrapper that broadcasts buffers, or without
+    BatchNorm statistics.
+    """
+    if not is_distributed():
+        return None
     ddp = _find_ddp(model)
     if ddp is not None and _ddp_syncs_buffers(ddp):
         # DDP copies rank 0's buffers to every rank at each forward: rank 0's are the
         # model's statistics, and the others differ only until the next forward.
-        return
+        return None
     layers = _stat_layers(model)
     if not layers:
-        return
+        return None
+    crcs: list[int] = []
     with torch.no_grad():
-        sums = torch.stack(
-            [
-                torch.stack([m.running_mean.double().sum(), m.running_var.double().sum()])  # type: ignore[union-attr]
-                for _, m in layers
-            ]
-        )
-    mine = sums.cpu().tolist()
-    gathered = all_gather_object(mine, timeout=timeout)
+        for _, m in layers:
+            crc = 0
+            for t in (m.running_mean, m.running_var):
+                if t is not None:
+                    # Bytes, not sums: NaN compares unequal to itself, and different
+                    # statistics can share a sum.
+                    data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                    crc = zlib.crc32(data, crc)
+            crcs.append(crc)
+    return crcs
+
+
+def warn_if_checksums_differ(model: nn.Module, gathered: list[Any], *, where: str) -> None:
+    """Warn once per model when the ranks' :func:`stats_checksums` lists differ.
+
+    ``gathered`` holds every rank's list (rank order); a None anywhere means
+    some rank had nothing to compare, and nothing is reported.
+    """
+    if any(g is None for g in gathered):
+        return
+    layers = _stat_layers(model)
+    mine = gathered[0]
     differing = [
         name
         for i, (name, _) in enumerate(layers)
@@ -452,7 +484,7 @@ def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[floa
         f"holds rank 0's alone. Call ddpstate.sync_batchnorm_stats(model) on every rank before "
         f"saving (and evaluating), or use SyncBatchNorm",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 

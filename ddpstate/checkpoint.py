@@ -221,6 +221,7 @@ def save(
         tensor([1., 1.])
     """
     text = os.fspath(path)
+    _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
     fmt = _save_format(text, format)
     if metadata is not None and fmt != SAFETENSORS:
         raise CheckpointFormatError(
@@ -519,6 +520,7 @@ def load(
         tensor([0., 0.])
     """
     text = os.fspath(path)
+    _savecheck.check_safe_globals(safe_globals, f"load({text!r})")
     resolved = resolve_map_location(map_location)
     if src_rank is not None:
         _check_rank(src_rank, "src_rank")
@@ -580,10 +582,12 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
     from ddpstate.batchnorm import warn_if_stats_differ
     from ddpstate.keys import normalize_keys, unwrap_model
 
-    if save_kwargs.get("barrier", True):
-        warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
     state = normalize_keys(unwrap_model(model).state_dict())
     save(state, path, **save_kwargs)
+    if save_kwargs.get("barrier", True):
+        # After the save: its own agreement has proven every rank is here, so a
+        # rank that skipped the call fails inside save, named as such.
+        warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
 
 
 def load_model_state(
@@ -643,6 +647,7 @@ def load_model_state(
         >>> load_model_state(torch.nn.Linear(2, 2), path)
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     """
+    _savecheck.check_safe_globals(safe_globals, "load_model_state")
     from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
 
     if isinstance(source, (str, os.PathLike)):

@@ -403,32 +403,42 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 # The library's messages name Python arguments; on the command line the user typed
-# options, so the messages say those instead.
+# options, so the messages say those instead. A name counts only where it starts a
+# word that is not part of a path (no letter, digit, _ . / \\ - or : before it), and
+# the paths the user typed are masked first, so "/runs/key=a/x.pt" stays as it is.
+_ARG = r"(?<![\w./\\:-])"
 _OPTION_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), replacement)
     for pattern, replacement in (
         (r" \((?:in_place|overwrite|unsafe)=True\)", ""),  # the option is named just before
         (r"load it with weights_only=False and (?:use its|call) \.state_dict\(\)",
          "pass --unsafe (only for files you trust) to read its parameters"),
-        (r"\bkey=(['\"])(.*?)\1", r"--key \2"),
-        (r"\bkey=", "--key"),
-        (r"\bin_place=True\b", "--in-place"),
-        (r"\boverwrite=True\b", "--force"),
-        (r"\b(?:unsafe=True|weights_only=False)", "--unsafe"),
+        (_ARG + r"key=(['\"])(.*?)\1", r"--key \2"),
+        (_ARG + r"key=", "--key"),
+        (_ARG + r"in_place=True\b", "--in-place"),
+        (_ARG + r"overwrite=True\b", "--force"),
+        (_ARG + r"(?:unsafe=True|weights_only=False)", "--unsafe"),
     )
 )  # fmt: skip
 
 
-def _cli_terms(message: str) -> str:
+def _cli_terms(message: str, typed: Sequence[str] = ()) -> str:
+    masks: dict[str, str] = {}
+    for i, value in enumerate(sorted(set(typed), key=len, reverse=True)):
+        if len(value) > 1 and not value.startswith("-") and value in message:
+            masks[f"\x00{i}\x00"] = value
+            message = message.replace(value, f"\x00{i}\x00")
     for pattern, replacement in _OPTION_NAMES:
         message = pattern.sub(replacement, message)
+    for mask, value in masks.items():
+        message = message.replace(mask, value)
     return message
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, typed: Sequence[str] = ()) -> str:
     text = " ".join(str(exc).split())
     if isinstance(exc, DDPStateError):
-        text = _cli_terms(text)
+        text = _cli_terms(text, typed)
     return text or type(exc).__name__
 
 
@@ -450,6 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         0
     """
     debug = os.environ.get("DDPSTATE_DEBUG", "") not in ("", "0")
+    typed = list(sys.argv[1:] if argv is None else argv)  # kept verbatim in messages
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
@@ -467,13 +478,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (_UsageError, DDPStateError, ValueError, OSError) as exc:
         if debug:
             traceback.print_exc()
-        print(f"ddpstate: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"ddpstate: error: {_one_line(exc, typed)}", file=sys.stderr)
         return 2
     except Exception as exc:
         if debug:
             traceback.print_exc()
         print(
-            f"ddpstate: error: unexpected {type(exc).__name__}: {_one_line(exc)} "
+            f"ddpstate: error: unexpected {type(exc).__name__}: {_one_line(exc, typed)} "
             f"(set DDPSTATE_DEBUG=1 for the traceback, and please report it)",
             file=sys.stderr,
         )

@@ -81,6 +81,8 @@ STEP_DIGITS = 10
 MANIFEST_NAME = "manifest.json"
 #: The pointer file naming the most recently committed step folder.
 LATEST_NAME = "latest"
+# In write errors raised after the step's commit (the folder has changed).
+_COMMITTED_BUT = "was committed, but"
 #: Every rank's RNG states; entry names cannot start with "_", so it never collides.
 RNG_FILE = "_rng.pt"
 #: Bumped when the manifest layout changes incompatibly.
@@ -611,6 +613,36 @@ def _latest_problems(
     return []
 
 
+def _without_skipped(value: Any, optimizer: Any, skipped: set[int], where: str) -> Any:
+    """``value`` (an optimizer state dict) less the state of the ``skipped`` parameters.
+
+    Saved optimizer state is keyed by parameter position in ``param_groups``, so
+    positions are matched against the live optimizer's parameters; those start
+    afresh (as new parameters do) and a warning names how many.
+    """
+    if not isinstance(value, Mapping) or not isinstance(value.get("state"), Mapping):
+        return value
+    positions: set[Any] = set()
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in skipped:
+                positions.add(index)
+            index += 1
+    dropped = [k for k in value["state"] if k in positions]
+    if not dropped:
+        return value
+    warnings.warn(
+        f"{where}: dropped the saved optimizer state of {len(dropped)} parameter(s) skipped "
+        f"by ignore_mismatched=True (they start with fresh optimizer state)",
+        UserWarning,
+        stacklevel=4,
+    )
+    kept = dict(value)
+    kept["state"] = {k: v for k, v in value["state"].items() if k not in positions}
+    return kept
+
+
 class CheckpointManager:
     """Save training state every few steps, keep a few, and resume from the newest good one.
 
@@ -639,8 +671,10 @@ class CheckpointManager:
     ``metric``, and deletes the rest. Saving a step that already exists
     replaces it (its manifest is removed first, so a crash midway leaves it
     uncommitted, never mixed). Saving a step lower than existing ones is a
-    rollback: once it is committed it becomes ``latest`` and the higher steps
-    are deleted, so ``restore``, ``steps()`` and ``ddpstate verify`` agree on it.
+    rollback when :meth:`restore` loaded that step or a lower one, or with
+    ``save(..., rollback=True)`` (refused otherwise: the higher steps may be an
+    earlier run's): once it is committed it becomes ``latest`` and the higher
+    steps are deleted, so ``restore``, ``steps()`` and ``ddpstate verify`` agree.
 
     ``restore`` verifies the newest checkpoint's files against its manifest on
     rank 0 (sizes and CRC-32, as :func:`verify_checkpoint`), falls back to
@@ -755,7 +789,9 @@ class CheckpointManager:
         self.format = format
         self.storage_options = storage_options
         self.timeout = timeout
-        self.safe_globals: tuple[Any, ...] = tuple(safe_globals)
+        self.safe_globals: tuple[Any, ...] = _savecheck.check_safe_globals(
+            safe_globals, "CheckpointManager"
+        )
         self._closed = False
         self._pending: Optional[_Pending] = None
         self._thread: Optional[threading.Thread] = None
@@ -763,6 +799,8 @@ class CheckpointManager:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._metrics_cache: dict[int, dict[str, float]] = {}
         self._warned_newer = False
+        # The step restore() loaded: saving it or a higher step rolls back the steps above.
+        self._restored_step: Optional[int] = None
         self._stop_requested = False
         self._stop_signal: Optional[int] = None
         self._previous_handlers: dict[int, Any] = {}
@@ -831,14 +869,22 @@ class CheckpointManager:
         return max(found) if found else None
 
     def save(
-        self, step: int, state: Mapping[str, Any], *, metrics: Optional[Mapping[str, Any]] = None
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Optional[Mapping[str, Any]] = None,
+        rollback: bool = False,
     ) -> None:
         """Save a checkpoint of ``state`` (plus every rank's RNG states) for ``step``.
 
         A collective. Synchronous mode returns once the checkpoint is committed
         and rotation is done; async mode returns after the snapshot. A step
-        lower than committed ones is a rollback: it becomes the latest and the
-        higher steps are deleted once it is committed. Models ``wrap_ddp``
+        lower than committed ones is a rollback (it becomes the latest and the
+        higher steps are deleted once it is committed) when this manager's
+        :meth:`restore` loaded that step or a lower one, or with
+        ``rollback=True``; otherwise it is refused, since the higher steps may
+        be another run's in a reused folder. Models ``wrap_ddp``
         prepared with unsynced BatchNorm get their running statistics averaged
         across ranks first (:func:`~ddpstate.sync_batchnorm_stats`).
 
@@ -847,11 +893,15 @@ class CheckpointManager:
             state: Entry name -> object with ``state_dict()`` or plain value.
             metrics: Name -> number, stored in the manifest; ``metric`` must be
                 among them when ``keep_best`` is used.
+            rollback: Allow deleting committed steps higher than ``step``
+                without having restored ``step`` or a lower one.
 
         Raises:
             CheckpointWriteError: This write failed (synchronous mode), or the
                 previous async write failed (raised before saving anything);
                 the checkpoints committed before are untouched.
+            InvalidArgumentError: ``step`` is below committed steps that are
+                not a rollback (see above); nothing is written or deleted.
             DDPStateError: Invalid arguments, or the ranks passed different
                 steps or entry names; a value ``restore`` could not load (named
                 by its path, with the ``safe_globals`` way out) or a meta tensor,
@@ -883,14 +933,17 @@ class CheckpointManager:
         # Every rank looks at its own model and optimizer: sharded state is refused
         # on every rank before anyone writes (rank 0 alone holds only its shards).
         _check_not_sharded(state, folder)
-        self._batchnorm_stats(state, folder)
+        batchnorm = self._batchnorm_checks(state)
         writer = get_rank() == _WRITER_RANK
         entries: dict[str, _Entry] = {}
         events: list[Any] = []
         local_error: Optional[Exception] = None
+        refusal = ""
         if writer:
             try:
-                entries, events = self._collect(state, snapshot=self.async_save)
+                refusal = self._rollback_refusal(step, rollback)
+                if not refusal:
+                    entries, events = self._collect(state, snapshot=self.async_save)
                 for name, entry in entries.items():
                     _savecheck.check_tensors(entry.value, f"state[{name!r}]", folder)
             except Exception as exc:
@@ -903,17 +956,25 @@ class CheckpointManager:
         # The RNG states ride as one opaque blob per rank: the writer's check needs only
         # step and names, and unpickles the states when it writes them.
         rng = pickle.dumps(_rng_to_wire(capture_rng_state()))
-        info = {"step": step, "names": sorted(names), "rng": rng}
+        info = {"step": step, "names": sorted(names), "rng": rng, "batchnorm": batchnorm}
+        # Models wrap_ddp prepared with unsynced BatchNorm are averaged before the write.
+        # That is a collective of its own, so it runs only after the round has shown
+        # that the ranks agree (step, entries, which models), and the write follows it.
+        sync_first = any(fact == "sync" for fact in batchnorm.values())
         rng_blobs: list[bytes] = []
         causes: list[BaseException] = []
 
         def decide(infos: list[Any]) -> Optional[DDPStateError]:
             error = self._check_gathered(infos, step, folder, local_error)
+            if error is None and refusal:
+                error = InvalidArgumentError(refusal)
+            if error is None:
+                error = self._check_batchnorm(state, folder, infos)
             if error is not None:
                 causes.extend([local_error] if local_error is not None else [])
                 return error
             rng_blobs.extend(i["rng"] for i in infos)
-            if self.async_save:
+            if self.async_save or sync_first:
                 return None
             try:
                 self._write(step, entries, _rng_states(rng_blobs), checked_metrics)
@@ -934,6 +995,23 @@ class CheckpointManager:
             if causes:
                 raise shared from causes[0]
             raise
+        if sync_first:
+            self._sync_batchnorm(state)
+            if writer and self.async_save:
+                entries, events = self._collect(state, snapshot=True)  # the synced statistics
+            if not self.async_save:
+                failure: Optional[DDPStateError] = None
+                cause: Optional[BaseException] = None
+                if writer:
+                    try:
+                        self._write(step, entries, _rng_states(rng_blobs), checked_metrics)
+                    except Exception as exc:
+                        cause = exc
+                        failure = self._write_failure(
+                            step, folder, [(_WRITER_RANK, _error_text(exc))]
+                        )
+                self._share_outcome(step, folder, failure, cause)
+                return
         if self.async_save:
             self._pending = _Pending(step, folder)
             if writer:
@@ -1090,7 +1168,9 @@ class CheckpointManager:
             strict: Raise when ``state`` and the checkpoint have different entries.
             ignore_mismatched: In models, skip tensors whose shape differs from
                 the live model's (it keeps its own values there), e.g. a classifier
-                head resized for fine-tuning; a warning names them.
+                head resized for fine-tuning; a warning names them. Optimizers in
+                ``state`` drop their saved state for those parameters (another
+                warning), so the first step after restore works.
 
         Returns:
             The restored step, or None when the folder has no checkpoint yet.
@@ -1166,6 +1246,7 @@ class CheckpointManager:
         self._share_restore_outcome(chosen_step, error)
         durable = _local_tier.RestoreSource(chosen_step, "durable", folder)
         self.restored_from = local[0] if local is not None else durable
+        self._restored_step = int(chosen_step)
         return int(chosen_step)
 
     def should_stop(self) -> bool:
@@ -1475,16 +1556,23 @@ class CheckpointManager:
             self._discard(folder, exc)
             raise
         self._metrics_cache[step] = metrics
-        # A save of an older step is a rollback: now that it is committed, the newer
-        # steps are uncommitted (oldest first, so restore() takes either the old newest
-        # or this step, never one in between), then `latest` names this step.
+        # A save of an older step is a rollback (save() checked it is one): now that it
+        # is committed, `latest` names it, then the newer steps are uncommitted (oldest
+        # first, so restore() takes either the old newest or this step, never one in
+        # between). `latest` first: if writing it fails, nothing was uncommitted yet.
         newer = sorted(s for s in self._committed_steps() if s > step)
+        latest = storage.join(self.directory, LATEST_NAME)
+        try:
+            with storage.atomic_write(latest, storage_options=opts) as f:
+                f.write((_step_name(step) + "\n").encode())
+        except Exception as exc:
+            kept = f"; steps {newer} are still committed, so restore() takes step {max(newer)}"
+            raise CheckpointWriteError(
+                f"step {step} {_COMMITTED_BUT} writing {latest} failed ({_error_text(exc)})"
+                + (kept if newer else "")
+            ) from exc
         for s in newer:
             self._uncommit(s, step)
-        with storage.atomic_write(
-            storage.join(self.directory, LATEST_NAME), storage_options=opts
-        ) as f:
-            f.write((_step_name(step) + "\n").encode())
         for s in newer:
             self._delete_step(s, step)
         self._rotate(step)
@@ -1577,19 +1665,71 @@ class CheckpointManager:
             self._uncommit(s, newest)
             self._delete_step(s, newest)
 
-    def _batchnorm_stats(self, state: Mapping[str, Any], folder: str) -> None:
-        """Every rank: average unsynced BatchNorm statistics of ``wrap_ddp`` models, or warn."""
-        from ddpstate.batchnorm import _wrapped_unsynced, sync_batchnorm_stats, warn_if_stats_differ
+    def _rollback_refusal(self, step: int, rollback: bool) -> str:
+        """Rank 0: why saving ``step`` must not delete the higher committed steps, or ""."""
+        higher = sorted(s for s in self._committed_steps() if s > step)
+        restored = self._restored_step
+        if not higher or rollback or (restored is not None and restored <= step):
+            return ""
+        came = "never restored" if restored is None else f"restored step {restored}"
+        return (
+            f"CheckpointManager.save(step={step}): {self.directory} already has committed steps "
+            f"{higher} above it, and this manager {came}, so they may be another run's (a "
+            f"reused folder). Saving step {step} would roll back: delete them. To roll back on "
+            f"purpose, pass save({step}, ..., rollback=True) or restore(step=N) with N <= "
+            f"{step} first; otherwise save into another folder or continue above step "
+            f"{higher[-1]}. Nothing was written or deleted"
+        )
 
-        given = self.timeout
-        timeout = given.total_seconds() if isinstance(given, timedelta) else given
+    def _batchnorm_checks(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's BatchNorm facts per model entry, sent in ``save``'s agreement exchange.
+
+        ``"sync"`` for a ``wrap_ddp`` model with unsynced statistics, else its
+        :func:`~ddpstate.batchnorm.stats_checksums` (None: nothing to compare).
+        Not a collective.
+        """
+        from ddpstate.batchnorm import _wrapped_unsynced, stats_checksums
+
+        return {
+            name: "sync" if _wrapped_unsynced(obj) else stats_checksums(obj)
+            for name, obj in state.items()
+            if isinstance(obj, nn.Module)
+        }
+
+    def _check_batchnorm(
+        self, state: Mapping[str, Any], folder: str, gathered: list[Any]
+    ) -> Optional[DDPStateError]:
+        """The writer, inside save's round: the ranks must agree on which models to sync.
+
+        For the other models it warns (once per model) when the ranks' BatchNorm
+        statistics differ, since the file would hold rank 0's alone.
+        """
+        from ddpstate.batchnorm import warn_if_checksums_differ
+
         for name, obj in state.items():
             if not isinstance(obj, nn.Module):
                 continue
-            if _wrapped_unsynced(obj):
+            facts = [g["batchnorm"].get(name) for g in gathered]
+            syncing = [r for r, fact in enumerate(facts) if fact == "sync"]
+            if syncing and len(syncing) != len(facts):
+                return InvalidArgumentError(
+                    f"CheckpointManager.save: entry {name!r} was prepared by wrap_ddp with "
+                    f"unsynced BatchNorm on rank(s) {syncing} but not on the others; prepare "
+                    f"the model the same way on every rank"
+                )
+            if not syncing:
+                warn_if_checksums_differ(obj, facts, where=f"{folder} (entry {name!r})")
+        return None
+
+    def _sync_batchnorm(self, state: Mapping[str, Any]) -> None:
+        """Every rank, after save's round: average the statistics of unsynced wrap_ddp models."""
+        from ddpstate.batchnorm import _wrapped_unsynced, sync_batchnorm_stats
+
+        given = self.timeout
+        timeout = given.total_seconds() if isinstance(given, timedelta) else given
+        for obj in state.values():
+            if isinstance(obj, nn.Module) and _wrapped_unsynced(obj):
                 sync_batchnorm_stats(obj, timeout=timeout)
-            else:
-                warn_if_stats_differ(obj, where=f"{folder} (entry {name!r})", timeout=timeout)
 
     def _uncommit(self, step: int, newest: int) -> None:
         folder = self.checkpoint_path(step)
@@ -1601,7 +1741,7 @@ class CheckpointManager:
             )
         except Exception as exc:
             raise CheckpointWriteError(
-                f"step {newest} was committed, but deleting the old checkpoint {folder} "
+                f"step {newest} {_COMMITTED_BUT} deleting the old checkpoint {folder} "
                 f"failed ({_error_text(exc)}); delete it by hand"
             ) from exc
 
@@ -1613,7 +1753,7 @@ class CheckpointManager:
             )
         except Exception as exc:
             raise CheckpointWriteError(
-                f"step {newest} was committed, but deleting the old checkpoint {folder} "
+                f"step {newest} {_COMMITTED_BUT} deleting the old checkpoint {folder} "
                 f"failed ({_error_text(exc)}); delete it by hand"
             ) from exc
         self._metrics_cache.pop(step, None)
@@ -1662,10 +1802,17 @@ class CheckpointManager:
         self, step: int, folder: str, failures: list[tuple[int, str]]
     ) -> CheckpointWriteError:
         detail = "; ".join(f"rank {r}: {m}" for r, m in failures)
+        if any(_COMMITTED_BUT in m for _, m in failures):
+            # The step itself was committed and a later part failed: the folder changed.
+            outcome = (
+                f"run `ddpstate verify {self.directory}` to see what is committed; restore() "
+                f"takes the newest committed step that verifies"
+            )
+        else:
+            outcome = "the checkpoints committed before it are untouched"
         return CheckpointWriteError(
-            f"saving step {step} to {folder} failed ({detail}); the checkpoints committed before "
-            f"it are untouched. Check free space, permissions and that {self.directory} is a "
-            f"writable folder"
+            f"saving step {step} to {folder} failed ({detail}); {outcome}. Check free space, "
+            f"permissions and that {self.directory} is a writable folder"
         )
 
     def _share_outcome(
@@ -1845,7 +1992,12 @@ class CheckpointManager:
             barrier=False,
             storage_options=opts,
         )
-        for name, value in loaded.items():
+        # Parameters ignore_mismatched skipped: optimizers must not get their old
+        # per-parameter state (it has the old shape), so models load first.
+        skipped: set[int] = set()
+        in_order = sorted(loaded, key=lambda n: not isinstance(state[n], nn.Module))
+        for name in in_order:
+            value = loaded[name]
             target = state[name]
             file = storage.join(folder, saved_entries[name]["file"])
             if isinstance(target, nn.Module):
@@ -1855,14 +2007,18 @@ class CheckpointManager:
                         f"dict, so it cannot be loaded into {type(target).__name__}"
                     )
                 adapted = adapt_state_dict(value, target)
-                checkpoint._load_fitting(
+                keys = checkpoint._load_fitting(
                     target,
                     adapted,
                     name=f"{file} (entry {name!r})",
                     strict=True,
                     ignore_mismatched=ignore_mismatched,
                 )
+                params = dict(target.named_parameters())
+                skipped.update(id(params[k]) for k in keys if k in params)
             elif _has_state_dict(target):
+                if skipped and isinstance(target, torch.optim.Optimizer):
+                    value = _without_skipped(value, target, skipped, f"{file} (entry {name!r})")
                 try:
                     target.load_state_dict(value)
                 except DDPStateError:

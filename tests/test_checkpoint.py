@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import datetime
 import hashlib
 import os
 import warnings
@@ -288,3 +289,45 @@ def test_load_model_state_finds_the_state_dict_and_reports(tmp_path: Path) -> No
     wrong_shape = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     with pytest.raises(DDPStateError, match="size mismatch"):
         load_model_state(wrong_shape, tmp_path / "c.pt")
+
+
+def test_save_refusal_keeps_the_unsafe_globals(tmp_path: Path) -> None:
+    with pytest.raises(UnsafeCheckpointError) as info:
+        save({"opt": Custom()}, tmp_path / "c.pt")
+    assert info.value.unsafe_globals == (f"{__name__}.Custom",)
+    assert str(tmp_path / "c.pt") in str(info.value) and not (tmp_path / "c.pt").exists()
+
+
+def test_concurrent_loads_do_not_remove_each_others_globals(tmp_path: Path) -> None:
+    import threading
+
+    import numpy as np
+
+    save({"best": np.float64(0.9), "when": datetime.date(2024, 1, 2)}, tmp_path / "n.pt")
+    before = set(map(str, torch.serialization.get_safe_globals()))
+    failures: list[str] = []
+
+    def loads() -> None:
+        for _ in range(150):
+            try:
+                assert load(tmp_path / "n.pt")["best"] == 0.9
+            except Exception as exc:  # collected: a thread's exception would be lost
+                failures.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=loads) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert set(map(str, torch.serialization.get_safe_globals())) == before
+
+
+@pytest.mark.parametrize("value", [Ellipsis, NotImplemented], ids=["Ellipsis", "NotImplemented"])
+def test_values_pickled_as_a_global_name_are_refused_at_save(value: Any, tmp_path: Path) -> None:
+    # They pickle as a bare global (their reduce value is a name), which
+    # weights_only loading refuses: the save must refuse them first.
+    with pytest.raises(UnsafeCheckpointError, match=f"builtins.{value!r}") as info:
+        save({"x": [value]}, tmp_path / "v.pt")
+    assert info.value.unsafe_globals == (f"builtins.{value!r}",)
+    assert "obj['x'][0]" in str(info.value) and not (tmp_path / "v.pt").exists()

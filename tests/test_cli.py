@@ -317,3 +317,23 @@ class _ResNet(nn.Module):
 def resnet20() -> nn.Module:
     """The plain (unwrapped) ResNet-20 whose DataParallel weights the sample holds."""
     return _ResNet(3)
+
+
+def test_option_names_never_rewrite_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpstate.cli import _cli_terms, main
+
+    folder = tmp_path / "key=a"
+    folder.mkdir()
+    missing = folder / "nothere.pt"
+    assert main(["verify", str(missing)]) == 2
+    assert f"{missing}: no such file" in capsys.readouterr().err
+    src = tmp_path / "run_key=7.pt"
+    torch.save({"w": torch.zeros(1)}, src)
+    assert main(["convert", str(src), str(folder / "o.pt"), "--key", "in_place=True"]) == 2
+    err = capsys.readouterr().err
+    assert "no entry 'in_place=True'" in err and "--key model.state_dict" in err
+    # Paths the user did not type (found inside a folder) are left alone too.
+    text = "cannot read /data/key=b/unsafe=True/x.pt (key='model')"
+    assert _cli_terms(text) == "cannot read /data/key=b/unsafe=True/x.pt (--key model)"

@@ -235,3 +235,22 @@ def test_walk_accepts_nothing_the_memo_check_refuses() -> None:
     assert accepted  # some damage (to a float, a key's text) leaves the shape intact
     for cut in range(len(data)):  # and it never raises: truncated anywhere
         assert walk(data[:cut]) is None
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+@pytest.mark.parametrize("rule", RULES, ids=["strip", "add", "normalize", "none"])
+def test_sequential_models_convert_to_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nested: bool, rule: dict[str, Any]
+) -> None:
+    # nn.Sequential's _metadata keys are one character ("0", "1"), the same text as
+    # the storage keys written before them.
+    inner = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model = nn.Sequential(collections.OrderedDict(module=inner))
+    sd = model.state_dict()
+    src = tmp_path / "src.pt"
+    torch.save({"model": sd, "epoch": 3} if nested else sd, src)
+    options = dict(rule)
+    if nested:
+        options["key"] = "model"
+    fast, slow, _ = _both(monkeypatch, src, tmp_path, fsync=False, **options)
+    assert fast == slow

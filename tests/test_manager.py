@@ -23,6 +23,7 @@ from ddpstate.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     DDPStateError,
+    InvalidArgumentError,
     KeyMismatchError,
 )
 from ddpstate.formats import detect_format
@@ -486,9 +487,11 @@ def test_sigterm_sets_should_stop_and_close_restores_the_handler(tmp_path: Path)
 def test_higher_steps_from_an_earlier_run_are_pointed_out(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, keep_last=None) as manager:
         manager.save(200, {"x": 1})
+        with pytest.raises(InvalidArgumentError, match=r"committed steps \[200\] above it"):
+            manager.save(150, {"x": 2})  # not restored: maybe another run's, refused
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            manager.save(150, {"x": 2})
+            manager.save(150, {"x": 2}, rollback=True)
         assert any("step_0000000200 (a higher step)" in str(w.message) for w in caught)
 
 

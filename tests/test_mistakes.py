@@ -28,6 +28,7 @@ from ddpstate.errors import (
     CheckpointFormatError,
     DDPStateError,
     DeviceMapError,
+    InvalidArgumentError,
     ShapeMismatchError,
     UnsafeCheckpointError,
 )
@@ -276,6 +277,30 @@ def test_ignore_mismatched_skips_a_resized_head_and_reports_it(tmp_path: Path) -
     assert torch.equal(wrapped.module[0].weight, source[0].weight)
 
 
+def test_ignore_mismatched_restore_drops_the_optimizer_state_of_skipped_parameters(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    optimizer = torch.optim.Adam(source.parameters())
+    source(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    with ddpstate.CheckpointManager(tmp_path) as manager:
+        manager.save(1, {"model": source, "optimizer": optimizer})
+        # Fine-tuning: a resized head, the optimizer listed before the model.
+        target = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5))
+        fresh = torch.optim.Adam(target.parameters())
+        state: dict[str, Any] = {"optimizer": fresh, "model": target}
+        with pytest.warns(UserWarning, match="dropped the saved optimizer state of 2"):
+            assert manager.restore(state, ignore_mismatched=True) == 1
+    assert torch.equal(target[0].weight, source[0].weight)
+    # The first training step works; the kept parameters resume their Adam state.
+    target(torch.randn(2, 4)).sum().backward()
+    fresh.step()
+    assert int(fresh.state[target[0].weight]["step"]) == 2
+    assert int(fresh.state[target[1].weight]["step"]) == 1
+
+
 # --------------------------------------------------------------------------- row 11: rollback
 
 
@@ -287,7 +312,7 @@ def test_saving_an_older_step_is_a_rollback(existing: bool, tmp_path: Path) -> N
             manager.save(step, {"x": step})
         assert manager.steps() == ([3, 4, 5] if existing else [4, 5])
         with pytest.warns(UserWarning, match="rollback"):
-            manager.save(3, {"x": 33})
+            manager.save(3, {"x": 33}, rollback=True)
         assert manager.steps() == [3]
         assert manager.latest_step() == 3
         assert (tmp_path / "latest").read_text() == "step_0000000003\n"
@@ -298,6 +323,59 @@ def test_saving_an_older_step_is_a_rollback(existing: bool, tmp_path: Path) -> N
         manager.save(4, {"x": 44})  # and training goes on from there
         assert manager.steps() == [3, 4] and verify_checkpoint(tmp_path).ok
     assert main(["verify", str(tmp_path), "-q"]) == 0
+
+
+def test_a_lower_step_is_a_rollback_only_after_restoring_it_or_when_asked(tmp_path: Path) -> None:
+    # An earlier run's checkpoints in a reused folder.
+    with ddpstate.CheckpointManager(tmp_path) as earlier:
+        earlier.save(10, {"x": 10})
+        earlier.save(20, {"x": 20})
+    with ddpstate.CheckpointManager(tmp_path) as manager:
+        for step in (1, 10):
+            with pytest.raises(InvalidArgumentError) as info:
+                manager.save(step, {"x": step})
+            message = str(info.value)
+            assert "[20]" in message if step == 10 else "[10, 20]" in message
+            assert "rollback=True" in message and "restore(step=N)" in message
+        assert manager.steps() == [10, 20]
+        assert manager.restore({"x": None}) == 20
+        with pytest.raises(InvalidArgumentError, match="restored step 20"):
+            manager.save(15, {"x": 15})
+        # Restoring step 10 makes saving 10 (or above) a rollback.
+        assert manager.restore({"x": None}, step=10) == 10
+        with pytest.warns(UserWarning, match="rollback"):
+            manager.save(11, {"x": 11})
+        assert manager.steps() == [10, 11] and verify_checkpoint(tmp_path).ok
+    assert main(["verify", str(tmp_path), "-q"]) == 0
+
+
+def test_a_rollback_whose_latest_write_fails_deletes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ddpstate.manager as manager_module
+
+    with ddpstate.CheckpointManager(tmp_path) as manager:
+        for step in (3, 4, 5):
+            manager.save(step, {"x": step})
+        real = manager_module.storage.atomic_write
+
+        def failing(path: str, *args: Any, **kwargs: Any) -> Any:
+            if path.endswith("latest"):
+                raise OSError("disk full")
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(manager_module.storage, "atomic_write", failing)
+        with pytest.warns(UserWarning, match="rollback"), pytest.raises(DDPStateError) as info:
+            manager.save(2, {"x": 2}, rollback=True)
+        monkeypatch.undo()
+        message = str(info.value)
+        assert "untouched" not in message and "disk full" in message
+        assert "steps [3, 4, 5] are still committed, so restore() takes step 5" in message
+        # restore, steps() and verify agree: step 5 is still the newest.
+        assert manager.steps() == [2, 3, 4, 5]
+        assert manager.restore({"x": None}) == 5
+    check = verify_checkpoint(tmp_path)
+    assert check.ok and check.steps == (2, 3, 4, 5), check.problems
 
 
 # --------------------------------------------------------------------------- row 12: meta tensors
@@ -398,3 +476,29 @@ def test_every_everyday_global_resolves_here() -> None:
     named = {name for g in allowed_globals() if isinstance(g, tuple) for name in [g[1]]}
     moved = {n for n in EVERYDAY_GLOBALS if n.startswith(("pathlib._local.", "numpy.core."))}
     assert set(EVERYDAY_GLOBALS) - named <= moved
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [f"{__name__}.Color", [["x"]], [Color.RED], [(f"{__name__}.Color",)]],
+    ids=["string", "list-in-list", "enum-member", "one-tuple"],
+)
+def test_a_bad_safe_globals_argument_is_named_not_a_corrupt_file(bad: Any, tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    ddpstate.save({"c": Color.RED}, path, safe_globals=[Color])
+    before = set(map(str, torch.serialization.get_safe_globals()))
+    calls = {
+        "save": lambda: ddpstate.save({"c": Color.RED}, tmp_path / "d.pt", safe_globals=bad),
+        "load": lambda: ddpstate.load(path, safe_globals=bad),
+        "load_model_state": lambda: ddpstate.load_model_state(
+            nn.Linear(2, 2), path, safe_globals=bad
+        ),
+        "CheckpointManager": lambda: ddpstate.CheckpointManager(tmp_path / "r", safe_globals=bad),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgumentError, match="safe_globals") as info:
+            call()
+        assert name in str(info.value) or str(path) in str(info.value)
+    assert set(map(str, torch.serialization.get_safe_globals())) == before
+    assert not (tmp_path / "d.pt").exists()
+    assert ddpstate.load(path, safe_globals=[Color])["c"] is Color.RED

@@ -7,6 +7,7 @@ BatchNorm statistics that differ across ranks (row 10).
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,3 +200,89 @@ def test_unsynced_batchnorm_is_warned_about_or_synced_by_the_manager(tmp_path: P
         plain = [m for m in out["plain_warnings"] if "BatchNorm running statistics differ" in m]
         assert len(plain) == 1 and "entry 'model'" in plain[0]
         assert out["default_warnings"] == []
+
+
+# ----------------------------------------------- BatchNorm checks only after the ranks agree
+
+
+def _bn_order_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model = _net()
+    model(torch.randn(8, 4))  # the ranks' statistics differ
+    # An EMA model kept on rank 0 only: the entries differ, and the BatchNorm
+    # check must not run (and hang or crash) before the save sees that.
+    state: dict[str, Any] = {"model": model}
+    if rank == 0:
+        state["ema"] = _net()
+    manager = ddpstate.CheckpointManager(os.path.join(folder, "ema"), timeout=20)
+    ema = _outcome(lambda: manager.save(1, state))
+    # Identical NaN statistics (a diverged run) are the same on both ranks: no warning.
+    nan = _net()
+    bn = nan[1]
+    with torch.no_grad():
+        bn.running_var.fill_(float("nan"))
+        bn.running_mean.fill_(1.0)
+    # Different statistics with equal sums on the two ranks: a warning.
+    swapped = _net()
+    with torch.no_grad():
+        swapped[1].running_mean.copy_(torch.arange(6.0) if rank == 0 else torch.arange(6.0).flip(0))
+    out: dict[str, list[str]] = {}
+    for name, net in (("nan", nan), ("swapped", swapped)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddpstate.save_model_state(net, os.path.join(folder, f"{name}.pt"))
+        out[name] = [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+    # An async save snapshots the statistics after averaging them, not before.
+    wrapped = ddpstate.wrap_ddp(_net(), batchnorm="auto")
+    torch.manual_seed(300 + rank)
+    wrapped(torch.randn(8, 4) * (rank + 1)).sum().backward()
+    with ddpstate.CheckpointManager(os.path.join(folder, "async"), async_save=True) as writer:
+        writer.save(1, {"model": wrapped})
+    saved = ddpstate.load(os.path.join(folder, "async", "step_0000000001", "model.pt"))
+    live = ddpstate.unwrap_model(wrapped)[1].running_mean
+    return {"ema": ema, **out, "async_synced": torch.equal(saved["1.running_mean"], live)}
+
+
+def _bn_alone_worker(rank: int, world: int, folder: str) -> tuple[str, str]:
+    # save_model_state on rank 0 only: the save's own agreement fails, named as the save.
+    if rank == 1:
+        time.sleep(8)  # in no collective while rank 0 waits for it
+        return "", ""
+    torch.manual_seed(rank)
+    model = _net()
+    model(torch.randn(8, 4))
+    return _outcome(
+        lambda: ddpstate.save_model_state(model, os.path.join(folder, "alone.pt"), timeout=3)
+    )
+
+
+def test_batchnorm_checks_run_after_the_ranks_agree(tmp_path: Path) -> None:
+    results = run_ranks(_bn_order_worker, 2, args=(str(tmp_path),), timeout=150)
+    for rank, out in enumerate(results):
+        kind, message = out["ema"]
+        assert kind == "InvalidArgumentError", (rank, out["ema"])
+        assert "['ema', 'model']" in message and "['model']" in message
+        assert out["nan"] == []
+        assert len(out["swapped"]) == 1 and "'1'" in out["swapped"][0]
+        assert out["async_synced"]
+    assert not os.path.exists(tmp_path / "ema" / "step_0000000001")
+    kind, message = run_ranks(_bn_alone_worker, 2, args=(str(tmp_path),), timeout=60)[0]
+    assert kind == "BarrierTimeoutError" and "did not reach 'ddpstate.save'" in message, message
+
+
+def _reuse_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
+    manager = ddpstate.CheckpointManager(folder, timeout=30)
+    refused = _outcome(lambda: manager.save(1, {"x": 1}))
+    steps = manager.steps()
+    manager.save(1, {"x": 1}, rollback=True)
+    return {"refused": refused, "steps": steps, "after": manager.steps()}
+
+
+def test_a_reused_folder_is_not_rolled_back_on_any_rank(tmp_path: Path) -> None:
+    with ddpstate.CheckpointManager(tmp_path) as earlier:  # an earlier run's checkpoint
+        earlier.save(10, {"x": 10})
+    results = run_ranks(_reuse_worker, 2, args=(str(tmp_path),), timeout=120)
+    for out in results:
+        kind, message = out["refused"]
+        assert kind == "InvalidArgumentError" and "[10]" in message and "rollback=True" in message
+    assert results[0]["steps"] == [10] and results[0]["after"] == [1]
