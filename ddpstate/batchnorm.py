@@ -21,7 +21,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpstate.dist import (
-    all_gather_object,
     compare_across_ranks,
     get_local_rank,
     get_world_size,
@@ -408,7 +407,8 @@ def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[floa
     """Warn once per model when ranks' BatchNorm running statistics differ; a collective.
 
     Each rank sends one CRC-32 per layer (of ``running_mean`` and
-    ``running_var``'s bytes) through one ``all_gather_object``; synced
+    ``running_var``'s bytes) through one ``compare_across_ranks`` (one rank
+    compares; the lists reach every rank only when they differ); synced
     statistics are bit-identical on every rank, so equal checksums mean equal
     statistics (NaN included). Nothing is exchanged when not distributed,
     under a DDP wrapper that broadcasts buffers (rank 0's are then the model's),
@@ -422,7 +422,9 @@ def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[floa
     mine = stats_checksums(model)
     if mine is None:
         return
-    warn_if_checksums_differ(model, all_gather_object(mine, timeout=timeout), where=where)
+    differing = compare_across_ranks(mine, name="BatchNorm statistics check", timeout=timeout)
+    if differing is not None:
+        warn_if_checksums_differ(model, differing, where=where)
 
 
 def stats_checksums(model: nn.Module) -> Optional[list[int]]:

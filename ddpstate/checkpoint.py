@@ -229,10 +229,11 @@ def save(
             f"format='safetensors', or put the metadata inside the saved object"
         )
     _check_rank(src_rank, "src_rank")
+    allowed = list(safe_globals) if weights_only else None
     if not (barrier and is_distributed()):
         if (get_rank() if is_distributed() else src_rank) == src_rank:
             try:
-                _write(obj, text, fmt, storage_options, metadata)
+                _write(obj, text, fmt, storage_options, metadata, allowed)
             except BaseException as exc:
                 raise _save_error(exc, text, src_rank) from exc
         return
@@ -245,7 +246,6 @@ def save(
         if disagreement is not None:
             return disagreement
         try:
-            allowed = list(safe_globals) if weights_only else None
             _write(obj, text, fmt, storage_options, metadata, allowed)
         except BaseException as exc:
             causes.append(exc)

@@ -189,7 +189,7 @@ def test_unsynced_batchnorm_is_warned_about_or_synced_by_the_manager(tmp_path: P
     results = run_ranks(_bn_worker, 2, args=(str(tmp_path),), timeout=120)
     assert not torch.equal(results[0]["before"], results[1]["before"])
     mean = (results[0]["before"] + results[1]["before"]) / 2
-    for out in results:
+    for rank, out in enumerate(results):
         # save_model_state: rank 0's statistics went to the file, and every rank was told.
         assert torch.equal(out["saved_by_save"], results[0]["before"])
         named = [m for m in out["save_warnings"] if "BatchNorm running statistics differ" in m]
@@ -197,8 +197,12 @@ def test_unsynced_batchnorm_is_warned_about_or_synced_by_the_manager(tmp_path: P
         # CheckpointManager: the average of both ranks, the same live on both, no warning.
         assert torch.allclose(out["saved"], mean) and torch.equal(out["live"], out["saved"])
         assert not [m for m in out["manager_warnings"] if "BatchNorm" in m]
+        # The manager's save is one round to the writer, so the writer (rank 0) warns.
         plain = [m for m in out["plain_warnings"] if "BatchNorm running statistics differ" in m]
-        assert len(plain) == 1 and "entry 'model'" in plain[0]
+        if rank == 0:
+            assert len(plain) == 1 and "entry 'model'" in plain[0]
+        else:
+            assert plain == []
         assert out["default_warnings"] == []
 
 
