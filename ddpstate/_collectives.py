@@ -123,21 +123,25 @@ class StoreGroup:
 # --------------------------------------------------------------------------- settings
 
 
-def warn_after() -> float:
-    """Seconds a waiting rank waits before it first warns (``DDPSTATE_WARN_AFTER``, 30)."""
-    raw = os.environ.get(WARN_AFTER_ENV)
+def seconds_from_env(name: str, default: float, hint: str = "") -> float:
+    """A positive number of seconds from environment variable ``name``, else ``default``."""
+    raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
-        return DEFAULT_WARN_AFTER
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not value > 0:
         raise InvalidArgumentError(
-            f"environment variable {WARN_AFTER_ENV}={raw!r} must be a positive number of "
-            f"seconds (inf: never warn)"
+            f"environment variable {name}={raw!r} must be a positive number of seconds{hint}"
         )
     return value
+
+
+def warn_after() -> float:
+    """Seconds a waiting rank waits before it first warns (``DDPSTATE_WARN_AFTER``, 30)."""
+    return seconds_from_env(WARN_AFTER_ENV, DEFAULT_WARN_AFTER, " (inf: never warn)")
 
 
 # --------------------------------------------------------------------------- errors

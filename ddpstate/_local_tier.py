@@ -19,13 +19,11 @@ transfer, not a fall back to the durable tier).
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
 import shutil
 import threading
-import time
 import warnings
 import zlib
 from collections.abc import Mapping
@@ -39,7 +37,6 @@ import torch.distributed as dist
 # Module-style, as manager.py imports this module: either may be imported first.
 from ddpstate import manager as _manager
 from ddpstate import storage
-from ddpstate._version import __version__
 from ddpstate.dist import (
     all_gather_object,
     broadcast_object,
@@ -205,24 +202,9 @@ class LocalTier:
             files[_manager.RNG_FILE] = _write_file(
                 os.path.join(staging, _manager.RNG_FILE), rng_payload
             )
-            now = time.time()
-            manifest: dict[str, Any] = {
-                "manifest_version": _manager.MANIFEST_VERSION,
-                "step": step,
-                "metrics": {},
-                "world_size": len(rng_states),
-                "ddpstate_version": __version__,
-                "torch_version": torch.__version__,
-                "created": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
-                "created_unix": now,
-                "checksum": "crc32",
-                "entries": manifest_entries,
-                "rng_file": _manager.RNG_FILE,
-                "files": files,
-            }
-            manifest[_manager.MANIFEST_CRC_FIELD] = _manager._manifest_crc(manifest)
             _write_bytes(
-                os.path.join(staging, _manager.MANIFEST_NAME), _manager._manifest_bytes(manifest)
+                os.path.join(staging, _manager.MANIFEST_NAME),
+                _manager._manifest_for(step, {}, len(rng_states), manifest_entries, files),
             )
             storage.replace_folder(staging, target)
         except BaseException:

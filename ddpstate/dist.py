@@ -197,18 +197,7 @@ def default_timeout() -> float:
         >>> ddpstate.default_timeout() > 0
         True
     """
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise InvalidArgumentError(
-            f"environment variable {TIMEOUT_ENV}={raw!r} must be a positive number of seconds"
-        )
-    return value
+    return _collectives.seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT)
 
 
 def _resolve_timeout(timeout: float | timedelta | None) -> float:

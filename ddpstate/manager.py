@@ -279,6 +279,33 @@ def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     return json.dumps(manifest, indent=2, sort_keys=True).encode()
 
 
+def _manifest_for(
+    step: int,
+    metrics: Mapping[str, Any],
+    world_size: int,
+    entries: dict[str, dict[str, str]],
+    files: dict[str, dict[str, Any]],
+) -> bytes:
+    """A step's manifest (the commit marker) as written, its own CRC-32 included."""
+    now = time.time()
+    manifest: dict[str, Any] = {
+        "manifest_version": MANIFEST_VERSION,
+        "step": step,
+        "metrics": dict(metrics),
+        "world_size": world_size,
+        "ddpstate_version": __version__,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+        "created_unix": now,
+        "checksum": "crc32",
+        "entries": entries,
+        "rng_file": RNG_FILE,
+        "files": files,
+    }
+    manifest[MANIFEST_CRC_FIELD] = _manifest_crc(manifest)
+    return _manifest_bytes(manifest)
+
+
 def _manifest_crc(manifest: Mapping[str, Any]) -> str:
     body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC_FIELD}
     return _checksum_hex(zlib.crc32(_manifest_bytes(body)))
@@ -1529,23 +1556,7 @@ class CheckpointManager:
             files[RNG_FILE] = self._write_file(
                 storage.join(folder, RNG_FILE), rng_payload, False, "RNG states"
             )
-            now = time.time()
-            manifest = {
-                "manifest_version": MANIFEST_VERSION,
-                "step": step,
-                "metrics": metrics,
-                "world_size": len(rng_states),
-                "ddpstate_version": __version__,
-                "torch_version": torch.__version__,
-                "created": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
-                "created_unix": now,
-                "checksum": "crc32",
-                "entries": manifest_entries,
-                "rng_file": RNG_FILE,
-                "files": files,
-            }
-            manifest[MANIFEST_CRC_FIELD] = _manifest_crc(manifest)
-            data = _manifest_bytes(manifest)
+            data = _manifest_for(step, metrics, len(rng_states), manifest_entries, files)
             with storage.atomic_write(
                 storage.join(folder, MANIFEST_NAME), storage_options=opts
             ) as f:
