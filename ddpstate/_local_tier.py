@@ -40,6 +40,7 @@ from ddpstate import storage
 from ddpstate.dist import (
     all_gather_object,
     broadcast_object,
+    compare_across_ranks,
     get_local_rank,
     get_rank,
     is_distributed,
@@ -119,9 +120,14 @@ class LocalTier:
         self._thread_step = -1
         self._thread_error: Optional[BaseException] = None
         if is_distributed():
-            config = all_gather_object((self.every, self.keep), timeout=timeout)
-            differing = [r for r, c in enumerate(config) if c != config[0]]
-            if differing:
+            # One rank compares; the values travel to every rank only when they differ.
+            config = compare_across_ranks(
+                (self.every, self.keep),
+                name="CheckpointManager local tier settings",
+                timeout=timeout,
+            )
+            if config is not None:
+                differing = [r for r, c in enumerate(config) if c != config[0]]
                 raise InvalidArgumentError(
                     f"CheckpointManager: rank(s) {differing} passed local_every/local_keep "
                     f"{config[differing[0]]} but rank 0 passed {config[0]}; pass the same on "
