@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpstate._version import __version__
 from ddpstate.errors import (
+    AmbiguousStateDictError,
     BarrierTimeoutError,
     BatchNormBufferSyncError,
     BatchNormPolicyError,
@@ -253,6 +254,7 @@ __all__ = [
     "KeyCollisionError",
     "KeyMismatchError",
     "StateDictNotFoundError",
+    "AmbiguousStateDictError",
     "UnsafeCheckpointError",
     "InvalidArgumentError",
     "RankFailedError",

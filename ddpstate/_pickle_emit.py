@@ -7,7 +7,7 @@ import copyreg
 import io
 import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from ddpstate._pickle_scan import (
@@ -60,8 +60,15 @@ def _storage_ref(record: StorageRecord) -> GlobalRef:
 class _Emitter(pickle._Pickler):
     """A pure-Python Pickler that writes placeholders back under their original names."""
 
-    def __init__(self, file: io.BytesIO, memo_base: int = 0) -> None:
+    def __init__(
+        self,
+        file: io.BytesIO,
+        memo_base: int = 0,
+        replace: Optional[Mapping[int, TensorRecord]] = None,
+    ) -> None:
         super().__init__(file, protocol=_PROTOCOL)
+        # Tensor records written in place of others (by id): convert --dtype's casts.
+        self._replace = replace or {}
         self.storages: list[StorageRecord] = []
         self._storage_keys: dict[int, str] = {}
         self._globals: dict[str, int] = {}
@@ -132,7 +139,7 @@ class _Emitter(pickle._Pickler):
 
     def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, TensorRecord):
-            return _tensor_reduce(obj)
+            return _tensor_reduce(self._replace.get(id(obj), obj))
         if isinstance(obj, _PlainTensor):
             return _plain_reduce(obj.record)
         if isinstance(obj, Opaque):
@@ -205,7 +212,9 @@ def dump_within(
     return buffer.getvalue(), len(emitter.memo) - len(memo)  # type: ignore[attr-defined]
 
 
-def dump_checkpoint_pickle(obj: Any) -> tuple[bytes, list[StorageRecord]]:
+def dump_checkpoint_pickle(
+    obj: Any, replace: Optional[Mapping[int, TensorRecord]] = None
+) -> tuple[bytes, list[StorageRecord]]:
     """Pickle a scanned object tree the way torch.save would, without torch.
 
     Tensors become ``_rebuild_tensor_v2``/``v3`` calls on persistent storage
@@ -214,6 +223,9 @@ def dump_checkpoint_pickle(obj: Any) -> tuple[bytes, list[StorageRecord]]:
 
     Args:
         obj: A tree from :func:`ddpstate._pickle_scan.scan_pickle`, possibly rewritten.
+        replace: Records to write in place of others, by the ``id`` of the one
+            in ``obj`` (how ``convert --dtype`` swaps in cast tensors without
+            rebuilding the tree).
 
     Returns:
         ``(data.pkl bytes, storages)``: storage ``i`` of the list has key ``str(i)``.
@@ -224,6 +236,6 @@ def dump_checkpoint_pickle(obj: Any) -> tuple[bytes, list[StorageRecord]]:
         []
     """
     buffer = io.BytesIO()
-    emitter = _Emitter(buffer)
+    emitter = _Emitter(buffer, replace=replace)
     emitter.dump(obj)
     return buffer.getvalue(), emitter.storages

@@ -163,7 +163,8 @@ def read_checkpoint(
     does not match) are collected in ``Checkpoint.problems``.
 
     Args:
-        path: Local path or fsspec URL of a single checkpoint file.
+        path: Local path or fsspec URL of a single checkpoint file, or of a
+            Hugging Face sharded checkpoint (its shards merged into one view).
         unsafe: Read pickles that name globals ``torch.load(weights_only=True)``
             refuses (they stay placeholders; nothing runs either way).
         storage_options: fsspec options for URLs.
@@ -187,6 +188,10 @@ def read_checkpoint(
         ('torch_zip', ['module.w'])
     """
     kind = formats.detect_format(path, storage_options=storage_options)
+    if kind == formats.HF_SHARDED:
+        from ddpstate._hf_sharded import open_sharded
+
+        return open_sharded(path, unsafe=unsafe, storage_options=storage_options)
     if kind == formats.TORCHSCRIPT:
         raise CheckpointFormatError(
             f"{path}: a TorchScript archive (torch.jit.save), not a torch.save checkpoint; "

@@ -36,6 +36,7 @@ from ddpstate.errors import (
 )
 from ddpstate.formats import (
     DCP,
+    HF_SHARDED,
     LEGACY,
     SAFETENSORS,
     TORCH_ZIP,
@@ -296,6 +297,17 @@ def _read(
         raise CheckpointFormatError(
             f"{text}: this is a TorchScript archive, not a checkpoint: use torch.jit.load"
         )
+    if kind == HF_SHARDED:
+        from ddpstate._hf_sharded import load_sharded
+
+        return load_sharded(
+            text,
+            resolved,
+            weights_only=weights_only,
+            mmap=mmap,
+            storage_options=storage_options,
+            safe_globals=safe_globals,
+        )
     if kind == DCP:
         if mmap:
             raise _mmap_refused(text, "a torch.distributed.checkpoint folder")
@@ -475,8 +487,11 @@ def load(
     that also checks every rank passed the same path), so nobody reads before
     the writer of a preceding :func:`save` is done.
     The format comes from the file's bytes, whatever its name: torch.save zip,
-    legacy (pre-1.6) torch pickle, safetensors, or a
-    ``torch.distributed.checkpoint`` folder (read with torch's own reader).
+    legacy (pre-1.6) torch pickle, safetensors, a
+    ``torch.distributed.checkpoint`` folder (read with torch's own reader), or
+    a Hugging Face sharded checkpoint (``model.safetensors.index.json`` or
+    ``pytorch_model.bin.index.json`` and its shards, or their folder), read
+    shard by shard into one state dict.
 
     Args:
         path: Local path or fsspec URL of the file (or DCP folder).

@@ -9,7 +9,7 @@ import re
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import IO, NoReturn, Optional
+from typing import IO, Any, NoReturn, Optional
 
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
@@ -23,6 +23,7 @@ _FORMAT_NAMES = {
     "safetensors": "safetensors",
     "pt": "torch.save zip",
     "manager": "CheckpointManager folder",
+    "hf_sharded": "Hugging Face sharded checkpoint",
 }
 
 _MAIN_EPILOG = """\
@@ -46,6 +47,7 @@ examples:
   ddpstate convert ckpt.pt --to safetensors                # model weights only -> ckpt.safetensors
   ddpstate convert model.safetensors --to pt               # -> model.pt, a plain state dict
   ddpstate convert ckpt.pt --drop-optimizer --in-place     # shrink a checkpoint for release
+  ddpstate convert ckpt.pt model.safetensors --dtype bf16  # floating tensors -> bfloat16
 
 The model state dict is found the way ddpstate.keys.find_state_dict finds it
 (state_dict, model, model_state_dict, ...; --key names it); everything else
@@ -65,6 +67,8 @@ _DIFF_EPILOG = """\
 examples:
   ddpstate diff dp_ckpt.pt plain.pt              # module. prefixes are ignored by default
   ddpstate diff a.pt b.pt --raw-keys --atol 1e-5
+  ddpstate diff lightning.ckpt plain.pt --key state_dict --strip-prefix model.
+  ddpstate diff hf_model_dir/ plain.safetensors  # a sharded folder (index + shards)
 
 Exit status: 0 when the model state dicts are equal within --atol, 1 when not.
 """
@@ -101,6 +105,44 @@ def _add_common(parser: argparse.ArgumentParser, *, progress: bool = True) -> No
         parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
 
 
+def _add_key_options(parser: argparse.ArgumentParser) -> None:
+    """The model-key options convert and diff share: which state dict, and one rename rule."""
+    rule = parser.add_mutually_exclusive_group()
+    rule.add_argument(
+        "--strip-module", "--strip_module", action="store_true",
+        help="remove the 'module.' prefix DataParallel/DDP add",
+    )  # fmt: skip
+    rule.add_argument(
+        "--add-module", "--add_module", action="store_true",
+        help="add 'module.' (to load into a DataParallel/DDP-wrapped model)",
+    )  # fmt: skip
+    rule.add_argument(
+        "--strip-prefix", "--strip_prefix", metavar="P",
+        help="remove prefix P (ending in '.', e.g. '_orig_mod.')",
+    )  # fmt: skip
+    rule.add_argument(
+        "--add-prefix", "--add_prefix", metavar="P", help="add prefix P (ending in '.')"
+    )
+    rule.add_argument(
+        "--normalize", action="store_true",
+        help="remove every wrapper prefix (module., _orig_mod.) wherever torch puts them",
+    )  # fmt: skip
+    parser.add_argument(
+        "--key", metavar="PATH",
+        help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'",
+    )  # fmt: skip
+
+
+def _key_rule(args: argparse.Namespace) -> dict[str, Any]:
+    """The key options as :func:`ddpstate.convert.convert_file`/``diff_files`` arguments."""
+    return {
+        "strip_prefix": "module." if args.strip_module else args.strip_prefix,
+        "add_prefix": "module." if args.add_module else args.add_prefix,
+        "normalize": args.normalize,
+        "key": args.key,
+    }
+
+
 def _build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
@@ -128,34 +170,16 @@ def _build_parser() -> argparse.ArgumentParser:
         nargs="?",
         help="file to write (default: derived from SRC, e.g. ckpt.converted.pt)",
     )
-    rule = convert.add_mutually_exclusive_group()
-    rule.add_argument(
-        "--strip-module", "--strip_module", action="store_true",
-        help="remove the 'module.' prefix DataParallel/DDP add",
-    )  # fmt: skip
-    rule.add_argument(
-        "--add-module", "--add_module", action="store_true",
-        help="add 'module.' (to load into a DataParallel/DDP-wrapped model)",
-    )  # fmt: skip
-    rule.add_argument(
-        "--strip-prefix", "--strip_prefix", metavar="P",
-        help="remove prefix P (ending in '.', e.g. '_orig_mod.')",
-    )  # fmt: skip
-    rule.add_argument(
-        "--add-prefix", "--add_prefix", metavar="P", help="add prefix P (ending in '.')"
-    )
-    rule.add_argument(
-        "--normalize", action="store_true",
-        help="remove every wrapper prefix (module., _orig_mod.) wherever torch puts them",
-    )  # fmt: skip
-    convert.add_argument(
-        "--key", metavar="PATH",
-        help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'",
-    )  # fmt: skip
+    _add_key_options(convert)
     convert.add_argument(
         "--to", choices=("pt", "safetensors"),
         help="output format (default: from DST's suffix, .safetensors or .pt/.pth/.bin/.ckpt, "
         "else the source's); safetensors keeps the model state dict only",
+    )  # fmt: skip
+    convert.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"),
+        help="cast floating tensors to this dtype (integer and bool buffers such as "
+        "num_batches_tracked are kept), one tensor in memory at a time",
     )  # fmt: skip
     convert.add_argument(
         "--drop-optimizer", "--drop_optimizer", action="store_true",
@@ -196,6 +220,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("a", metavar="A", help="first checkpoint file")
     diff.add_argument("b", metavar="B", help="second checkpoint file")
+    _add_key_options(diff)
     diff.add_argument(
         "--raw-keys", "--raw_keys", action="store_true",
         help="compare keys as stored (default: ignore wrapper prefixes)",
@@ -255,16 +280,12 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
             "convert: --in-place replaces the only copy of SRC and needs fsync; drop "
             "--no-fsync or name a DST (see ddpstate convert --help)"
         )
-    strip = "module." if args.strip_module else args.strip_prefix
-    add = "module." if args.add_module else args.add_prefix
     result = convert_file(
         args.src,
         args.dst,
-        strip_prefix=strip,
-        add_prefix=add,
-        normalize=args.normalize,
-        key=args.key,
+        **_key_rule(args),
         to=args.to,
+        dtype=args.dtype,
         drop_optimizer=args.drop_optimizer,
         in_place=args.in_place,
         overwrite=args.force,
@@ -351,7 +372,7 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
 
     result = diff_files(
         args.a, args.b, raw_keys=args.raw_keys, atol=args.atol, unsafe=args.unsafe,
-        progress=not args.quiet,
+        progress=not args.quiet, **_key_rule(args),
     )  # fmt: skip
     if args.json:
         print(json.dumps(result.to_dict(), indent=2), file=out)

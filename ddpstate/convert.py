@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ddpstate import _fs
+from ddpstate._cast import Casts, target_dtype
 from ddpstate._pickle_rewrite import rename_keys
 from ddpstate._pickle_scan import (
     GlobalRef,
@@ -38,6 +39,7 @@ from ddpstate._safetensors_layout import (
 from ddpstate._stream import Sink
 from ddpstate._zipwriter import ZipWriter
 from ddpstate.errors import (
+    AmbiguousStateDictError,
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointFormatError,
@@ -102,6 +104,7 @@ class ConvertResult:
             state dict goes there).
         notes: Other things worth telling the user, one line each.
         written: False when ``in_place`` found nothing to change and left the file alone.
+        cast: Tensors cast to ``dtype`` (``convert --dtype``).
     """
 
     src: str
@@ -116,6 +119,7 @@ class ConvertResult:
     left_out: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     written: bool = True
+    cast: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +287,11 @@ def _rename(sd: Any, strip: Optional[str], add: Optional[str], normalize: bool) 
     if normalize:
         return keys.normalize_keys(sd)
     return sd
+
+
+def _check_rules(strip: Optional[str], add: Optional[str], normalize: bool) -> None:
+    if sum([strip is not None, add is not None, bool(normalize)]) > 1:
+        raise InvalidArgumentError("pass at most one of strip_prefix, add_prefix and normalize")
 
 
 def _is_optimizer_state(value: Any) -> bool:
@@ -508,7 +517,11 @@ def _copied_pickle(
 
 
 def _write_pt(
-    sink: Sink, ckpt: Checkpoint, root: Any, pickle_bytes: Optional[bytes] = None
+    sink: Sink,
+    ckpt: Checkpoint,
+    root: Any,
+    pickle_bytes: Optional[bytes] = None,
+    casts: Optional[Casts] = None,
 ) -> tuple[int, int]:
     if pickle_bytes is not None:
         data_pkl, storages = pickle_bytes, ckpt.storages
@@ -516,7 +529,7 @@ def _write_pt(
         # Imported here: the copy-through (the common case) never needs the pickler.
         from ddpstate._pickle_emit import dump_checkpoint_pickle
 
-        data_pkl, storages = dump_checkpoint_pickle(root)
+        data_pkl, storages = dump_checkpoint_pickle(root, casts.replace if casts else None)
     writer = ZipWriter(sink)
     writer.add_bytes(_ARCHIVE + "data.pkl", data_pkl)
     writer.add_bytes(_ARCHIVE + ".format_version", b"1")
@@ -528,7 +541,8 @@ def _write_pt(
         size = storage.nbytes
 
         def write(out: Sink, storage: StorageRecord = storage, size: int = size) -> int:
-            return _copy_storage(out, ckpt, storage, size)
+            crc = casts.write(out, storage) if casts is not None else None
+            return _copy_storage(out, ckpt, storage, size) if crc is None else crc
 
         crcs.append((writer.add_record(f"{_ARCHIVE}data/{index}", size, write), size))
         copied += size
@@ -596,13 +610,19 @@ def _view(key: str, rec: TensorRecord) -> Optional[View]:
 
 
 def _write_safetensors(
-    sink: Sink, ckpt: Checkpoint, sd: Mapping[Any, Any], metadata: dict[str, str]
+    sink: Sink,
+    ckpt: Checkpoint,
+    sd: Mapping[Any, Any],
+    metadata: dict[str, str],
+    casts: Optional[Casts] = None,
 ) -> tuple[int, int, dict[str, str], list[str]]:
     if ckpt.byteorder != "little":
         raise CheckpointFormatError(
             f"{ckpt.path}: its tensors are stored big-endian; safetensors is little-endian. "
             f"Convert to pt first, load it and save again on a little-endian machine"
         )
+    if casts is not None:
+        sd = casts.state_dict(sd)
     canonical, aliases, overlaps = _safetensors_plan(sd, ckpt.path)
     meta = dict(metadata)
     sd_meta = getattr(sd, "_metadata", None)
@@ -614,7 +634,8 @@ def _write_safetensors(
     sink.write(header)
     records = dict(canonical)
     for key in order:
-        _copy_tensor(sink, ckpt, records[key])
+        if casts is None or casts.write(sink, records[key].storage) is None:
+            _copy_tensor(sink, ckpt, records[key])
     return len(canonical), size, aliases, overlaps
 
 
@@ -655,6 +676,7 @@ def convert_file(
     progress: bool = False,
     fsync: bool = True,
     storage_options: Optional[dict[str, Any]] = None,
+    dtype: Optional[str] = None,
 ) -> ConvertResult:
     """Rewrite a checkpoint file's keys or format without loading it into memory.
 
@@ -689,6 +711,10 @@ def convert_file(
             crash can leave the new file empty. Refused with ``in_place``,
             where the output replaces the only copy.
         storage_options: fsspec options for URLs.
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or torch's names): cast
+            every floating tensor written to it, one tensor in memory at a
+            time, exactly as ``tensor.to(dtype)``; integer and bool tensors
+            (``num_batches_tracked``...) are kept as they are.
 
     Returns:
         A :class:`ConvertResult`.
@@ -716,9 +742,8 @@ def convert_file(
         >>> list(torch.load(result.dst)["state_dict"])
         ['w']
     """
-    rules = [strip_prefix is not None, add_prefix is not None, bool(normalize)]
-    if sum(rules) > 1:
-        raise InvalidArgumentError("pass at most one of strip_prefix, add_prefix and normalize")
+    _check_rules(strip_prefix, add_prefix, normalize)
+    cast_to = None if dtype is None else target_dtype(dtype)
     if to not in (None, PT, SAFETENSORS):
         raise InvalidArgumentError(f"to must be 'pt' or 'safetensors' (got {to!r})")
     if in_place and dst is not None:
@@ -767,6 +792,7 @@ def convert_file(
             progress=progress,
             fsync=fsync,
             storage_options=storage_options,
+            dtype=cast_to,
         )
 
 
@@ -796,6 +822,7 @@ def _convert(
     progress: bool,
     fsync: bool,
     storage_options: Optional[dict[str, Any]],
+    dtype: Optional[str] = None,
 ) -> ConvertResult:
     root = ckpt.obj
     notes: list[str] = []
@@ -838,8 +865,14 @@ def _convert(
         new_root, dropped = _drop_optimizer(new_root, path)
         if not dropped:
             notes.append("no optimizer state found to drop")
+    casts = _plan_casts(ckpt, new_root if dst_format == PT else sd, dtype)
+    if casts is not None and casts.count:
+        notes.append(
+            f"cast {casts.count} floating tensor(s) to {dtype}; integer and bool tensors kept"
+        )
     changed = (
-        renamed
+        (casts is not None and casts.count)
+        or renamed
         or metadata_changed
         or dropped
         or dst_format != (SAFETENSORS if ckpt.format == "safetensors" else PT)
@@ -872,7 +905,7 @@ def _convert(
                 if ckpt.format != "safetensors":
                     # Hugging Face loaders ask for this entry in torch-made files.
                     meta.setdefault("format", "pt")
-                count, copied, aliases, overlaps = _write_safetensors(sink, ckpt, sd, meta)
+                count, copied, aliases, overlaps = _write_safetensors(sink, ckpt, sd, meta, casts)
                 if aliases:
                     notes.append(
                         f"{len(aliases)} tied tensor(s) written once and recorded as aliases "
@@ -885,9 +918,10 @@ def _convert(
                     )
             else:
                 pickle_bytes = None
-                if not dropped and not is_pickled_module(root):
+                # A cast rewrites tensor records: the tree is re-emitted, never copied.
+                if not dropped and not is_pickled_module(root) and casts is None:
                     pickle_bytes = _copied_pickle(ckpt, path, source_sd, sd)
-                count, copied = _write_pt(sink, ckpt, new_root, pickle_bytes)
+                count, copied = _write_pt(sink, ckpt, new_root, pickle_bytes, casts)
     finally:
         bar.close()
     return ConvertResult(
@@ -902,7 +936,20 @@ def _convert(
         dropped=dropped,
         left_out=left_out,
         notes=tuple(notes),
+        cast=casts.count if casts is not None else 0,
     )
+
+
+def _plan_casts(ckpt: Checkpoint, tree: Any, dtype: Optional[str]) -> Optional[Casts]:
+    if dtype is None:
+        return None
+    if ckpt.byteorder != _native_byteorder():
+        raise CheckpointFormatError(
+            f"{ckpt.path}: its tensors are stored {ckpt.byteorder}-endian; convert it without "
+            f"--dtype first, load it and save it again on this machine, then cast"
+        )
+    records = (r for _, r in iter_tensors(tree))
+    return Casts(records, dtype, lambda rec: _load_tensor(ckpt, rec), ckpt.path)
 
 
 # --------------------------------------------------------------------------- inspect
@@ -1059,18 +1106,44 @@ def inspect_file(
 # --------------------------------------------------------------------------- diff
 
 
-def _model_tensors(ckpt: Checkpoint) -> tuple[str, Mapping[Any, Any]]:
+def _model_tensors(
+    ckpt: Checkpoint, key: Optional[str] = None
+) -> tuple[str, Mapping[Any, Any], Optional[str]]:
+    """``(where, state dict, note)``: the model tensors diff compares in one file.
+
+    ``key`` picks the state dict where the file has that entry; a file that is
+    a bare state dict itself is taken whole (so ``--key state_dict`` compares a
+    Lightning checkpoint with a plain one). Several state dicts and no ``key``
+    is refused, as :func:`ddpstate.load_model_state` refuses it.
+    """
+    from ddpstate._collectives import with_message
+
     root = ckpt.obj
     if is_pickled_module(root):
-        return f"the parameters of the pickled {opaque_name(root)}", module_state_dict(root)
+        return f"the parameters of the pickled {opaque_name(root)}", module_state_dict(root), None
+    if key is not None:
+        try:
+            path, sd = _find_state_dict(root, key)
+        except StateDictNotFoundError as exc:
+            try:
+                bare, sd = _find_state_dict(root, None)
+            except StateDictNotFoundError:
+                bare = None
+            if bare != ():
+                raise with_message(exc, f"{ckpt.path}: {exc}") from exc
+            note = f"{ckpt.path} is a bare state dict without {key!r}; compared whole"
+            return "the whole file", sd, note
+        return (f"'{_dotted(path)}'" if path else "the whole file"), sd, None
     try:
         path, sd = _find_state_dict(root, None)
+    except AmbiguousStateDictError as exc:
+        raise with_message(exc, f"{ckpt.path}: {exc}") from exc
     except StateDictNotFoundError:
         every = collections.OrderedDict(
             (_dotted(p) or "", r) for p, r in iter_tensors(root) if isinstance(r, TensorRecord)
         )
-        return "every tensor (no model state dict found)", every
-    return (f"'{_dotted(path)}'" if path else "the whole file"), sd
+        return "every tensor (no model state dict found)", every, None
+    return (f"'{_dotted(path)}'" if path else "the whole file"), sd, None
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -1107,6 +1180,10 @@ def diff_files(
     b: PathLike,
     *,
     raw_keys: bool = False,
+    key: Optional[str] = None,
+    strip_prefix: Optional[str] = None,
+    add_prefix: Optional[str] = None,
+    normalize: bool = False,
     atol: float = 0.0,
     unsafe: bool = False,
     progress: bool = False,
@@ -1114,15 +1191,25 @@ def diff_files(
 ) -> DiffResult:
     """Compare the model state dicts of two checkpoint files, tensor by tensor.
 
-    Keys are compared after removing wrapper prefixes (``module.``,
-    ``_orig_mod.``) unless ``raw_keys``; shapes and dtypes must match; the
-    largest absolute difference of each shared tensor is reported. Tensors are
-    read one pair at a time.
+    The state dicts are located as :func:`convert_file` locates them (``key``
+    names one; a file holding several is refused without it), the key rule
+    (``strip_prefix``, ``add_prefix`` or ``normalize``, as for
+    :func:`convert_file`) is applied to both, and keys are then compared after
+    removing wrapper prefixes (``module.``, ``_orig_mod.``) unless
+    ``raw_keys``; shapes and dtypes must match; the largest absolute
+    difference of each shared tensor is reported. Tensors are read one pair at
+    a time (a sharded checkpoint: one tensor of one shard at a time).
 
     Args:
-        a: First checkpoint file (any format ddpstate reads).
-        b: Second checkpoint file.
-        raw_keys: Compare keys exactly as stored.
+        a: First checkpoint (any format ddpstate reads, a sharded one included).
+        b: Second checkpoint.
+        raw_keys: Compare keys exactly as stored (after the key rule, if any).
+        key: Dotted path of the model state dict in each file that has it; a
+            file that is a bare state dict is compared whole.
+        strip_prefix: Remove this prefix from both files' model keys.
+        add_prefix: Add this prefix to both files' model keys.
+        normalize: Remove every wrapper prefix from both (the default unless
+            ``raw_keys``; with ``raw_keys`` it still applies).
         atol: Differences up to this count as equal.
         unsafe: Also read pickles naming unsafe globals (never run).
         progress: Draw a progress bar on stderr (only on a terminal).
@@ -1136,6 +1223,10 @@ def diff_files(
         UnsafeCheckpointError: as for :func:`convert_file`.
         KeyCollisionError: Normalizing a file's keys makes two of them equal
             (compare with ``raw_keys=True``).
+        AmbiguousStateDictError: A file holds several state dicts and no
+            ``key`` names one (the message names them).
+        StateDictNotFoundError: ``key`` is in neither place it could be.
+        InvalidArgumentError: More than one key rule.
 
     Example:
         >>> import torch, tempfile, os
@@ -1148,6 +1239,7 @@ def diff_files(
     """
     from ddpstate import keys
 
+    _check_rules(strip_prefix, add_prefix, normalize)
     with contextlib.ExitStack() as stack:
         ca = stack.enter_context(
             read_checkpoint(os.fspath(a), unsafe=unsafe, storage_options=storage_options)
@@ -1157,8 +1249,10 @@ def diff_files(
         )
         _raise_problems(ca)
         _raise_problems(cb)
-        where_a, sd_a = _model_tensors(ca)
-        where_b, sd_b = _model_tensors(cb)
+        where_a, sd_a, note_a = _model_tensors(ca, key)
+        where_b, sd_b, note_b = _model_tensors(cb, key)
+        sd_a = _rename(sd_a, strip_prefix, add_prefix, normalize)
+        sd_b = _rename(sd_b, strip_prefix, add_prefix, normalize)
         if not raw_keys:
             sd_a = keys.normalize_keys(sd_a)
             sd_b = keys.normalize_keys(sd_b)
@@ -1190,6 +1284,7 @@ def diff_files(
         finally:
             bar.close()
         notes = [f"compared {where_a} of {ca.path} with {where_b} of {cb.path}"]
+        notes += [n for n in (note_a, note_b) if n]
         if not raw_keys:
             notes.append(
                 "keys compared without wrapper prefixes (--raw-keys compares them as stored)"
@@ -1252,8 +1347,12 @@ def verify_file(
         True
     """
     text = os.fspath(src)
-    from ddpstate import storage
+    from ddpstate import _hf_sharded, storage
 
+    if _hf_sharded.find_index(text, storage_options) is not None:
+        return _hf_sharded.verify_sharded(
+            text, unsafe=unsafe, progress=progress, storage_options=storage_options
+        )
     if storage.isdir(text, storage_options=storage_options):
         return _verify_folder(text, storage_options)
     try:

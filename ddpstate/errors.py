@@ -118,6 +118,10 @@ class StateDictNotFoundError(DDPStateError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class AmbiguousStateDictError(StateDictNotFoundError):
+    """A checkpoint holds several model state dicts and no ``key`` says which one is meant."""
+
+
 class BarrierTimeoutError(DDPStateError, TimeoutError):
     """Some ranks did not reach a collective within the timeout.
 

@@ -54,6 +54,7 @@ __all__ = [
     "ALIASES_KEY",
     "DCP",
     "FORMATS",
+    "HF_SHARDED",
     "LEGACY",
     "SAFETENSORS",
     "STATE_DICT_METADATA_KEY",
@@ -80,6 +81,9 @@ SAFETENSORS = "safetensors"
 TORCHSCRIPT = "torchscript"
 #: A ``torch.distributed.checkpoint`` folder (has a ``.metadata`` file).
 DCP = "dcp"
+#: A Hugging Face sharded checkpoint: ``*.safetensors.index.json`` / ``*.bin.index.json``
+#: naming the shard of every key (or the folder holding exactly one such index).
+HF_SHARDED = "hf_sharded"
 
 FormatName = Literal["torch_zip", "torch_legacy", "safetensors", "torchscript", "dcp"]
 FORMATS: tuple[str, ...] = (TORCH_ZIP, LEGACY, SAFETENSORS, TORCHSCRIPT, DCP)
@@ -274,7 +278,8 @@ def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] =
 
     Returns:
         One of ``"torch_zip"``, ``"torch_legacy"``, ``"safetensors"``,
-        ``"torchscript"``, ``"dcp"``.
+        ``"torchscript"``, ``"dcp"``, ``"hf_sharded"`` (an index file, or a
+        folder holding exactly one).
 
     Raises:
         CheckpointNotFoundError: The path does not exist.
@@ -304,23 +309,43 @@ def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] =
         if not fs.exists(path):
             raise CheckpointNotFoundError(f"{name}: no such file or folder")
         if fs.isdir(path):
+            if _hf_index(name, storage_options):
+                return HF_SHARDED
             return _folder_kind(name, fs.exists(path.rstrip("/") + "/.metadata"))
         with fs.open(path, "rb") as remote:
             head = remote.read(_SNIFF_BYTES)
+            if _is_index(name, head):
+                return HF_SHARDED
             size = fs.size(path)
             remote.seek(0)
             return _classify(remote, head, size, name)
 
     name = _fs.local_path(name)
     if os.path.isdir(name):
+        if _hf_index(name, storage_options):
+            return HF_SHARDED
         return _folder_kind(name, os.path.exists(os.path.join(name, ".metadata")))
     try:
         with open(name, "rb") as local:
             head = local.read(_SNIFF_BYTES)
+            if _is_index(name, head):
+                return HF_SHARDED
             size = os.fstat(local.fileno()).st_size
             return _classify(local, head, size, name)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
+
+
+def _is_index(name: str, head: bytes) -> bool:
+    from ddpstate._hf_sharded import is_index_name
+
+    return is_index_name(name) and head.lstrip().startswith(b"{")
+
+
+def _hf_index(name: str, storage_options: Optional[dict[str, Any]]) -> bool:
+    from ddpstate._hf_sharded import find_index
+
+    return find_index(name, storage_options) is not None
 
 
 def _folder_kind(name: str, has_dcp_metadata: bool) -> str:

@@ -10,7 +10,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional, TypeVar, cast, overload
 
-from ddpstate.errors import KeyCollisionError, KeyMismatchError, StateDictNotFoundError
+from ddpstate.errors import (
+    AmbiguousStateDictError,
+    KeyCollisionError,
+    KeyMismatchError,
+    StateDictNotFoundError,
+)
 
 # torch is imported only where a model is handled: key rewriting on files
 # (`ddpstate convert`) must stay torch-free to run in the memory of a copy.
@@ -977,7 +982,9 @@ def find_state_dict(
 
     Raises:
         StateDictNotFoundError: ``key`` does not exist or holds no mapping, or
-            the search found none or several; the message lists what is there.
+            the search found none; the message lists what is there.
+        AmbiguousStateDictError: The search found several (a
+            ``StateDictNotFoundError`` too); the message names them.
 
     Example:
         >>> import torch
@@ -1038,7 +1045,7 @@ def find_state_dict(
             return path, obj
         if len(distinct) > 1:
             options = ", ".join(repr(_dotted(p)) for p in distinct.values())
-            raise StateDictNotFoundError(
+            raise AmbiguousStateDictError(
                 f"the checkpoint holds several state dicts ({options}); pass key= with "
                 f"the one to use, e.g. key={_dotted(next(iter(distinct.values())))!r}"
             )
