@@ -135,10 +135,12 @@ class Casts:
         """``sd`` with cast records, ``_metadata`` kept."""
         if not self.replace:
             return sd
-        new: Any = collections.OrderedDict((k, self.record(v)) for k, v in sd.items())
+        new: collections.OrderedDict[Any, Any] = collections.OrderedDict(
+            (k, self.record(v)) for k, v in sd.items()
+        )
         metadata = getattr(sd, "_metadata", None)
         if metadata is not None:
-            new._metadata = metadata
+            new._metadata = metadata  # type: ignore[attr-defined]
         return new
 
     def write(self, sink: Sink, storage: StorageRecord) -> Optional[int]:
