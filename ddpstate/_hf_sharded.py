@@ -530,11 +530,13 @@ def verify_sharded(
                 problems.append(f"shard {shard} is not a flat map of names to tensors")
                 continue
             problems += key_problems(index, shard, [str(k) for k in obj])
-            listed_bytes += sum(
-                v.nbytes
+            # Tied entries (aliases of one stored tensor) count once, as they are stored.
+            stored = {
+                id(v): v.nbytes
                 for k, v in obj.items()
                 if isinstance(v, TensorRecord) and index.weight_map.get(k) == shard
-            )
+            }
+            listed_bytes += sum(stored.values())
     if index.total_size is not None and not problems and listed_bytes != index.total_size:
         problems.append(
             f"metadata.total_size is {index.total_size} but the tensors the index lists hold "

@@ -101,12 +101,18 @@ def _write(
     storage_options: Optional[dict[str, Any]],
     metadata: Optional[Mapping[str, str]],
     safe_globals: Optional[Sequence[Any]] = (),
+    max_shard_size: Optional[Union[int, str]] = None,
 ) -> None:
     _savecheck.check_tensors(obj, "obj", path)
     remote = _fs.is_remote(path)
     parent = posixpath.dirname(path) if remote else os.path.dirname(_fs.local_path(path))
     if parent and not parent.endswith("://"):
         storage.makedirs(parent, storage_options=storage_options)
+    if max_shard_size is not None:
+        from ddpstate._hf_write import save_sharded
+
+        save_sharded(_flat_tensors(obj, path), path, max_shard_size, metadata)
+        return
     with storage.atomic_write(path, storage_options=storage_options) as fileobj:
         if fmt == SAFETENSORS:
             write_safetensors(fileobj, obj, metadata, name=path)
@@ -114,6 +120,17 @@ def _write(
             torch.save(obj, fileobj)
         else:
             _savecheck.save_torch(obj, fileobj, what="obj", where=path, extra=safe_globals)
+
+
+def _flat_tensors(obj: Any, path: str) -> Mapping[str, torch.Tensor]:
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        raise CheckpointFormatError(
+            f"{path}: max_shard_size writes safetensors shards, which hold a flat map of names "
+            f"to tensors only; save a state dict (or use save_model_state)"
+        )
+    return obj
 
 
 def _save_error(exc: BaseException, path: str, writer: int) -> DDPStateError:
@@ -167,6 +184,7 @@ def save(
     timeout: Timeout = None,
     safe_globals: Sequence[Any] = (),
     weights_only: bool = True,
+    max_shard_size: Optional[Union[int, str]] = None,
 ) -> None:
     """Save an object durably and atomically; a collective, only ``src_rank`` writes.
 
@@ -200,6 +218,13 @@ def save(
             pass the same list to :func:`load`.
         weights_only: With False, skip the check for objects ``weights_only``
             loading refuses (the file then needs ``load(weights_only=False)``).
+        max_shard_size: Write ``path`` as a local folder in the Hugging Face
+            sharded layout: safetensors shards of at most this size (``"2GB"``,
+            ``"500MB"``, ``"1.5GiB"`` or bytes) named
+            ``model-00001-of-0000N.safetensors`` and
+            ``model.safetensors.index.json``; ``obj`` must be a state dict. The
+            folder is replaced as a whole (staged, then renamed); a folder
+            holding other files is refused.
 
     Raises:
         CheckpointWriteError: Writing failed (folder not writable, disk full,
@@ -223,8 +248,16 @@ def save(
     """
     text = os.fspath(path)
     _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
-    fmt = _save_format(text, format)
-    if metadata is not None and fmt != SAFETENSORS:
+    fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
+    if max_shard_size is not None:
+        from ddpstate._hf_write import parse_size
+
+        parse_size(max_shard_size)  # a bad size fails on every rank, before any write
+        if format is not None and _save_format(text, format) != SAFETENSORS:
+            raise CheckpointFormatError(
+                f"{text}: max_shard_size writes safetensors shards; drop format={format!r}"
+            )
+    if metadata is not None and fmt not in (SAFETENSORS, HF_SHARDED):
         raise CheckpointFormatError(
             f"{text}: metadata= is stored in safetensors headers only; save with "
             f"format='safetensors', or put the metadata inside the saved object"
@@ -234,7 +267,7 @@ def save(
     if not (barrier and is_distributed()):
         if (get_rank() if is_distributed() else src_rank) == src_rank:
             try:
-                _write(obj, text, fmt, storage_options, metadata, allowed)
+                _write(obj, text, fmt, storage_options, metadata, allowed, max_shard_size)
             except BaseException as exc:
                 raise _save_error(exc, text, src_rank) from exc
         return
@@ -247,7 +280,7 @@ def save(
         if disagreement is not None:
             return disagreement
         try:
-            _write(obj, text, fmt, storage_options, metadata, allowed)
+            _write(obj, text, fmt, storage_options, metadata, allowed, max_shard_size)
         except BaseException as exc:
             causes.append(exc)
             return _save_error(exc, text, src_rank)
@@ -575,7 +608,8 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         model: A plain or wrapped module (call it on every rank).
         path: Local path or fsspec URL; a ``.safetensors`` suffix picks safetensors.
         **save_kwargs: Passed to :func:`save` (``format``, ``src_rank``,
-            ``storage_options``, ``metadata``, ``timeout``...).
+            ``storage_options``, ``metadata``, ``timeout``, ``max_shard_size``
+            to write ``path`` as a Hugging Face sharded folder...).
 
     Under DDP, when the ranks' BatchNorm running statistics differ (plain
     BatchNorm with buffer broadcast off), a warning names the layers and

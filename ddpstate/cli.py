@@ -48,6 +48,7 @@ examples:
   ddpstate convert model.safetensors --to pt               # -> model.pt, a plain state dict
   ddpstate convert ckpt.pt --drop-optimizer --in-place     # shrink a checkpoint for release
   ddpstate convert ckpt.pt model.safetensors --dtype bf16  # floating tensors -> bfloat16
+  ddpstate convert ckpt.pt out_dir --to safetensors --max-shard-size 2GB  # HF sharded folder
 
 The model state dict is found the way ddpstate.keys.find_state_dict finds it
 (state_dict, model, model_state_dict, ...; --key names it); everything else
@@ -177,6 +178,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "else the source's); safetensors keeps the model state dict only",
     )  # fmt: skip
     convert.add_argument(
+        "--max-shard-size", "--max_shard_size", metavar="SIZE",
+        help="write DST as a folder of safetensors shards of at most SIZE (e.g. 2GB, 500MB, "
+        "1.5GiB, or bytes) plus model.safetensors.index.json: the Hugging Face sharded layout",
+    )  # fmt: skip
+    convert.add_argument(
         "--dtype", choices=("bf16", "fp16", "fp32"),
         help="cast floating tensors to this dtype (integer and bool buffers such as "
         "num_batches_tracked are kept), one tensor in memory at a time",
@@ -286,6 +292,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
         **_key_rule(args),
         to=args.to,
         dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
         drop_optimizer=args.drop_optimizer,
         in_place=args.in_place,
         overwrite=args.force,

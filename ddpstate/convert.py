@@ -11,7 +11,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import IO, TYPE_CHECKING, Any, Optional, Union
 
 from ddpstate import _fs
 from ddpstate._cast import Casts, target_dtype
@@ -46,6 +46,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
     StateDictNotFoundError,
 )
+from ddpstate.formats import HF_SHARDED
 
 if TYPE_CHECKING:
     import torch
@@ -677,6 +678,7 @@ def convert_file(
     fsync: bool = True,
     storage_options: Optional[dict[str, Any]] = None,
     dtype: Optional[str] = None,
+    max_shard_size: Optional[Union[int, str]] = None,
 ) -> ConvertResult:
     """Rewrite a checkpoint file's keys or format without loading it into memory.
 
@@ -715,6 +717,10 @@ def convert_file(
             every floating tensor written to it, one tensor in memory at a
             time, exactly as ``tensor.to(dtype)``; integer and bool tensors
             (``num_batches_tracked``...) are kept as they are.
+        max_shard_size: Write ``dst`` as a folder in the Hugging Face sharded
+            layout (``model-00001-of-0000N.safetensors`` shards of at most this
+            size, ``"2GB"``, ``"500MB"``, ``"1.5GiB"`` or bytes, and
+            ``model.safetensors.index.json``), atomically as a whole; safetensors only.
 
     Returns:
         A :class:`ConvertResult`.
@@ -744,6 +750,9 @@ def convert_file(
     """
     _check_rules(strip_prefix, add_prefix, normalize)
     cast_to = None if dtype is None else target_dtype(dtype)
+    shard_limit = None
+    if max_shard_size is not None:
+        shard_limit = _check_sharded_output(dst, to, in_place, max_shard_size)
     if to not in (None, PT, SAFETENSORS):
         raise InvalidArgumentError(f"to must be 'pt' or 'safetensors' (got {to!r})")
     if in_place and dst is not None:
@@ -759,7 +768,14 @@ def convert_file(
         dst_format = (
             to or _format_from_name(dst) or (SAFETENSORS if ckpt.format == "safetensors" else PT)
         )
-        if in_place:
+        if shard_limit is not None:
+            dst_format = SAFETENSORS
+            dst_text = os.fspath(dst)  # type: ignore[arg-type]  # not None: checked above
+            if _same_file(src_text, dst_text) or _same_file(ckpt.path, dst_text):
+                raise CheckpointExistsError(
+                    f"{dst_text} is the source; write the sharded copy to a new folder"
+                )
+        elif in_place:
             dst_text = src_text
         else:
             dst_text = (
@@ -793,7 +809,27 @@ def convert_file(
             fsync=fsync,
             storage_options=storage_options,
             dtype=cast_to,
+            shard_limit=shard_limit,
+            overwrite=overwrite,
         )
+
+
+def _check_sharded_output(
+    dst: Optional[PathLike], to: Optional[str], in_place: bool, max_shard_size: Union[int, str]
+) -> int:
+    from ddpstate._hf_write import parse_size
+
+    limit = parse_size(max_shard_size)
+    if to not in (None, SAFETENSORS):
+        raise InvalidArgumentError(
+            "max_shard_size writes safetensors shards; drop --to pt (to='pt') or max_shard_size"
+        )
+    if in_place or dst is None:
+        raise InvalidArgumentError(
+            "max_shard_size writes a folder of shards: name the output folder as DST "
+            "(not --in-place)"
+        )
+    return limit
 
 
 def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
@@ -823,6 +859,8 @@ def _convert(
     fsync: bool,
     storage_options: Optional[dict[str, Any]],
     dtype: Optional[str] = None,
+    shard_limit: Optional[int] = None,
+    overwrite: bool = False,
 ) -> ConvertResult:
     root = ckpt.obj
     notes: list[str] = []
@@ -898,30 +936,32 @@ def _convert(
     from ddpstate import storage
 
     try:
-        with storage.atomic_write(dst, storage_options=storage_options, fsync=fsync) as out:
-            sink = Sink(out, bar, write_back=fsync)
-            if dst_format == SAFETENSORS:
-                meta = dict(ckpt.st_metadata)
-                if ckpt.format != "safetensors":
-                    # Hugging Face loaders ask for this entry in torch-made files.
-                    meta.setdefault("format", "pt")
-                count, copied, aliases, overlaps = _write_safetensors(sink, ckpt, sd, meta, casts)
-                if aliases:
-                    notes.append(
-                        f"{len(aliases)} tied tensor(s) written once and recorded as aliases "
-                        f"({', '.join(f'{a} -> {c}' for a, c in list(aliases.items())[:3])})"
+        if shard_limit is not None:
+            meta = dict(ckpt.st_metadata)
+            meta.setdefault("format", "pt")
+            count, copied, aliases, overlaps = _write_sharded_safetensors(
+                ckpt, sd, meta, casts, dst, shard_limit, bar, fsync=fsync, overwrite=overwrite
+            )
+            notes += _alias_notes(aliases, overlaps)
+            dst_format = HF_SHARDED
+        else:
+            with storage.atomic_write(dst, storage_options=storage_options, fsync=fsync) as out:
+                sink = Sink(out, bar, write_back=fsync)
+                if dst_format == SAFETENSORS:
+                    meta = dict(ckpt.st_metadata)
+                    if ckpt.format != "safetensors":
+                        # Hugging Face loaders ask for this entry in torch-made files.
+                        meta.setdefault("format", "pt")
+                    count, copied, aliases, overlaps = _write_safetensors(
+                        sink, ckpt, sd, meta, casts
                     )
-                if overlaps:
-                    notes.append(
-                        f"tensors overlapping in memory were written as separate copies: "
-                        f"{'; '.join(overlaps[:3])}"
-                    )
-            else:
-                pickle_bytes = None
-                # A cast rewrites tensor records: the tree is re-emitted, never copied.
-                if not dropped and not is_pickled_module(root) and casts is None:
-                    pickle_bytes = _copied_pickle(ckpt, path, source_sd, sd)
-                count, copied = _write_pt(sink, ckpt, new_root, pickle_bytes, casts)
+                    notes += _alias_notes(aliases, overlaps)
+                else:
+                    pickle_bytes = None
+                    # A cast rewrites tensor records: the tree is re-emitted, never copied.
+                    if not dropped and not is_pickled_module(root) and casts is None:
+                        pickle_bytes = _copied_pickle(ckpt, path, source_sd, sd)
+                    count, copied = _write_pt(sink, ckpt, new_root, pickle_bytes, casts)
     finally:
         bar.close()
     return ConvertResult(
@@ -938,6 +978,53 @@ def _convert(
         notes=tuple(notes),
         cast=casts.count if casts is not None else 0,
     )
+
+
+def _alias_notes(aliases: dict[str, str], overlaps: list[str]) -> list[str]:
+    notes = []
+    if aliases:
+        notes.append(
+            f"{len(aliases)} tied tensor(s) written once and recorded as aliases "
+            f"({', '.join(f'{a} -> {c}' for a, c in list(aliases.items())[:3])})"
+        )
+    if overlaps:
+        notes.append(
+            f"tensors overlapping in memory were written as separate copies: "
+            f"{'; '.join(overlaps[:3])}"
+        )
+    return notes
+
+
+def _write_sharded_safetensors(
+    ckpt: Checkpoint,
+    sd: Mapping[Any, Any],
+    metadata: dict[str, str],
+    casts: Optional[Casts],
+    dst: str,
+    limit: int,
+    bar: Progress,
+    *,
+    fsync: bool,
+    overwrite: bool,
+) -> tuple[int, int, dict[str, str], list[str]]:
+    """The state dict as a Hugging Face sharded folder, each shard by ``_write_safetensors``."""
+    from ddpstate import _hf_write
+
+    if casts is not None:
+        sd = casts.state_dict(sd)
+    canonical, aliases, overlaps = _safetensors_plan(sd, ckpt.path)
+    nbytes = {key: rec.nbytes for key, rec in canonical}
+    shards = _hf_write.plan_shards(list(sd), nbytes, aliases, limit)
+
+    def write_shard(f: IO[bytes], keys: list[str], name: str) -> int:
+        part = collections.OrderedDict((k, sd[k]) for k in keys)
+        _write_safetensors(Sink(f, bar, write_back=fsync), ckpt, part, metadata, casts)
+        return sum(nbytes.get(k, 0) for k in keys)
+
+    _hf_write.write_sharded(
+        dst, shards, write_shard, order=list(sd), overwrite=overwrite, fsync=fsync
+    )
+    return len(canonical), sum(nbytes.values()), aliases, overlaps
 
 
 def _plan_casts(ckpt: Checkpoint, tree: Any, dtype: Optional[str]) -> Optional[Casts]:
