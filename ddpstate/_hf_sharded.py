@@ -448,7 +448,9 @@ def load_sharded(
             )
         check_keys(index, shard, list(part))
         merged.update(part)
-    # The index's order: a state dict's own for files ddpstate writes.
+    # The index's order: a state dict's own for files ddpstate writes (then nothing moves).
+    if list(merged) == list(index.weight_map):
+        return merged
     return collections.OrderedDict((k, merged[k]) for k in index.weight_map)
 
 
