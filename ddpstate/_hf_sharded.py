@@ -407,6 +407,10 @@ def load_sharded(
         raise CheckpointFormatError(f"{path}: no *.safetensors.index.json or *.bin.index.json")
     index = read_index(index_path, storage_options)
     remote = _fs.is_remote(index_path)
+    if mmap and remote:
+        raise CheckpointFormatError(
+            f"{path}: mmap=True is not possible here (the shards are remote); pass mmap=None"
+        )
     merged: collections.OrderedDict[str, Any] = collections.OrderedDict()
     for shard in index.shards:
         where = index.shard_path(shard)
@@ -426,6 +430,11 @@ def load_sharded(
             part = _place_all(tensors, "cpu", resolved)
         elif kind in (formats.TORCH_ZIP, formats.LEGACY):
             local = not remote and kind == formats.TORCH_ZIP
+            if mmap and not local:
+                raise CheckpointFormatError(
+                    f"{where}: mmap=True is not possible here (a legacy torch file cannot be "
+                    f"mapped); pass mmap=None"
+                )
             with _opened(where, remote, storage_options) as src:
                 part = load_torch_file(
                     src,
@@ -433,7 +442,7 @@ def load_sharded(
                     name=where,
                     map_location=resolved,
                     weights_only=weights_only,
-                    mmap=local if mmap is None else bool(mmap) and local,
+                    mmap=local if mmap is None else bool(mmap),
                     safe_globals=safe_globals,
                 )
         else:

@@ -93,8 +93,9 @@ class ConvertResult:
     Attributes:
         src: The source file.
         dst: The file written (``src`` itself for ``in_place``).
-        src_format: ``"torch_zip"``, ``"torch_legacy"`` or ``"safetensors"``.
-        dst_format: ``"pt"`` or ``"safetensors"``.
+        src_format: ``"torch_zip"``, ``"torch_legacy"``, ``"safetensors"`` or
+            ``"hf_sharded"``.
+        dst_format: ``"pt"``, ``"safetensors"`` or ``"hf_sharded"`` (``max_shard_size``).
         state_dict_path: Where the model state dict was found (dotted; ``""``
             for a bare state dict), or None when no key rule was needed.
         renamed: How many state-dict keys changed.

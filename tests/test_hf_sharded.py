@@ -225,3 +225,65 @@ def test_cli_reads_sharded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     loaded = safetensors.torch.load_file(str(tmp_path / "out.safetensors"))
     assert_equal_sd(loaded, sd, ordered=False)
     assert os.path.exists(tmp_path / "out.safetensors")
+
+
+def test_remote_sharded_checkpoint(tmp_path: Path) -> None:
+    import fsspec
+
+    sd = _state()
+    local = write_hf(tmp_path / "m", sd)
+    fs = fsspec.filesystem("memory")
+    for path in local.parent.iterdir():
+        fs.pipe(f"/hf-remote/m/{path.name}", path.read_bytes())
+    try:
+        assert ddpstate.detect_format("memory://hf-remote/m") == formats.HF_SHARDED
+        assert_equal_sd(ddpstate.load("memory://hf-remote/m", map_location="cpu"), sd)
+        assert verify_file("memory://hf-remote/m").ok
+        assert diff_files("memory://hf-remote/m", local).equal
+        with pytest.raises(CheckpointFormatError, match="remote"):
+            ddpstate.load("memory://hf-remote/m", mmap=True)
+    finally:
+        fs.rm("/hf-remote", recursive=True)
+
+
+def _two_rank_worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    import ddpstate as ds
+
+    torch.manual_seed(1)
+    net = Net()
+    ds.save_model_state(net, folder, max_shard_size=400)
+    fresh = Net()
+    ds.load_model_state(fresh, folder, map_location="cpu")
+    broadcast = Net()
+    ds.load_model_state(broadcast, folder, map_location="cpu", src_rank=1)
+    same = all(
+        torch.equal(a, b) and torch.equal(a, c)
+        for a, b, c in zip(
+            net.state_dict().values(),
+            fresh.state_dict().values(),
+            broadcast.state_dict().values(),
+            strict=True,
+        )
+    )
+    if rank == 0:
+        with open(os.path.join(folder, "notes.txt"), "w") as f:
+            f.write("mine")
+    try:
+        ds.save_model_state(net, folder, max_shard_size=400)
+        refused = None
+    except ds.CheckpointExistsError as exc:
+        refused = str(exc)
+    return {"same": same, "refused": refused}
+
+
+def test_two_ranks_save_and_load_sharded(tmp_path: Path) -> None:
+    from tests.multiproc import run_ranks
+
+    folder = tmp_path / "shared"
+    results = run_ranks(_two_rank_worker, 2, args=(str(folder),), timeout=120)
+    assert all(r["same"] for r in results)
+    # the writer's refusal reaches both ranks, naming the file that would be lost
+    assert all(r["refused"] and "notes.txt" in r["refused"] for r in results), results
+    shards = sorted(p.name for p in folder.iterdir() if p.name.endswith(".safetensors"))
+    assert len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert (folder / "notes.txt").read_text() == "mine"
