@@ -323,7 +323,14 @@ def open_sharded(
             )
         source = _ShardsSource(index.path, [c.source for c in shards])
         storages = []
-        for ckpt, base in zip(shards, source.bases, strict=True):
+        for shard, ckpt, base in zip(index.shards, shards, source.bases, strict=True):
+            if any(storage.compressed for storage in ckpt.storages):
+                # Inflating needs the shard's own zip reader; torch.save never compresses.
+                raise CheckpointFormatError(
+                    f"{index.shard_path(shard)}: stores compressed zip records (not torch.save's "
+                    f"own output), which a sharded read cannot stream; convert that shard on "
+                    f"its own first (`ddpstate convert`)"
+                )
             for storage in ckpt.storages:
                 if storage.data_offset >= 0:
                     storage.data_offset += base

@@ -751,9 +751,9 @@ def convert_file(
     """
     _check_rules(strip_prefix, add_prefix, normalize)
     cast_to = None if dtype is None else target_dtype(dtype)
-    shard_limit = None
+    shard_limit = shard_dst = None
     if max_shard_size is not None:
-        shard_limit = _check_sharded_output(dst, to, in_place, max_shard_size)
+        shard_limit, shard_dst = _check_sharded_output(dst, to, in_place, max_shard_size)
     if to not in (None, PT, SAFETENSORS):
         raise InvalidArgumentError(f"to must be 'pt' or 'safetensors' (got {to!r})")
     if in_place and dst is not None:
@@ -769,9 +769,9 @@ def convert_file(
         dst_format = (
             to or _format_from_name(dst) or (SAFETENSORS if ckpt.format == "safetensors" else PT)
         )
-        if shard_limit is not None:
+        if shard_dst is not None:
             dst_format = SAFETENSORS
-            dst_text = os.fspath(dst)  # type: ignore[arg-type]  # not None: checked above
+            dst_text = shard_dst
             if _same_file(src_text, dst_text) or _same_file(ckpt.path, dst_text):
                 raise CheckpointExistsError(
                     f"{dst_text} is the source; write the sharded copy to a new folder"
@@ -817,7 +817,8 @@ def convert_file(
 
 def _check_sharded_output(
     dst: Optional[PathLike], to: Optional[str], in_place: bool, max_shard_size: Union[int, str]
-) -> int:
+) -> tuple[int, str]:
+    """``(shard size limit, output folder)``, or the error for a combination that cannot be."""
     from ddpstate._hf_write import parse_size
 
     limit = parse_size(max_shard_size)
@@ -830,7 +831,7 @@ def _check_sharded_output(
             "max_shard_size writes a folder of shards: name the output folder as DST "
             "(not --in-place)"
         )
-    return limit
+    return limit, os.fspath(dst)
 
 
 def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
