@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 #: How the index files of the layout end (transformers writes these two).
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
-#: The index ``transformers`` and :func:`write_sharded` name for safetensors shards.
+#: The index name ``transformers`` and :mod:`ddpstate._hf_write` give safetensors shards.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # An index is a few MB at most even for 100,000 keys; a larger one is not an index.
 _MAX_INDEX_BYTES = 256 << 20
@@ -71,8 +72,6 @@ def _join(folder: str, name: str) -> str:
 def _dirname(path: str) -> str:
     if _fs.is_remote(path):
         return path.rsplit("/", 1)[0] if "/" in path.split("://", 1)[-1] else path
-    import os
-
     return os.path.dirname(_fs.local_path(path)) or "."
 
 
