@@ -50,6 +50,7 @@ class ShardIndex:
         weight_map: Key -> shard file name, in the index's order.
         shards: The shard file names, each once, sorted (the layout numbers them).
         total_size: ``metadata.total_size``, or None when absent.
+        keys_of: Shard file name -> the keys the index puts in it.
     """
 
     path: str
@@ -57,6 +58,7 @@ class ShardIndex:
     weight_map: dict[str, str]
     shards: tuple[str, ...]
     total_size: Optional[int]
+    keys_of: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     def shard_path(self, shard: str) -> str:
         """The full path or URL of one shard."""
@@ -161,9 +163,16 @@ def read_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> S
         raise _bad_index(path, f"not JSON: {exc}") from exc
     if not isinstance(parsed, dict) or not isinstance(parsed.get("weight_map"), dict):
         raise _bad_index(path, "no 'weight_map' object")
-    weight_map = {
-        str(k): _check_shard_name(path, str(k), v) for k, v in parsed["weight_map"].items()
-    }
+    weight_map: dict[str, str] = {}
+    by_shard: dict[str, list[str]] = {}
+    for k, v in parsed["weight_map"].items():
+        key = str(k)
+        keys = by_shard.get(v) if isinstance(v, str) else None
+        if keys is None:
+            _check_shard_name(path, key, v)  # once per shard name, not per key
+            keys = by_shard[v] = []
+        keys.append(key)
+        weight_map[key] = v
     if not weight_map:
         raise _bad_index(path, "an empty 'weight_map'")
     metadata = parsed.get("metadata")
@@ -174,8 +183,9 @@ def read_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> S
         path=path,
         folder=_dirname(path),
         weight_map=weight_map,
-        shards=tuple(sorted(set(weight_map.values()))),
+        shards=tuple(sorted(by_shard)),
         total_size=total,
+        keys_of={shard: frozenset(keys) for shard, keys in by_shard.items()},
     )
 
 
@@ -202,6 +212,8 @@ def check_keys(index: ShardIndex, shard: str, keys: Sequence[str]) -> None:
 def key_problems(index: ShardIndex, shard: str, keys: Sequence[str]) -> list[str]:
     """What is wrong between the keys ``shard`` holds and those the index gives it."""
     held = set(keys)
+    if held == index.keys_of.get(shard, frozenset()) and len(held) == len(keys):
+        return []
     problems = [
         f"key {k!r} is listed in {shard} but that shard does not hold it"
         for k, s in index.weight_map.items()

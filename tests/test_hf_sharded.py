@@ -161,7 +161,8 @@ def test_inspect_and_convert(tmp_path: Path) -> None:
         out = tmp_path / f"one.{suffix}"
         result = convert_file(tmp_path / "m", out)
         assert result.src_format == formats.HF_SHARDED and result.tensors == len(sd)
-        assert_equal_sd(ddpstate.load(out, map_location="cpu"), sd)
+        # key order is the single-file reader's business, not this test's
+        assert_equal_sd(ddpstate.load(out, map_location="cpu"), sd, ordered=suffix == "pt")
     assert_equal_sd(torch.load(tmp_path / "one.pt", weights_only=True), sd)
 
 
