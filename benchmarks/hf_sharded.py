@@ -72,9 +72,12 @@ def write_folder(folder: Path, state: dict[str, Any], shards: int = SHARDS) -> l
     return paths
 
 
-def _shm() -> Path | None:
+def _shm(size_mib: int) -> Path | None:
+    """``/dev/shm`` when it is writable and has room for the folder twice over (it is RAM)."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        return None
+    return shm if shutil.disk_usage(shm).free > 2 * size_mib * MIB else None
 
 
 def run_point(results: Results, settings: Settings, size_mib: int, where: str, root: Path) -> None:
@@ -132,11 +135,11 @@ def run_point(results: Results, settings: Settings, size_mib: int, where: str, r
 
 
 def run(results: Results, settings: Settings) -> None:
-    """Every size on the benchmark's disk folder, then on tmpfs where there is one."""
-    shm = _shm()
-    if shm is None:
-        results.notes.append("hf_sharded: no writable /dev/shm; tmpfs figures skipped")
+    """Every size on the benchmark's disk folder, then on tmpfs where it has room."""
     for size in settings.sizes_mib:
         run_point(results, settings, size, "disk", settings.work)
+        shm = _shm(size)
         if shm is not None:
             run_point(results, settings, size, "tmpfs", shm)
+        else:
+            results.notes.append(f"hf_sharded: no room in /dev/shm for {size} MiB; tmpfs skipped")

@@ -71,10 +71,11 @@ def _join(folder: str, name: str) -> str:
     return storage.join(folder, name)
 
 
-def _dirname(path: str) -> str:
-    if _fs.is_remote(path):
-        return path.rsplit("/", 1)[0] if "/" in path.split("://", 1)[-1] else path
-    return os.path.dirname(_fs.local_path(path)) or "."
+def folder_of(index: str) -> str:
+    """The folder holding an index file (a URL stays a URL)."""
+    if _fs.is_remote(index):
+        return index.rsplit("/", 1)[0] if "/" in index.split("://", 1)[-1] else index
+    return os.path.dirname(_fs.local_path(index)) or "."
 
 
 def is_index_name(name: str) -> bool:
@@ -181,7 +182,7 @@ def read_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> S
         raise _bad_index(path, f"metadata.total_size is {total!r}, not a byte count")
     return ShardIndex(
         path=path,
-        folder=_dirname(path),
+        folder=folder_of(path),
         weight_map=weight_map,
         shards=tuple(sorted(by_shard)),
         total_size=total,

@@ -776,14 +776,19 @@ def convert_file(
                 raise CheckpointExistsError(
                     f"{dst_text} is the source; write the sharded copy to a new folder"
                 )
+        elif in_place and ckpt.format == HF_SHARDED:
+            raise InvalidArgumentError(
+                f"{ckpt.path}: in_place=True cannot replace a sharded checkpoint; name a new DST "
+                f"(a folder with max_shard_size for a sharded copy)"
+            )
         elif in_place:
             dst_text = src_text
         else:
-            dst_text = (
-                os.fspath(dst) if dst is not None else default_destination(src_text, dst_format)
-            )
+            # A sharded source is named after its folder, not its index file.
+            base = _sharded_base(ckpt) or src_text
+            dst_text = os.fspath(dst) if dst is not None else default_destination(base, dst_format)
             if dst is not None and _isdir(dst_text, storage_options):
-                name = default_destination(src_text, dst_format).replace("\\", "/")
+                name = default_destination(base, dst_format).replace("\\", "/")
                 dst_text = _join(dst_text, name.rsplit("/", 1)[-1])
             if _exists(dst_text, storage_options):
                 if _same_file(src_text, dst_text):
@@ -813,6 +818,14 @@ def convert_file(
             shard_limit=shard_limit,
             overwrite=overwrite,
         )
+
+
+def _sharded_base(ckpt: Checkpoint) -> Optional[str]:
+    if ckpt.format != HF_SHARDED:
+        return None
+    from ddpstate._hf_sharded import folder_of
+
+    return folder_of(ckpt.path)
 
 
 def _check_sharded_output(

@@ -21,6 +21,7 @@ from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    InvalidArgumentError,
     ShapeMismatchError,
     UnsafeCheckpointError,
 )
@@ -288,3 +289,14 @@ def test_two_ranks_save_and_load_sharded(tmp_path: Path) -> None:
     shards = sorted(p.name for p in folder.iterdir() if p.name.endswith(".safetensors"))
     assert len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_convert_names_and_in_place(tmp_path: Path) -> None:
+    sd = _state()
+    index = write_hf(tmp_path / "m", sd)
+    # the default output is named after the folder, whichever path was given
+    assert convert_file(index).dst == str(tmp_path / "m.converted.pt")
+    assert convert_file(tmp_path / "m", to="safetensors").dst == str(tmp_path / "m.safetensors")
+    with pytest.raises(InvalidArgumentError, match="sharded"):
+        convert_file(tmp_path / "m", in_place=True)
+    assert_equal_sd(torch.load(tmp_path / "m.converted.pt", weights_only=True), sd)
