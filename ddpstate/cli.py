@@ -164,7 +164,9 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_CONVERT_EPILOG,
         formatter_class=formatter,
     )
-    convert.add_argument("src", metavar="SRC", help="checkpoint file to read")
+    convert.add_argument(
+        "src", metavar="SRC", help="checkpoint file (or Hugging Face sharded folder) to read"
+    )
     convert.add_argument(
         "dst",
         metavar="DST",
@@ -211,7 +213,9 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_INSPECT_EPILOG,
         formatter_class=formatter,
     )
-    inspect.add_argument("src", metavar="SRC", help="checkpoint file")
+    inspect.add_argument(
+        "src", metavar="SRC", help="checkpoint file (or Hugging Face sharded folder)"
+    )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_common(inspect, progress=False)
     inspect.set_defaults(func=_cmd_inspect)
@@ -224,8 +228,8 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_DIFF_EPILOG,
         formatter_class=formatter,
     )
-    diff.add_argument("a", metavar="A", help="first checkpoint file")
-    diff.add_argument("b", metavar="B", help="second checkpoint file")
+    diff.add_argument("a", metavar="A", help="first checkpoint file (or sharded folder)")
+    diff.add_argument("b", metavar="B", help="second checkpoint file (or sharded folder)")
     _add_key_options(diff)
     diff.add_argument(
         "--raw-keys", "--raw_keys", action="store_true",
@@ -245,12 +249,16 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Read a checkpoint end to end: every record present, of the right size, "
         "and matching its CRC-32 (torch.save files). For a CheckpointManager step folder or "
         "directory: the manifest (commit marker), every file's size and CRC-32, and the latest "
-        "pointer.",
+        "pointer. For a Hugging Face sharded folder: every shard as above, every key in exactly "
+        "the shard its index names, and the index's total_size.",
         epilog=_VERIFY_EPILOG,
         formatter_class=formatter,
     )
     verify.add_argument(
-        "src", metavar="SRC", help="checkpoint file, or CheckpointManager step folder or directory"
+        "src",
+        metavar="SRC",
+        help="checkpoint file, CheckpointManager step folder or directory, or Hugging Face "
+        "sharded folder",
     )
     verify.add_argument("--json", action="store_true", help="print JSON")
     _add_common(verify)
