@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.distributed as torch_dist
 
-from ddpstate import _fs, _savecheck, _torch_io, storage
+from ddpstate import _dcp_read, _fs, _savecheck, _torch_io, storage
 from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate.dist import (
     broadcast_object,
@@ -305,6 +305,7 @@ def _read(
             weights_only=weights_only,
             storage_options=storage_options,
             remote=remote,
+            safe_globals=safe_globals,
         )
         return _place_all(state, "cpu", resolved)
     if kind == SAFETENSORS:
@@ -652,6 +653,12 @@ def load_model_state(
 
     if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
+        if _dcp_read.is_sharded_model(model) and _detect(name, storage_options) == DCP:
+            return _load_sharded(
+                model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
+                storage_options=storage_options, timeout=timeout,
+                ignore_mismatched=ignore_mismatched,
+            )  # fmt: skip
         checkpoint = load(
             source,
             map_location=map_location,
@@ -679,6 +686,31 @@ def load_model_state(
     )
 
 
+def _load_sharded(
+    model: torch.nn.Module,
+    name: str,
+    *,
+    strict: bool,
+    key: Optional[str],
+    barrier: bool,
+    src_rank: Optional[int],
+    storage_options: Optional[dict[str, Any]],
+    timeout: Timeout,
+    ignore_mismatched: bool,
+) -> IncompatibleKeys:
+    if src_rank is not None:
+        raise InvalidArgumentError(
+            f"{name}: src_rank={src_rank} does not apply to a sharded (FSDP2/DTensor) model: "
+            f"each rank reads only its own shards from the folder; drop src_rank"
+        )
+    if barrier and is_distributed():
+        _check_same_call(LOAD_COLLECTIVE, (name, None, src_rank), timeout)
+    return _dcp_read.load_sharded_model_state(
+        model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
+        storage_options=storage_options,
+    )  # fmt: skip
+
+
 def _load_fitting(
     model: torch.nn.Module,
     state_dict: Mapping[str, Any],
@@ -693,32 +725,14 @@ def _load_fitting(
     Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
     through here, so a wrong shape is always :class:`ShapeMismatchError`.
     """
-    own = model.state_dict()
-    mismatched = [
-        (k, tuple(v.shape), tuple(own[k].shape))
-        for k, v in state_dict.items()
-        if isinstance(v, torch.Tensor)
-        and isinstance(own.get(k), torch.Tensor)
-        and v.shape != own[k].shape
-    ]
-    listing = ", ".join(f"{k!r} (saved {list(a)}, model {list(b)})" for k, a, b in mismatched[:8])
-    if len(mismatched) > 8:
-        listing += f" and {len(mismatched) - 8} more"
-    if mismatched and not ignore_mismatched:
-        raise ShapeMismatchError(
-            f"{name} does not fit {type(model).__name__}: size mismatch for {len(mismatched)} "
-            f"tensor(s): {listing}. Check that it was saved from the same architecture; to "
-            f"fine-tune with a resized layer (e.g. a new classifier head), pass "
-            f"ignore_mismatched=True to skip these entries and keep the model's own values"
-        )
+    mismatched = _shape_mismatches(
+        state_dict,
+        model.state_dict(),
+        name=name,
+        target=type(model).__name__,
+        ignore_mismatched=ignore_mismatched,
+    )
     if mismatched:
-        warnings.warn(
-            f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
-            f"{type(model).__name__}'s (ignore_mismatched=True); the model keeps its own values "
-            f"there: {listing}",
-            UserWarning,
-            stacklevel=3,
-        )
         skip = {k for k, _, _ in mismatched}
         kept: Any = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in skip)
         metadata = getattr(state_dict, "_metadata", None)
@@ -733,3 +747,46 @@ def _load_fitting(
             f"was saved from the same architecture"
         ) from exc
     return [k for k, _, _ in mismatched]
+
+
+def _shape_mismatches(
+    state_dict: Mapping[str, Any],
+    own: Mapping[str, Any],
+    *,
+    name: str,
+    target: str,
+    ignore_mismatched: bool,
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """``(key, saved shape, model shape)`` of each tensor that does not fit ``own``'s.
+
+    Raises :class:`ShapeMismatchError` listing them, or with ``ignore_mismatched``
+    warns and returns them for the caller to skip. ``state_dict``'s keys are
+    already the model's; ``own`` is the model's state dict (DTensors compare by
+    their global shape, so sharded models are checked the same way).
+    """
+    mismatched = [
+        (k, tuple(v.shape), tuple(own[k].shape))
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor)
+        and isinstance(own.get(k), torch.Tensor)
+        and v.shape != own[k].shape
+    ]
+    listing = ", ".join(f"{k!r} (saved {list(a)}, model {list(b)})" for k, a, b in mismatched[:8])
+    if len(mismatched) > 8:
+        listing += f" and {len(mismatched) - 8} more"
+    if mismatched and not ignore_mismatched:
+        raise ShapeMismatchError(
+            f"{name} does not fit {target}: size mismatch for {len(mismatched)} "
+            f"tensor(s): {listing}. Check that it was saved from the same architecture; to "
+            f"fine-tune with a resized layer (e.g. a new classifier head), pass "
+            f"ignore_mismatched=True to skip these entries and keep the model's own values"
+        )
+    if mismatched:
+        warnings.warn(
+            f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
+            f"{target}'s (ignore_mismatched=True); the model keeps its own values "
+            f"there: {listing}",
+            UserWarning,
+            stacklevel=4,
+        )
+    return mismatched

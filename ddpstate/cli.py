@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Sequence
 from typing import IO, NoReturn, Optional
 
+from ddpstate import formats
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 from ddpstate.errors import DDPStateError
@@ -23,6 +24,7 @@ _FORMAT_NAMES = {
     "safetensors": "safetensors",
     "pt": "torch.save zip",
     "manager": "CheckpointManager folder",
+    formats.DCP: "torch.distributed.checkpoint folder",
 }
 
 _MAIN_EPILOG = """\
@@ -45,6 +47,8 @@ examples:
   ddpstate convert ckpt.pt --key model.ema --add-prefix net.
   ddpstate convert ckpt.pt --to safetensors                # model weights only -> ckpt.safetensors
   ddpstate convert model.safetensors --to pt               # -> model.pt, a plain state dict
+  ddpstate convert dcp_folder/ model.pt                    # consolidate a DCP (FSDP2) folder
+  ddpstate convert ckpt.pt out_folder/ --to dcp            # write a DCP folder (loads resharded)
   ddpstate convert ckpt.pt --drop-optimizer --in-place     # shrink a checkpoint for release
 
 The model state dict is found the way ddpstate.keys.find_state_dict finds it
@@ -59,6 +63,7 @@ _INSPECT_EPILOG = """\
 examples:
   ddpstate inspect ckpt.pt
   ddpstate inspect model.safetensors --json | python -m json.tool
+  ddpstate inspect dcp_folder/                     # keys, shapes, dtypes from .metadata only
 """
 
 _DIFF_EPILOG = """\
@@ -74,6 +79,7 @@ examples:
   ddpstate verify ckpt.pt && cp ckpt.pt /backup/
   ddpstate verify runs/exp1/step_0000001200        # one CheckpointManager checkpoint
   ddpstate verify runs/exp1                         # every committed step, and `latest`
+  ddpstate verify dcp_folder/                       # .metadata parses, every shard file whole
 
 Exit status: 0 when intact, 1 when something is wrong (one line per problem).
 """
@@ -121,12 +127,15 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_CONVERT_EPILOG,
         formatter_class=formatter,
     )
-    convert.add_argument("src", metavar="SRC", help="checkpoint file to read")
+    convert.add_argument(
+        "src", metavar="SRC", help="checkpoint file or torch.distributed.checkpoint folder"
+    )
     convert.add_argument(
         "dst",
         metavar="DST",
         nargs="?",
-        help="file to write (default: derived from SRC, e.g. ckpt.converted.pt)",
+        help="file to write (default: derived from SRC, e.g. ckpt.converted.pt); the folder "
+        "to write with --to dcp",
     )
     rule = convert.add_mutually_exclusive_group()
     rule.add_argument(
@@ -153,9 +162,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'",
     )  # fmt: skip
     convert.add_argument(
-        "--to", choices=("pt", "safetensors"),
+        "--to", choices=("pt", "safetensors", formats.DCP),
         help="output format (default: from DST's suffix, .safetensors or .pt/.pth/.bin/.ckpt, "
-        "else the source's); safetensors keeps the model state dict only",
+        "else the source's; pt for a DCP folder); safetensors keeps the model state dict "
+        "only; dcp writes a torch.distributed.checkpoint folder",
     )  # fmt: skip
     convert.add_argument(
         "--drop-optimizer", "--drop_optimizer", action="store_true",
@@ -181,7 +191,9 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_INSPECT_EPILOG,
         formatter_class=formatter,
     )
-    inspect.add_argument("src", metavar="SRC", help="checkpoint file")
+    inspect.add_argument(
+        "src", metavar="SRC", help="checkpoint file or torch.distributed.checkpoint folder"
+    )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_common(inspect, progress=False)
     inspect.set_defaults(func=_cmd_inspect)
@@ -219,8 +231,10 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     verify.add_argument(
-        "src", metavar="SRC", help="checkpoint file, or CheckpointManager step folder or directory"
-    )
+        "src", metavar="SRC",
+        help="checkpoint file, CheckpointManager step folder or directory, or "
+        "torch.distributed.checkpoint folder",
+    )  # fmt: skip
     verify.add_argument("--json", action="store_true", help="print JSON")
     _add_common(verify)
     verify.set_defaults(func=_cmd_verify)
@@ -385,9 +399,9 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
     kind = _FORMAT_NAMES.get(result.format or "", "unreadable")
     if result.ok:
         counted = "" if result.format == "manager" else f"{result.tensors} tensors, "
+        checked = "read and checked" if result.format != formats.DCP else "read; sizes checked"
         print(
-            f"ok: {result.path} ({kind}, {counted}"
-            f"{human_bytes(result.bytes_read)} read and checked)",
+            f"ok: {result.path} ({kind}, {counted}{human_bytes(result.bytes_read)} {checked})",
             file=out,
         )
     else:

@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from ddpstate import _fs
+from ddpstate import _fs, formats
 from ddpstate._pickle_rewrite import rename_keys
 from ddpstate._pickle_scan import (
     GlobalRef,
@@ -375,6 +375,13 @@ def _join(folder: str, name: str) -> str:
     return storage.join(folder, name)
 
 
+def _is_dcp_folder(path: str, storage_options: Optional[dict[str, Any]]) -> bool:
+    # A stat first: files (the common case) are not sniffed twice.
+    return _isdir(path, storage_options) and (
+        formats.detect_format(path, storage_options=storage_options) == formats.DCP
+    )
+
+
 def _same_file(a: str, b: str) -> bool:
     if _fs.is_remote(a) or _fs.is_remote(b):
         return a.rstrip("/") == b.rstrip("/")
@@ -719,8 +726,8 @@ def convert_file(
     rules = [strip_prefix is not None, add_prefix is not None, bool(normalize)]
     if sum(rules) > 1:
         raise InvalidArgumentError("pass at most one of strip_prefix, add_prefix and normalize")
-    if to not in (None, PT, SAFETENSORS):
-        raise InvalidArgumentError(f"to must be 'pt' or 'safetensors' (got {to!r})")
+    if to not in (None, PT, SAFETENSORS, formats.DCP):
+        raise InvalidArgumentError(f"to must be 'pt', 'safetensors' or 'dcp' (got {to!r})")
     if in_place and dst is not None:
         raise InvalidArgumentError("pass either dst or in_place=True, not both")
     if in_place and not fsync:
@@ -729,6 +736,30 @@ def convert_file(
             "(drop --no-fsync, or write to a new DST)"
         )
     src_text = os.fspath(src)
+    from_dcp = _is_dcp_folder(src_text, storage_options)
+    if from_dcp or to == formats.DCP:
+        if in_place:
+            raise InvalidArgumentError(
+                "in_place=True cannot turn a file into a folder or a folder into a file; name DST"
+            )
+        # DCP needs torch; imported only here so the streaming paths stay torch-free.
+        from ddpstate import _dcp_convert
+
+        route = _dcp_convert.convert_from_dcp if from_dcp else _dcp_convert.convert_to_dcp
+        return route(
+            src_text,
+            None if dst is None else os.fspath(dst),
+            **({"to": to} if from_dcp else {}),
+            strip=strip_prefix,
+            add=add_prefix,
+            normalize=normalize,
+            key=key,
+            drop_optimizer=drop_optimizer,
+            overwrite=overwrite,
+            unsafe=unsafe,
+            fsync=fsync,
+            storage_options=storage_options,
+        )
     with read_checkpoint(src_text, unsafe=unsafe, storage_options=storage_options) as ckpt:
         _raise_problems(ckpt)
         dst_format = (
@@ -737,23 +768,7 @@ def convert_file(
         if in_place:
             dst_text = src_text
         else:
-            dst_text = (
-                os.fspath(dst) if dst is not None else default_destination(src_text, dst_format)
-            )
-            if dst is not None and _isdir(dst_text, storage_options):
-                name = default_destination(src_text, dst_format).replace("\\", "/")
-                dst_text = _join(dst_text, name.rsplit("/", 1)[-1])
-            if _exists(dst_text, storage_options):
-                if _same_file(src_text, dst_text):
-                    raise CheckpointExistsError(
-                        f"{dst_text} is the source file; pass --in-place (in_place=True) to "
-                        f"replace it"
-                    )
-                if not overwrite:
-                    raise CheckpointExistsError(
-                        f"{dst_text} already exists; pass --force (overwrite=True) to replace "
-                        f"it, or name another destination"
-                    )
+            dst_text = _destination(src_text, dst, dst_format, overwrite, storage_options)
         return _convert(
             ckpt,
             dst_text,
@@ -768,6 +783,34 @@ def convert_file(
             fsync=fsync,
             storage_options=storage_options,
         )
+
+
+def _destination(
+    src: str,
+    dst: Optional[PathLike],
+    dst_format: str,
+    overwrite: bool,
+    storage_options: Optional[dict[str, Any]],
+) -> str:
+    """The output file: ``dst``, inside ``dst`` when it is a folder, or the default name.
+
+    Refuses the source itself and an existing file unless ``overwrite``.
+    """
+    dst_text = os.fspath(dst) if dst is not None else default_destination(src, dst_format)
+    if dst is not None and _isdir(dst_text, storage_options):
+        name = default_destination(src, dst_format).replace("\\", "/")
+        dst_text = _join(dst_text, name.rsplit("/", 1)[-1])
+    if _exists(dst_text, storage_options):
+        if _same_file(src, dst_text):
+            raise CheckpointExistsError(
+                f"{dst_text} is the source file; pass --in-place (in_place=True) to replace it"
+            )
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{dst_text} already exists; pass --force (overwrite=True) to replace "
+                f"it, or name another destination"
+            )
+    return dst_text
 
 
 def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
@@ -988,6 +1031,10 @@ def inspect_file(
     """
     from ddpstate import keys
 
+    if _is_dcp_folder(os.fspath(src), storage_options):
+        from ddpstate._dcp_convert import inspect_dcp
+
+        return inspect_dcp(os.fspath(src), storage_options=storage_options)
     with read_checkpoint(os.fspath(src), unsafe=unsafe, storage_options=storage_options) as ckpt:
         root = ckpt.obj
         notes: list[str] = []
@@ -1255,6 +1302,10 @@ def verify_file(
     from ddpstate import storage
 
     if storage.isdir(text, storage_options=storage_options):
+        if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
+            from ddpstate._dcp_convert import verify_dcp
+
+            return verify_dcp(text, storage_options=storage_options)
         return _verify_folder(text, storage_options)
     try:
         ckpt = read_checkpoint(text, unsafe=unsafe, storage_options=storage_options)
