@@ -352,6 +352,10 @@ def convert_from_dcp(
             f"'safetensors'"
         )
     dst_format = to or _format_from_name(dst) or PT
+    if dst is None:
+        # Next to the folder, named after it: ckpt_dcp/ -> ckpt_dcp.pt (never inside it).
+        folder = src.rstrip("/\\") or src
+        dst = folder + (".safetensors" if dst_format == SAFETENSORS else ".pt")
     dst_text = _destination(src, dst, dst_format, overwrite, storage_options)
     state = _torch_io.load_dcp(
         src if _fs.is_remote(src) else _fs.local_path(src),

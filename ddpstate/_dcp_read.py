@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -132,6 +133,59 @@ def is_sharded_model(model: torch.nn.Module) -> bool:
     return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
 
 
+class _Plan(NamedTuple):
+    into: dict[str, Any]  # DCP name -> the model's own (sharded) tensor to fill
+    loaded: dict[str, Any]  # the model's key -> the same tensor, for set_model_state_dict
+    skipped: list[str]  # shape mismatches ignore_mismatched skipped
+    missing: list[str]
+    unexpected: list[str]
+
+
+def _plan(
+    model: torch.nn.Module,
+    path: str,
+    *,
+    strict: bool,
+    key: Optional[str],
+    ignore_mismatched: bool,
+    storage_options: Optional[dict[str, Any]],
+) -> _Plan:
+    """Match the folder's keys and shapes with the model's, from the metadata alone."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ddpstate.checkpoint import _shape_mismatches
+    from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
+
+    metadata = read_metadata(path, name=path, storage_options=storage_options)
+    sd_path, saved = find_state_dict(skeleton(metadata), key)
+    own = get_model_state_dict(model)
+    adapted = adapt_state_dict(saved, own, strict=strict)
+    skipped = [
+        k
+        for k, _, _ in _shape_mismatches(
+            adapted, own, name=path, target=type(model).__name__,
+            ignore_mismatched=ignore_mismatched,
+        )
+    ]  # fmt: skip
+    names = flat_names(metadata)
+    match = match_keys(saved, own)
+    into: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}
+    for own_key, saved_key in match.mapping.items():
+        fqn = names.get((*sd_path, saved_key))
+        if own_key in skipped or own_key not in adapted or fqn is None:
+            continue
+        if isinstance(adapted[own_key], torch.Tensor):
+            into[fqn] = loaded[own_key] = own[own_key]
+    return _Plan(
+        into,
+        loaded,
+        skipped,
+        [k for k in match.missing if isinstance(k, str)],
+        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
+    )
+
+
 def load_sharded_model_state(
     model: torch.nn.Module,
     path: str,
@@ -140,53 +194,56 @@ def load_sharded_model_state(
     key: Optional[str],
     ignore_mismatched: bool,
     storage_options: Optional[dict[str, Any]] = None,
+    timeout: Union[float, timedelta, None] = None,
 ) -> IncompatibleKeys:
     """Load a DCP folder into a sharded (FSDP2/DTensor) model on every rank, resharding.
 
     A collective: every rank of the model's process group must call it. The
     folder's keys are matched to the model's (``ddpstate.keys`` rules, from the
-    metadata alone), each rank reads only the pieces of its own shards
-    (``dcp.load`` into the model's DTensors, whatever the saving world size),
-    and ``set_model_state_dict`` puts them in the model.
+    metadata alone) and the outcome shared, so a mismatch raises the same
+    error on every rank before any data moves; then each rank reads only the
+    pieces of its own shards (``dcp.load`` into the model's DTensors, whatever
+    the saving world size), and ``set_model_state_dict`` puts them in the model.
+
+    Args:
+        model: The sharded model (FSDP2 ``fully_shard``, or DTensor parameters).
+        path: The DCP folder (local path or fsspec URL).
+        strict, key, ignore_mismatched: As for :func:`ddpstate.load_model_state`.
+        storage_options: fsspec options for a URL.
+        timeout: Seconds to wait for the other ranks' outcome of the matching.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``.
+
+    Raises:
+        KeyMismatchError, ShapeMismatchError, StateDictNotFoundError: On every rank.
+        CheckpointCorruptError: The metadata or a shard file is damaged or missing.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from ddpstate.checkpoint import IncompatibleKeys, _shape_mismatches
-    from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
+    from ddpstate.checkpoint import IncompatibleKeys
+    from ddpstate.dist import share_outcome
 
-    metadata = read_metadata(path, name=path, storage_options=storage_options)
-    sd_path, saved = find_state_dict(skeleton(metadata), key)
-    own = get_model_state_dict(model)
-    adapted = adapt_state_dict(saved, own, strict=strict)
-    target = type(model).__name__
-    skipped = {
-        k
-        for k, _, _ in _shape_mismatches(
-            adapted, own, name=path, target=target, ignore_mismatched=ignore_mismatched
-        )
-    }
-    names = flat_names(metadata)
-    match = match_keys(saved, own)
-    into: dict[str, Any] = {}  # DCP name -> the model's own (sharded) tensor to fill
-    loaded: dict[str, Any] = {}
-    for own_key, saved_key in match.mapping.items():
-        fqn = names.get((*sd_path, saved_key))
-        if own_key in skipped or own_key not in adapted or fqn is None:
-            continue
-        if isinstance(adapted[own_key], torch.Tensor):
-            into[fqn] = loaded[own_key] = own[own_key]
+    plan: Optional[_Plan] = None
+    error: Optional[Exception] = None
+    try:
+        plan = _plan(
+            model, path, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
+            storage_options=storage_options,
+        )  # fmt: skip
+    except Exception as exc:
+        error = exc
+    share_outcome(error, name="ddpstate.load_model_state", timeout=timeout)
+    if plan is None:  # pragma: no cover - share_outcome raised this rank's error
+        raise CheckpointCorruptError(f"{path}: could not be matched with the model")
     try:
         if _is_remote(path):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-            dcp_load(into, storage_reader=FsspecReader(path, **(storage_options or {})))
+            dcp_load(plan.into, storage_reader=FsspecReader(path, **(storage_options or {})))
         else:
-            dcp_load(into, checkpoint_id=path)
+            dcp_load(plan.into, checkpoint_id=path)
     except BaseException as exc:
         inner = _torch_io._dcp_failure(exc) or exc
         if isinstance(inner, DDPStateError):
@@ -195,16 +252,14 @@ def load_sharded_model_state(
             raise
         raise CheckpointCorruptError(
             f"{path}: reading this torch.distributed.checkpoint folder into "
-            f"{target}'s shards failed ({type(inner).__name__}: {_torch_io._first_line(inner)}); "
-            f"a shard file may be missing or damaged: run `ddpstate verify {path}`"
+            f"{type(model).__name__}'s shards failed ({type(inner).__name__}: "
+            f"{_torch_io._first_line(inner)}); a shard file may be missing or damaged: run "
+            f"`ddpstate verify {path}`"
         ) from exc
-    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
-    missing = sorted(skipped) + [k for k in match.missing if isinstance(k, str)]
+    set_model_state_dict(model, plan.loaded, options=StateDictOptions(strict=False))
     if strict:
-        return IncompatibleKeys(sorted(skipped), [])
-    return IncompatibleKeys(
-        missing, [k if isinstance(k, str) else repr(k) for k in match.unexpected]
-    )
+        return IncompatibleKeys(plan.skipped, [])
+    return IncompatibleKeys([*plan.skipped, *plan.missing], plan.unexpected)
 
 
 def _is_remote(path: str) -> bool:

@@ -477,7 +477,11 @@ def load(
     the writer of a preceding :func:`save` is done.
     The format comes from the file's bytes, whatever its name: torch.save zip,
     legacy (pre-1.6) torch pickle, safetensors, or a
-    ``torch.distributed.checkpoint`` folder (read with torch's own reader).
+    ``torch.distributed.checkpoint`` folder. A DCP folder is consolidated: the
+    whole state, every shard of every rank, is read into this process with
+    torch's own reader (no process group needed), tensors on the CPU and then
+    placed by ``map_location``. To load a sharded (FSDP2) model, where each
+    rank should read only its own shards, use :func:`load_model_state`.
 
     Args:
         path: Local path or fsspec URL of the file (or DCP folder).
@@ -615,9 +619,18 @@ def load_model_state(
     its keys are renamed to the ones ``model`` expects (plain, ``module.``,
     ``_orig_mod.``, in any nesting), and ``model.load_state_dict`` is called.
 
+    A ``torch.distributed.checkpoint`` folder (e.g. saved by FSDP2 on any
+    number of ranks) loads into a plain model consolidated (see :func:`load`).
+    Into a sharded model (FSDP2 ``fully_shard``, DTensor parameters) it loads
+    resharded: the keys are matched from the folder's metadata alone, then
+    every rank reads only the pieces of its own shards (``dcp.load``) and
+    ``set_model_state_dict`` puts them in place, whatever world size saved it.
+    Every rank of the model's process group must then call it.
+
     Args:
         model: The target module, plain or wrapped.
-        source: A path/URL, or an already loaded checkpoint or state dict.
+        source: A path/URL (a file or a DCP folder), or an already loaded
+            checkpoint or state dict.
         strict: Require every key to match; with False, load what matches and
             report the rest.
         key: Dotted path of the state dict inside the checkpoint
@@ -638,6 +651,8 @@ def load_model_state(
         StateDictNotFoundError: No single state dict in the checkpoint (pass ``key``).
         ShapeMismatchError: A tensor's shape does not fit the model's (the
             message lists them and names ``ignore_mismatched=True``).
+        CheckpointCorruptError: A shard file of a DCP folder is missing or damaged.
+        InvalidArgumentError: ``src_rank`` with a sharded model (each rank reads its own shards).
 
     Example:
         >>> import os, tempfile, torch
@@ -707,7 +722,7 @@ def _load_sharded(
         _check_same_call(LOAD_COLLECTIVE, (name, None, src_rank), timeout)
     return _dcp_read.load_sharded_model_state(
         model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
-        storage_options=storage_options,
+        storage_options=storage_options, timeout=timeout,
     )  # fmt: skip
 
 

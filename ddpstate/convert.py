@@ -90,8 +90,8 @@ class ConvertResult:
     Attributes:
         src: The source file.
         dst: The file written (``src`` itself for ``in_place``).
-        src_format: ``"torch_zip"``, ``"torch_legacy"`` or ``"safetensors"``.
-        dst_format: ``"pt"`` or ``"safetensors"``.
+        src_format: ``"torch_zip"``, ``"torch_legacy"``, ``"safetensors"`` or ``"dcp"``.
+        dst_format: ``"pt"``, ``"safetensors"`` or ``"dcp"``.
         state_dict_path: Where the model state dict was found (dotted; ``""``
             for a bare state dict), or None when no key rule was needed.
         renamed: How many state-dict keys changed.
@@ -675,16 +675,22 @@ def convert_file(
     and every storage is tagged ``cpu``, so it loads without ``map_location``
     on a machine without a GPU. No code from the file runs.
 
+    A ``torch.distributed.checkpoint`` folder as ``src`` is consolidated into
+    one ``.pt`` or ``.safetensors`` file (read whole, with torch: DCP has no
+    streaming reader); ``to="dcp"`` writes a file's state as a DCP folder,
+    under a temporary name first and renamed into place when complete.
+
     Args:
-        src: The checkpoint file (local path or fsspec URL).
+        src: The checkpoint file or DCP folder (local path or fsspec URL).
         dst: Where to write; default :func:`default_destination`.
         strip_prefix: Remove this prefix (e.g. ``"module."``) from the model's keys.
         add_prefix: Add this prefix to every model key.
         normalize: Remove every wrapper prefix (``module.``, ``_orig_mod.``).
         key: Dotted path of the model state dict inside the checkpoint.
-        to: ``"pt"`` or ``"safetensors"``; default: from ``dst``'s suffix
+        to: ``"pt"``, ``"safetensors"`` or ``"dcp"``; default: from ``dst``'s suffix
             (``.safetensors``; ``.pt``, ``.pth``, ``.bin``, ``.ckpt``), else the source's kind.
-            safetensors output holds the model state dict only.
+            safetensors output holds the model state dict only; ``"dcp"`` writes
+            ``dst`` as a ``torch.distributed.checkpoint`` folder (local, required).
         drop_optimizer: Leave optimizer state out of the output.
         in_place: Replace ``src`` itself (atomically).
         overwrite: Replace an existing ``dst``.
@@ -1007,8 +1013,12 @@ def inspect_file(
 ) -> InspectResult:
     """Describe a checkpoint from its headers and pickle structure, never its tensor data.
 
+    A ``torch.distributed.checkpoint`` folder is described from its ``.metadata``
+    (read with an unpickler that allows only DCP's metadata classes): keys, whole
+    shapes, dtypes and sizes, whatever the sharding.
+
     Args:
-        src: The checkpoint file.
+        src: The checkpoint file or DCP folder.
         unsafe: Also read pickles that name unsafe globals (still never run).
         storage_options: fsspec options for URLs.
 
@@ -1274,6 +1284,9 @@ def verify_file(
     A folder is checked as a CheckpointManager step folder or directory by
     :func:`ddpstate.manager.verify_checkpoint` (manifest, sizes, CRC-32s,
     commit marker, ``latest`` pointer); the result's format is ``"manager"``.
+    A ``torch.distributed.checkpoint`` folder: its ``.metadata`` must parse, and
+    every file it names must exist and reach its largest offset + length (DCP
+    records no checksums); a ddpstate ``manifest.json`` in it adds its CRC-32s.
 
     Args:
         src: The checkpoint file, or a CheckpointManager folder.

@@ -278,6 +278,10 @@ def test_safetensors_to_dcp(tmp_path: Path) -> None:
     folder = tmp_path / "m_dcp"
     assert main(["convert", str(src), str(folder), "--to", "dcp", "-q"]) == 0
     assert_bitwise(ddpstate.load(folder, map_location="cpu"), want)
+    # Without DST the file goes next to the folder, named after it (never inside it).
+    assert main(["convert", f"{folder}{os.sep}", "-q"]) == 0
+    assert_bitwise(torch.load(tmp_path / "m_dcp.pt", weights_only=True), want)
+    assert sorted(p.name for p in folder.iterdir())[0] == ".metadata"
 
 
 def test_to_dcp_never_replaces_a_folder_that_is_not_a_checkpoint(
