@@ -165,6 +165,8 @@ def _plan(
         for k, _, _ in _shape_mismatches(
             adapted, own, name=path, target=type(model).__name__,
             ignore_mismatched=ignore_mismatched,
+            # _plan <- load_sharded_model_state <- checkpoint._load_sharded <- load_model_state
+            stacklevel=6,
         )
     ]  # fmt: skip
     names = flat_names(metadata)

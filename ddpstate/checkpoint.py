@@ -771,6 +771,7 @@ def _shape_mismatches(
     name: str,
     target: str,
     ignore_mismatched: bool,
+    stacklevel: int = 4,
 ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """``(key, saved shape, model shape)`` of each tensor that does not fit ``own``'s.
 
@@ -778,6 +779,7 @@ def _shape_mismatches(
     warns and returns them for the caller to skip. ``state_dict``'s keys are
     already the model's; ``own`` is the model's state dict (DTensors compare by
     their global shape, so sharded models are checked the same way).
+    ``stacklevel`` points the warning at the caller of the public function.
     """
     mismatched = [
         (k, tuple(v.shape), tuple(own[k].shape))
@@ -802,6 +804,6 @@ def _shape_mismatches(
             f"{target}'s (ignore_mismatched=True); the model keeps its own values "
             f"there: {listing}",
             UserWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
     return mismatched

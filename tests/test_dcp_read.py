@@ -160,19 +160,57 @@ def test_fsdp2_model_loads_resharded_bitwise(
         assert_bitwise(got, reference())
 
 
-def _mismatch_fsdp2(rank: int, world: int, folder: str) -> tuple[str, str]:
-    model = _shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5), nn.ReLU()), world)
+def _mismatch_fsdp2(rank: int, world: int, folder: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    no_bn = _shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5), nn.ReLU()), world)
+    head = _shard(_model(out=3), world)
+    for case, model in (("keys", no_bn), ("shape", head)):
+        try:
+            ddpstate.load_model_state(model, folder)
+            out[case] = ("", "")
+        except (KeyMismatchError, ShapeMismatchError) as exc:
+            out[case] = (type(exc).__name__, str(exc))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["ignored"] = ddpstate.load_model_state(head, folder, ignore_mismatched=True)
+    out["warned"] = [w.filename for w in caught if "ignore_mismatched" in str(w.message)]
+    out["0.weight"] = head.state_dict()["0.weight"].full_tensor()
+    return out
+
+
+def test_fsdp2_mismatches_fail_on_every_rank_or_are_skipped(folders: dict[int, Path]) -> None:
+    for out in run_ranks(_mismatch_fsdp2, 2, args=(str(folders[2]),), timeout=240):
+        kind, message = out["keys"]
+        assert kind == "KeyMismatchError" and "running_mean" in message, message
+        kind, message = out["shape"]
+        assert kind == "ShapeMismatchError", message
+        assert "'3.weight' (saved [5, 16], model [3, 16])" in message
+        assert out["ignored"] == (["3.weight", "3.bias"], [])
+        assert out["warned"] == [__file__]  # the warning points at the caller
+        assert torch.equal(out["0.weight"], reference()["0.weight"])
+
+
+def test_remote_dcp_folder_inspect_verify_and_load(folders: dict[int, Path]) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = "memory://dcp_read/fsdp2"
+    for p in folders[2].iterdir():
+        fs.pipe(f"/dcp_read/fsdp2/{p.name}", p.read_bytes())
     try:
-        ddpstate.load_model_state(model, folder)
-    except KeyMismatchError as exc:
-        return type(exc).__name__, str(exc)
-    return "", ""
-
-
-def test_fsdp2_key_mismatch_fails_on_every_rank(folders: dict[int, Path]) -> None:
-    for kind, message in run_ranks(_mismatch_fsdp2, 2, args=(str(folders[2]),), timeout=240):
-        assert kind == "KeyMismatchError", message
-        assert "running_mean" in message
+        info = ddpstate.inspect_file(url)
+        assert info.format == formats.DCP and info.file_size == sum(
+            p.stat().st_size for p in folders[2].iterdir()
+        )
+        assert ddpstate.verify_file(url).ok
+        model = _model()
+        ddpstate.load_model_state(model, url)
+        assert_bitwise(model.state_dict(), reference())
+        fs.rm(f"/dcp_read/fsdp2/{sorted(p.name for p in folders[2].iterdir())[-1]}")
+        bad = ddpstate.verify_file(url)
+        assert not bad.ok and "missing" in bad.problems[0]
+    finally:
+        fs.rm("/dcp_read", recursive=True)
 
 
 # --------------------------------------------------------------------------- CLI
