@@ -56,7 +56,7 @@ def _nbytes(entry: Any) -> int:
     numel = 1
     for n in entry.size:
         numel *= int(n)
-    return numel * torch.empty((), dtype=entry.properties.dtype).element_size()
+    return numel * int(entry.properties.dtype.itemsize)
 
 
 def _file_sizes(path: str, storage_options: Optional[dict[str, Any]]) -> dict[str, int]:
@@ -94,7 +94,7 @@ def _leaves(value: Any) -> Any:
     if isinstance(value, Mapping):
         for v in value.values():
             yield from _leaves(v)
-    elif isinstance(value, list):
+    elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _leaves(v)
     else:
@@ -140,7 +140,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
     files = {info.relative_path for info in (metadata.storage_data or {}).values()}
     notes.append(
         f"{tensor_count} tensors stored as {chunks} chunk(s) in {len(files)} file(s); "
-        f"shapes are the whole tensors', read back on the CPU"
+        f"shapes are those of the whole (consolidated) tensors"
     )
     items = list(sd.items()) if sd is not None else [(fqn, v) for fqn, v in _flat(tree)]
     rows = [
@@ -241,7 +241,8 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
     unplaced = [fqn for fqn in metadata.state_dict_metadata if fqn not in stored]
     if unplaced:
         problems.append(
-            f"{path}/.metadata: {len(unplaced)} item(s) with no storage location, e.g. "
+            f"{storage.join(path, _dcp_read.METADATA_FILE)}: {len(unplaced)} item(s) with no "
+            f"storage location, e.g. "
             f"{unplaced[0]!r}; the metadata is damaged"
         )
     tensors = sum(
@@ -306,19 +307,8 @@ def _apply_rules(
 
 
 def _tensor_stats(value: Any) -> tuple[int, int]:
-    tensors = [v for v in _tree_leaves(value) if isinstance(v, torch.Tensor)]
+    tensors = [v for v in _leaves(value) if isinstance(v, torch.Tensor)]
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _tree_leaves(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tree_leaves(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tree_leaves(v)
-    else:
-        yield value
 
 
 def convert_from_dcp(
