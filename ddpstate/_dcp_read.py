@@ -25,6 +25,7 @@ __all__ = [
     "BytesEntry",
     "flat_names",
     "is_sharded_model",
+    "load_full_into_sharded",
     "load_sharded_model_state",
     "read_metadata",
     "skeleton",
@@ -262,6 +263,65 @@ def load_sharded_model_state(
     if strict:
         return IncompatibleKeys(plan.skipped, [])
     return IncompatibleKeys([*plan.skipped, *plan.missing], plan.unexpected)
+
+
+def load_full_into_sharded(
+    model: torch.nn.Module,
+    state_dict: Mapping[str, Any],
+    *,
+    name: str,
+    strict: bool,
+    ignore_mismatched: bool,
+) -> IncompatibleKeys:
+    """Load a whole (unsharded) state dict, present on every rank, into a sharded model.
+
+    A collective (every rank of the model's process group). ``model.load_state_dict``
+    would copy whole tensors into shards and fail (or worse); instead the keys are
+    adapted to ``get_model_state_dict``'s, whole shapes compared, and
+    ``set_model_state_dict(full_state_dict=True)`` cuts each rank's shard.
+
+    Args:
+        model: The sharded model.
+        state_dict: The whole state dict (e.g. a ``.pt`` file's).
+        name: How to name the source in messages.
+        strict, ignore_mismatched: As for :func:`ddpstate.load_model_state`.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``.
+
+    Raises:
+        KeyMismatchError, ShapeMismatchError: The state dict does not fit the model.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from ddpstate.checkpoint import IncompatibleKeys, _shape_mismatches
+    from ddpstate.keys import adapt_state_dict, match_keys
+
+    own = get_model_state_dict(model)
+    adapted = adapt_state_dict(state_dict, own, strict=strict)
+    skipped = [
+        k
+        for k, _, _ in _shape_mismatches(
+            adapted, own, name=name, target=type(model).__name__,
+            ignore_mismatched=ignore_mismatched,
+            stacklevel=5,  # load_full_into_sharded <- load_model_state <- the caller
+        )
+    ]  # fmt: skip
+    loaded = {k: v for k, v in adapted.items() if k not in skipped}
+    set_model_state_dict(
+        model, loaded, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
+    if strict:
+        return IncompatibleKeys(skipped, [])
+    match = match_keys(state_dict, own)
+    return IncompatibleKeys(
+        [*skipped, *(k for k in match.missing if isinstance(k, str))],
+        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
+    )
 
 
 def _is_remote(path: str) -> bool:

@@ -625,7 +625,9 @@ def load_model_state(
     resharded: the keys are matched from the folder's metadata alone, then
     every rank reads only the pieces of its own shards (``dcp.load``) and
     ``set_model_state_dict`` puts them in place, whatever world size saved it.
-    Every rank of the model's process group must then call it.
+    Every rank of the model's process group must then call it. A whole state
+    dict (a ``.pt`` or ``.safetensors`` file, or a mapping) loads into a
+    sharded model too: each rank keeps its own shard of each tensor.
 
     Args:
         model: The target module, plain or wrapped.
@@ -688,6 +690,10 @@ def load_model_state(
     else:
         name, checkpoint = "the given state dict", source
     _, state_dict = find_state_dict(checkpoint, key)
+    if _dcp_read.is_sharded_model(model):
+        return _dcp_read.load_full_into_sharded(
+            model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
+        )
     adapted = adapt_state_dict(state_dict, model, strict=strict)
     skipped = _load_fitting(
         model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched

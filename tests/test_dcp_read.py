@@ -25,6 +25,7 @@ import ddpstate
 from ddpstate import formats
 from ddpstate.cli import main
 from ddpstate.errors import KeyMismatchError, ShapeMismatchError
+from ddpstate.keys import add_prefix, normalize_keys, strip_prefix
 from tests.multiproc import run_ranks
 
 EPOCH = 7
@@ -120,7 +121,7 @@ def test_plain_model_loads_a_sharded_folder_whatever_its_wrapping(folders: dict[
     # ddpstate.load keeps reading the whole checkpoint into this process.
     whole = ddpstate.load(folder, map_location="cpu")
     assert whole["epoch"] == EPOCH
-    assert_bitwise(ddpstate.keys.normalize_keys(whole["model"]), want)
+    assert_bitwise(normalize_keys(whole["model"]), want)
     # Shapes are checked, and ignore_mismatched skips the resized head.
     with pytest.raises(
         ShapeMismatchError, match=r"'3.weight' \(saved \[5, 16\], model \[3, 16\]\)"
@@ -160,8 +161,14 @@ def test_fsdp2_model_loads_resharded_bitwise(
         assert_bitwise(got, reference())
 
 
-def _mismatch_fsdp2(rank: int, world: int, folder: str) -> dict[str, Any]:
+def _mismatch_fsdp2(rank: int, world: int, folder: str, whole_file: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    torch.manual_seed(1)
+    model = _shard(_model(), world)
+    # A whole (consolidated, DDP-prefixed) file into a sharded model: each rank keeps its shard.
+    out["from_file"] = ddpstate.load_model_state(model, whole_file)
+    out["file_state"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                         for k, v in model.state_dict().items()}  # fmt: skip
     no_bn = _shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5), nn.ReLU()), world)
     head = _shard(_model(out=3), world)
     for case, model in (("keys", no_bn), ("shape", head)):
@@ -178,8 +185,15 @@ def _mismatch_fsdp2(rank: int, world: int, folder: str) -> dict[str, Any]:
     return out
 
 
-def test_fsdp2_mismatches_fail_on_every_rank_or_are_skipped(folders: dict[int, Path]) -> None:
-    for out in run_ranks(_mismatch_fsdp2, 2, args=(str(folders[2]),), timeout=240):
+def test_fsdp2_mismatches_fail_on_every_rank_or_are_skipped_and_whole_files_load(
+    folders: dict[int, Path], tmp_path: Path
+) -> None:
+    whole = tmp_path / "ddp.pt"
+    torch.save({"model": add_prefix(reference(), "module.")}, whole)
+    args = (str(folders[2]), str(whole))
+    for out in run_ranks(_mismatch_fsdp2, 2, args=args, timeout=240):
+        assert out["from_file"] == ([], [])
+        assert_bitwise(out["file_state"], reference())
         kind, message = out["keys"]
         assert kind == "KeyMismatchError" and "running_mean" in message, message
         kind, message = out["shape"]
@@ -297,7 +311,7 @@ def test_pt_to_dcp_to_pt_round_trip_is_bitwise(
     # The folder loads into a model as any checkpoint does (module. keys adapted).
     net = _model()
     ddpstate.load_model_state(net, folder)
-    assert_bitwise(net.state_dict(), ddpstate.keys.strip_prefix(ckpt["model"], "module."))
+    assert_bitwise(net.state_dict(), strip_prefix(ckpt["model"], "module."))
     # Key rules apply on the way in; --force replaces a DCP folder, atomically.
     assert main(["convert", str(src), str(folder), "--to", "dcp", "-q"]) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
