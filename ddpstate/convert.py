@@ -751,21 +751,15 @@ def convert_file(
         # DCP needs torch; imported only here so the streaming paths stay torch-free.
         from ddpstate import _dcp_convert
 
-        route = _dcp_convert.convert_from_dcp if from_dcp else _dcp_convert.convert_to_dcp
-        return route(
-            src_text,
-            None if dst is None else os.fspath(dst),
-            **({"to": to} if from_dcp else {}),
-            strip=strip_prefix,
-            add=add_prefix,
-            normalize=normalize,
-            key=key,
-            drop_optimizer=drop_optimizer,
-            overwrite=overwrite,
-            unsafe=unsafe,
-            fsync=fsync,
+        dst_text = None if dst is None else os.fspath(dst)
+        options: dict[str, Any] = dict(
+            strip=strip_prefix, add=add_prefix, normalize=normalize, key=key,
+            drop_optimizer=drop_optimizer, overwrite=overwrite, unsafe=unsafe, fsync=fsync,
             storage_options=storage_options,
-        )
+        )  # fmt: skip
+        if from_dcp:
+            return _dcp_convert.convert_from_dcp(src_text, dst_text, to=to, **options)
+        return _dcp_convert.convert_to_dcp(src_text, dst_text, **options)
     with read_checkpoint(src_text, unsafe=unsafe, storage_options=storage_options) as ckpt:
         _raise_problems(ckpt)
         dst_format = (
