@@ -399,11 +399,16 @@ class _UnsafeGlobal(Exception):
     pass
 
 
-def _check_dcp_metadata(data: bytes, name: str) -> None:
+def _check_dcp_metadata(data: bytes, name: str) -> Any:
+    """Unpickle a DCP ``.metadata`` file's bytes, allowing only DCP's metadata classes.
+
+    Returns the ``Metadata`` object, so callers read the folder's layout without
+    a second, unchecked unpickling.
+    """
     import torch.distributed.checkpoint.metadata  # noqa: F401 - the allowed classes live there
 
     try:
-        _DCPMetadataUnpickler(io.BytesIO(data)).load()
+        metadata = _DCPMetadataUnpickler(io.BytesIO(data)).load()
     except _UnsafeGlobal as exc:
         raise UnsafeCheckpointError(
             f"{name}: the .metadata of this torch.distributed.checkpoint folder would import "
@@ -416,6 +421,12 @@ def _check_dcp_metadata(data: bytes, name: str) -> None:
             f"{name}: the .metadata of this torch.distributed.checkpoint folder is damaged "
             f"({type(exc).__name__}: {exc}); re-save the checkpoint"
         ) from exc
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise CheckpointCorruptError(
+            f"{name}: the .metadata of this torch.distributed.checkpoint folder holds "
+            f"{type(metadata).__name__}, not DCP's Metadata; re-save the checkpoint"
+        )
+    return metadata
 
 
 def _dcp_failure(exc: BaseException) -> Optional[BaseException]:
@@ -436,13 +447,17 @@ def load_dcp(
     weights_only: bool,
     storage_options: Optional[dict[str, Any]] = None,
     remote: bool = False,
+    safe_globals: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Read a whole ``torch.distributed.checkpoint`` folder into this process.
 
     Uses torch's own DCP reader without a process group, so every rank (or one
     rank) can call it independently. With ``weights_only=True`` the folder's
     ``.metadata`` pickle may only name DCP's metadata classes, and every
-    non-tensor item is loaded with ``torch.load(weights_only=True)``.
+    non-tensor item is loaded with ``torch.load(weights_only=True)``, allowing
+    the everyday types ``ddpstate.save`` writes (numpy values, paths,
+    ``datetime``, ``argparse.Namespace``, ``defaultdict``) and ``safe_globals``,
+    as the torch.save file paths do.
 
     Args:
         path: The folder (local path, or fsspec URL when ``remote``).
@@ -450,6 +465,7 @@ def load_dcp(
         weights_only: Refuse arbitrary unpickling.
         storage_options: fsspec options for a remote folder.
         remote: ``path`` is an fsspec URL.
+        safe_globals: The caller's own data-only types to allow with ``weights_only``.
 
     Returns:
         The state dict, nested as it was saved, tensors on the CPU.
@@ -493,7 +509,8 @@ def load_dcp(
             if weights_only:
                 key = read_item.dest_index.fqn
                 try:
-                    torch.load(value, weights_only=True)
+                    with loading_allowed(safe_globals):
+                        torch.load(value, weights_only=True)
                 except pickle.UnpicklingError as exc:
                     raise UnsafeCheckpointError(
                         f"{name}: item {key!r} needs arbitrary unpickling "

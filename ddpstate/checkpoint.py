@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.distributed as torch_dist
 
-from ddpstate import _fs, _savecheck, _torch_io, storage
+from ddpstate import _dcp_read, _fs, _savecheck, _torch_io, storage
 from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate.dist import (
     broadcast_object,
@@ -350,6 +350,7 @@ def _read(
             weights_only=weights_only,
             storage_options=storage_options,
             remote=remote,
+            safe_globals=safe_globals,
         )
         return _place_all(state, "cpu", resolved)
     if kind == SAFETENSORS:
@@ -520,11 +521,14 @@ def load(
     that also checks every rank passed the same path), so nobody reads before
     the writer of a preceding :func:`save` is done.
     The format comes from the file's bytes, whatever its name: torch.save zip,
-    legacy (pre-1.6) torch pickle, safetensors, a
-    ``torch.distributed.checkpoint`` folder (read with torch's own reader), or
-    a Hugging Face sharded checkpoint (``model.safetensors.index.json`` or
-    ``pytorch_model.bin.index.json`` and its shards, or their folder), read
-    shard by shard into one state dict.
+    legacy (pre-1.6) torch pickle, safetensors, a Hugging Face sharded
+    checkpoint (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
+    and its shards, or their folder), read shard by shard into one state dict, or a
+    ``torch.distributed.checkpoint`` folder. A DCP folder is consolidated: the
+    whole state, every shard of every rank, is read into this process with
+    torch's own reader (no process group needed), tensors on the CPU and then
+    placed by ``map_location``. To load a sharded (FSDP2) model, where each
+    rank should read only its own shards, use :func:`load_model_state`.
 
     Args:
         path: Local path or fsspec URL of the file (or DCP folder).
@@ -663,9 +667,20 @@ def load_model_state(
     its keys are renamed to the ones ``model`` expects (plain, ``module.``,
     ``_orig_mod.``, in any nesting), and ``model.load_state_dict`` is called.
 
+    A ``torch.distributed.checkpoint`` folder (e.g. saved by FSDP2 on any
+    number of ranks) loads into a plain model consolidated (see :func:`load`).
+    Into a sharded model (FSDP2 ``fully_shard``, DTensor parameters) it loads
+    resharded: the keys are matched from the folder's metadata alone, then
+    every rank reads only the pieces of its own shards (``dcp.load``) and
+    ``set_model_state_dict`` puts them in place, whatever world size saved it.
+    Every rank of the model's process group must then call it. A whole state
+    dict (a ``.pt`` or ``.safetensors`` file, or a mapping) loads into a
+    sharded model too: each rank keeps its own shard of each tensor.
+
     Args:
         model: The target module, plain or wrapped.
-        source: A path/URL, or an already loaded checkpoint or state dict.
+        source: A path/URL (a file or a DCP folder), or an already loaded
+            checkpoint or state dict.
         strict: Require every key to match; with False, load what matches and
             report the rest.
         key: Dotted path of the state dict inside the checkpoint
@@ -686,6 +701,8 @@ def load_model_state(
         StateDictNotFoundError: No single state dict in the checkpoint (pass ``key``).
         ShapeMismatchError: A tensor's shape does not fit the model's (the
             message lists them and names ``ignore_mismatched=True``).
+        CheckpointCorruptError: A shard file of a DCP folder is missing or damaged.
+        InvalidArgumentError: ``src_rank`` with a sharded model (each rank reads its own shards).
 
     Example:
         >>> import os, tempfile, torch
@@ -701,6 +718,12 @@ def load_model_state(
 
     if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
+        if _dcp_read.is_sharded_model(model) and _detect(name, storage_options) == DCP:
+            return _load_sharded(
+                model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
+                storage_options=storage_options, timeout=timeout,
+                ignore_mismatched=ignore_mismatched,
+            )  # fmt: skip
         checkpoint = load(
             source,
             map_location=map_location,
@@ -715,6 +738,10 @@ def load_model_state(
     else:
         name, checkpoint = "the given state dict", source
     _, state_dict = find_state_dict(checkpoint, key)
+    if _dcp_read.is_sharded_model(model):
+        return _dcp_read.load_full_into_sharded(
+            model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
+        )
     adapted = adapt_state_dict(state_dict, model, strict=strict)
     skipped = _load_fitting(
         model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
@@ -726,6 +753,31 @@ def load_model_state(
         [*skipped, *match.missing],
         [k if isinstance(k, str) else repr(k) for k in match.unexpected],
     )
+
+
+def _load_sharded(
+    model: torch.nn.Module,
+    name: str,
+    *,
+    strict: bool,
+    key: Optional[str],
+    barrier: bool,
+    src_rank: Optional[int],
+    storage_options: Optional[dict[str, Any]],
+    timeout: Timeout,
+    ignore_mismatched: bool,
+) -> IncompatibleKeys:
+    if src_rank is not None:
+        raise InvalidArgumentError(
+            f"{name}: src_rank={src_rank} does not apply to a sharded (FSDP2/DTensor) model: "
+            f"each rank reads only its own shards from the folder; drop src_rank"
+        )
+    if barrier and is_distributed():
+        _check_same_call(LOAD_COLLECTIVE, (name, None, src_rank), timeout)
+    return _dcp_read.load_sharded_model_state(
+        model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
+        storage_options=storage_options, timeout=timeout,
+    )  # fmt: skip
 
 
 def _load_fitting(
@@ -742,32 +794,14 @@ def _load_fitting(
     Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
     through here, so a wrong shape is always :class:`ShapeMismatchError`.
     """
-    own = model.state_dict()
-    mismatched = [
-        (k, tuple(v.shape), tuple(own[k].shape))
-        for k, v in state_dict.items()
-        if isinstance(v, torch.Tensor)
-        and isinstance(own.get(k), torch.Tensor)
-        and v.shape != own[k].shape
-    ]
-    listing = ", ".join(f"{k!r} (saved {list(a)}, model {list(b)})" for k, a, b in mismatched[:8])
-    if len(mismatched) > 8:
-        listing += f" and {len(mismatched) - 8} more"
-    if mismatched and not ignore_mismatched:
-        raise ShapeMismatchError(
-            f"{name} does not fit {type(model).__name__}: size mismatch for {len(mismatched)} "
-            f"tensor(s): {listing}. Check that it was saved from the same architecture; to "
-            f"fine-tune with a resized layer (e.g. a new classifier head), pass "
-            f"ignore_mismatched=True to skip these entries and keep the model's own values"
-        )
+    mismatched = _shape_mismatches(
+        state_dict,
+        model.state_dict(),
+        name=name,
+        target=type(model).__name__,
+        ignore_mismatched=ignore_mismatched,
+    )
     if mismatched:
-        warnings.warn(
-            f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
-            f"{type(model).__name__}'s (ignore_mismatched=True); the model keeps its own values "
-            f"there: {listing}",
-            UserWarning,
-            stacklevel=3,
-        )
         skip = {k for k, _, _ in mismatched}
         kept: Any = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in skip)
         metadata = getattr(state_dict, "_metadata", None)
@@ -782,3 +816,48 @@ def _load_fitting(
             f"was saved from the same architecture"
         ) from exc
     return [k for k, _, _ in mismatched]
+
+
+def _shape_mismatches(
+    state_dict: Mapping[str, Any],
+    own: Mapping[str, Any],
+    *,
+    name: str,
+    target: str,
+    ignore_mismatched: bool,
+    stacklevel: int = 4,
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """``(key, saved shape, model shape)`` of each tensor that does not fit ``own``'s.
+
+    Raises :class:`ShapeMismatchError` listing them, or with ``ignore_mismatched``
+    warns and returns them for the caller to skip. ``state_dict``'s keys are
+    already the model's; ``own`` is the model's state dict (DTensors compare by
+    their global shape, so sharded models are checked the same way).
+    ``stacklevel`` points the warning at the caller of the public function.
+    """
+    mismatched = [
+        (k, tuple(v.shape), tuple(own[k].shape))
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor)
+        and isinstance(own.get(k), torch.Tensor)
+        and v.shape != own[k].shape
+    ]
+    listing = ", ".join(f"{k!r} (saved {list(a)}, model {list(b)})" for k, a, b in mismatched[:8])
+    if len(mismatched) > 8:
+        listing += f" and {len(mismatched) - 8} more"
+    if mismatched and not ignore_mismatched:
+        raise ShapeMismatchError(
+            f"{name} does not fit {target}: size mismatch for {len(mismatched)} "
+            f"tensor(s): {listing}. Check that it was saved from the same architecture; to "
+            f"fine-tune with a resized layer (e.g. a new classifier head), pass "
+            f"ignore_mismatched=True to skip these entries and keep the model's own values"
+        )
+    if mismatched:
+        warnings.warn(
+            f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
+            f"{target}'s (ignore_mismatched=True); the model keeps its own values "
+            f"there: {listing}",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    return mismatched

@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Sequence
 from typing import IO, Any, NoReturn, Optional
 
+from ddpstate import formats
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 from ddpstate.errors import DDPStateError
@@ -24,6 +25,7 @@ _FORMAT_NAMES = {
     "pt": "torch.save zip",
     "manager": "CheckpointManager folder",
     "hf_sharded": "Hugging Face sharded checkpoint",
+    formats.DCP: "torch.distributed.checkpoint folder",
 }
 
 _MAIN_EPILOG = """\
@@ -46,6 +48,8 @@ examples:
   ddpstate convert ckpt.pt --key model.ema --add-prefix net.
   ddpstate convert ckpt.pt --to safetensors                # model weights only -> ckpt.safetensors
   ddpstate convert model.safetensors --to pt               # -> model.pt, a plain state dict
+  ddpstate convert dcp_folder/ model.pt                    # consolidate a DCP (FSDP2) folder
+  ddpstate convert ckpt.pt out_folder/ --to dcp            # write a DCP folder (loads resharded)
   ddpstate convert ckpt.pt --drop-optimizer --in-place     # shrink a checkpoint for release
   ddpstate convert ckpt.pt model.safetensors --dtype bf16  # floating tensors -> bfloat16
   ddpstate convert ckpt.pt out_dir --to safetensors --max-shard-size 2GB  # HF sharded folder
@@ -62,6 +66,7 @@ _INSPECT_EPILOG = """\
 examples:
   ddpstate inspect ckpt.pt
   ddpstate inspect model.safetensors --json | python -m json.tool
+  ddpstate inspect dcp_folder/                     # keys, shapes, dtypes from .metadata only
 """
 
 _DIFF_EPILOG = """\
@@ -79,6 +84,7 @@ examples:
   ddpstate verify ckpt.pt && cp ckpt.pt /backup/
   ddpstate verify runs/exp1/step_0000001200        # one CheckpointManager checkpoint
   ddpstate verify runs/exp1                         # every committed step, and `latest`
+  ddpstate verify dcp_folder/                       # .metadata parses, every shard file whole
 
 Exit status: 0 when intact, 1 when something is wrong (one line per problem).
 """
@@ -165,19 +171,22 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     convert.add_argument(
-        "src", metavar="SRC", help="checkpoint file (or Hugging Face sharded folder) to read"
+        "src", metavar="SRC",
+        help="checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder",
     )
     convert.add_argument(
         "dst",
         metavar="DST",
         nargs="?",
-        help="file to write (default: derived from SRC, e.g. ckpt.converted.pt)",
+        help="file to write (default: derived from SRC, e.g. ckpt.converted.pt); the folder "
+        "to write with --to dcp",
     )
     _add_key_options(convert)
     convert.add_argument(
-        "--to", choices=("pt", "safetensors"),
+        "--to", choices=("pt", "safetensors", formats.DCP),
         help="output format (default: from DST's suffix, .safetensors or .pt/.pth/.bin/.ckpt, "
-        "else the source's); safetensors keeps the model state dict only",
+        "else the source's; pt for a DCP folder); safetensors keeps the model state dict "
+        "only; dcp writes a torch.distributed.checkpoint folder",
     )  # fmt: skip
     convert.add_argument(
         "--max-shard-size", "--max_shard_size", metavar="SIZE",
@@ -214,7 +223,8 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     inspect.add_argument(
-        "src", metavar="SRC", help="checkpoint file (or Hugging Face sharded folder)"
+        "src", metavar="SRC",
+        help="checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder",
     )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_common(inspect, progress=False)
@@ -255,11 +265,10 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     verify.add_argument(
-        "src",
-        metavar="SRC",
-        help="checkpoint file, CheckpointManager step folder or directory, or Hugging Face "
-        "sharded folder",
-    )
+        "src", metavar="SRC",
+        help="checkpoint file, CheckpointManager step folder or directory, Hugging Face "
+        "sharded folder, or torch.distributed.checkpoint folder",
+    )  # fmt: skip
     verify.add_argument("--json", action="store_true", help="print JSON")
     _add_common(verify)
     verify.set_defaults(func=_cmd_verify)
@@ -421,9 +430,9 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
     kind = _FORMAT_NAMES.get(result.format or "", "unreadable")
     if result.ok:
         counted = "" if result.format == "manager" else f"{result.tensors} tensors, "
+        checked = "read and checked" if result.format != formats.DCP else "read; sizes checked"
         print(
-            f"ok: {result.path} ({kind}, {counted}"
-            f"{human_bytes(result.bytes_read)} read and checked)",
+            f"ok: {result.path} ({kind}, {counted}{human_bytes(result.bytes_read)} {checked})",
             file=out,
         )
     else:

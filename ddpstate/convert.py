@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, Optional, Union
 
-from ddpstate import _fs
+from ddpstate import _fs, formats
 from ddpstate._cast import Casts, target_dtype
 from ddpstate._pickle_rewrite import rename_keys
 from ddpstate._pickle_scan import (
@@ -93,9 +93,10 @@ class ConvertResult:
     Attributes:
         src: The source file.
         dst: The file written (``src`` itself for ``in_place``).
-        src_format: ``"torch_zip"``, ``"torch_legacy"``, ``"safetensors"`` or
-            ``"hf_sharded"``.
-        dst_format: ``"pt"``, ``"safetensors"`` or ``"hf_sharded"`` (``max_shard_size``).
+        src_format: ``"torch_zip"``, ``"torch_legacy"``, ``"safetensors"``,
+            ``"hf_sharded"`` or ``"dcp"``.
+        dst_format: ``"pt"``, ``"safetensors"``, ``"hf_sharded"`` (``max_shard_size``)
+            or ``"dcp"``.
         state_dict_path: Where the model state dict was found (dotted; ``""``
             for a bare state dict), or None when no key rule was needed.
         renamed: How many state-dict keys changed.
@@ -384,6 +385,13 @@ def _join(folder: str, name: str) -> str:
     from ddpstate import storage
 
     return storage.join(folder, name)
+
+
+def _is_dcp_folder(path: str, storage_options: Optional[dict[str, Any]]) -> bool:
+    # A stat first: files (the common case) are not sniffed twice.
+    return _isdir(path, storage_options) and (
+        formats.detect_format(path, storage_options=storage_options) == formats.DCP
+    )
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -693,16 +701,22 @@ def convert_file(
     and every storage is tagged ``cpu``, so it loads without ``map_location``
     on a machine without a GPU. No code from the file runs.
 
+    A ``torch.distributed.checkpoint`` folder as ``src`` is consolidated into
+    one ``.pt`` or ``.safetensors`` file (read whole, with torch: DCP has no
+    streaming reader); ``to="dcp"`` writes a file's state as a DCP folder,
+    under a temporary name first and renamed into place when complete.
+
     Args:
-        src: The checkpoint file (local path or fsspec URL).
+        src: The checkpoint file or DCP folder (local path or fsspec URL).
         dst: Where to write; default :func:`default_destination`.
         strip_prefix: Remove this prefix (e.g. ``"module."``) from the model's keys.
         add_prefix: Add this prefix to every model key.
         normalize: Remove every wrapper prefix (``module.``, ``_orig_mod.``).
         key: Dotted path of the model state dict inside the checkpoint.
-        to: ``"pt"`` or ``"safetensors"``; default: from ``dst``'s suffix
+        to: ``"pt"``, ``"safetensors"`` or ``"dcp"``; default: from ``dst``'s suffix
             (``.safetensors``; ``.pt``, ``.pth``, ``.bin``, ``.ckpt``), else the source's kind.
-            safetensors output holds the model state dict only.
+            safetensors output holds the model state dict only; ``"dcp"`` writes
+            ``dst`` as a ``torch.distributed.checkpoint`` folder (local, required).
         drop_optimizer: Leave optimizer state out of the output.
         in_place: Replace ``src`` itself (atomically).
         overwrite: Replace an existing ``dst``.
@@ -754,8 +768,8 @@ def convert_file(
     shard_limit = shard_dst = None
     if max_shard_size is not None:
         shard_limit, shard_dst = _check_sharded_output(dst, to, in_place, max_shard_size)
-    if to not in (None, PT, SAFETENSORS):
-        raise InvalidArgumentError(f"to must be 'pt' or 'safetensors' (got {to!r})")
+    if to not in (None, PT, SAFETENSORS, formats.DCP):
+        raise InvalidArgumentError(f"to must be 'pt', 'safetensors' or 'dcp' (got {to!r})")
     if in_place and dst is not None:
         raise InvalidArgumentError("pass either dst or in_place=True, not both")
     if in_place and not fsync:
@@ -764,6 +778,30 @@ def convert_file(
             "(drop --no-fsync, or write to a new DST)"
         )
     src_text = os.fspath(src)
+    from_dcp = _is_dcp_folder(src_text, storage_options)
+    if from_dcp or to == formats.DCP:
+        if in_place:
+            raise InvalidArgumentError(
+                "in_place=True cannot turn a file into a folder or a folder into a file; name DST"
+            )
+        # DCP needs torch; imported only here so the streaming paths stay torch-free.
+        from ddpstate import _dcp_convert
+
+        dst_text = None if dst is None else os.fspath(dst)
+        options: dict[str, Any] = dict(
+            strip=strip_prefix, add=add_prefix, normalize=normalize, key=key,
+            drop_optimizer=drop_optimizer, overwrite=overwrite, unsafe=unsafe, fsync=fsync,
+            storage_options=storage_options,
+        )  # fmt: skip
+        if dtype is not None or max_shard_size is not None:
+            raise InvalidArgumentError(
+                f"{src_text}: dtype and max_shard_size do not apply when converting from or to a "
+                f"torch.distributed.checkpoint folder; convert to a .pt file first, then cast "
+                f"or shard that"
+            )
+        if from_dcp:
+            return _dcp_convert.convert_from_dcp(src_text, dst_text, to=to, **options)
+        return _dcp_convert.convert_to_dcp(src_text, dst_text, **options)
     with read_checkpoint(src_text, unsafe=unsafe, storage_options=storage_options) as ckpt:
         _raise_problems(ckpt)
         dst_format = (
@@ -785,22 +823,9 @@ def convert_file(
             dst_text = src_text
         else:
             # A sharded source is named after its folder, not its index file.
-            base = _sharded_base(ckpt) or src_text
-            dst_text = os.fspath(dst) if dst is not None else default_destination(base, dst_format)
-            if dst is not None and _isdir(dst_text, storage_options):
-                name = default_destination(base, dst_format).replace("\\", "/")
-                dst_text = _join(dst_text, name.rsplit("/", 1)[-1])
-            if _exists(dst_text, storage_options):
-                if _same_file(src_text, dst_text):
-                    raise CheckpointExistsError(
-                        f"{dst_text} is the source file; pass --in-place (in_place=True) to "
-                        f"replace it"
-                    )
-                if not overwrite:
-                    raise CheckpointExistsError(
-                        f"{dst_text} already exists; pass --force (overwrite=True) to replace "
-                        f"it, or name another destination"
-                    )
+            dst_text = _destination(
+                src_text, dst, dst_format, overwrite, storage_options, base=_sharded_base(ckpt)
+            )
         return _convert(
             ckpt,
             dst_text,
@@ -845,6 +870,35 @@ def _check_sharded_output(
             "(not --in-place)"
         )
     return limit, os.fspath(dst)
+def _destination(
+    src: str,
+    dst: Optional[PathLike],
+    dst_format: str,
+    overwrite: bool,
+    storage_options: Optional[dict[str, Any]],
+    base: Optional[str] = None,
+) -> str:
+    """The output file: ``dst``, inside ``dst`` when it is a folder, or the default name.
+
+    The default name derives from ``base`` (a sharded source's folder) or ``src``.
+    Refuses the source itself and an existing file unless ``overwrite``.
+    """
+    base = base or src
+    dst_text = os.fspath(dst) if dst is not None else default_destination(base, dst_format)
+    if dst is not None and _isdir(dst_text, storage_options):
+        name = default_destination(base, dst_format).replace("\\", "/")
+        dst_text = _join(dst_text, name.rsplit("/", 1)[-1])
+    if _exists(dst_text, storage_options):
+        if _same_file(src, dst_text):
+            raise CheckpointExistsError(
+                f"{dst_text} is the source file; pass --in-place (in_place=True) to replace it"
+            )
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{dst_text} already exists; pass --force (overwrite=True) to replace "
+                f"it, or name another destination"
+            )
+    return dst_text
 
 
 def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
@@ -1113,8 +1167,12 @@ def inspect_file(
 ) -> InspectResult:
     """Describe a checkpoint from its headers and pickle structure, never its tensor data.
 
+    A ``torch.distributed.checkpoint`` folder is described from its ``.metadata``
+    (read with an unpickler that allows only DCP's metadata classes): keys, whole
+    shapes, dtypes and sizes, whatever the sharding.
+
     Args:
-        src: The checkpoint file.
+        src: The checkpoint file or DCP folder.
         unsafe: Also read pickles that name unsafe globals (still never run).
         storage_options: fsspec options for URLs.
 
@@ -1137,6 +1195,10 @@ def inspect_file(
     """
     from ddpstate import keys
 
+    if _is_dcp_folder(os.fspath(src), storage_options):
+        from ddpstate._dcp_convert import inspect_dcp
+
+        return inspect_dcp(os.fspath(src), storage_options=storage_options)
     with read_checkpoint(os.fspath(src), unsafe=unsafe, storage_options=storage_options) as ckpt:
         root = ckpt.obj
         notes: list[str] = []
@@ -1424,6 +1486,9 @@ def verify_file(
     A folder is checked as a CheckpointManager step folder or directory by
     :func:`ddpstate.manager.verify_checkpoint` (manifest, sizes, CRC-32s,
     commit marker, ``latest`` pointer); the result's format is ``"manager"``.
+    A ``torch.distributed.checkpoint`` folder: its ``.metadata`` must parse, and
+    every file it names must exist and reach its largest offset + length (DCP
+    records no checksums); a ddpstate ``manifest.json`` in it adds its CRC-32s.
 
     Args:
         src: The checkpoint file, or a CheckpointManager folder.
@@ -1456,6 +1521,10 @@ def verify_file(
             text, unsafe=unsafe, progress=progress, storage_options=storage_options
         )
     if storage.isdir(text, storage_options=storage_options):
+        if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
+            from ddpstate._dcp_convert import verify_dcp
+
+            return verify_dcp(text, storage_options=storage_options)
         return _verify_folder(text, storage_options)
     try:
         ckpt = read_checkpoint(text, unsafe=unsafe, storage_options=storage_options)

@@ -70,7 +70,7 @@ def nested(tmp_path: Path) -> tuple[Path, Net, Any]:
 def test_help_version_and_bad_flags(tmp_path: Path) -> None:
     help_text = run("convert", "--help")
     assert help_text.returncode == 0 and "examples:" in help_text.stdout
-    assert "--strip-module" in help_text.stdout and "--to {pt,safetensors}" in help_text.stdout
+    assert "--strip-module" in help_text.stdout and "--to {pt,safetensors,dcp}" in help_text.stdout
     version = run("--version")
     assert version.returncode == 0 and version.stdout.startswith("ddpstate ")
     assert_error(run("convert", "x.pt", "--strip-module", "--normalize"), "not allowed with")

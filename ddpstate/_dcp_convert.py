@@ -1,0 +1,537 @@
+"""``ddpstate inspect``/``verify``/``convert`` on torch.distributed.checkpoint folders.
+
+DCP needs torch, so ``convert.py`` imports this module only when a folder
+(or ``to="dcp"``) is involved; the streaming paths for files stay torch-free.
+``inspect`` and ``verify`` work from the ``.metadata`` alone (read with the
+safe unpickler) and the files' sizes; ``convert`` consolidates a folder into
+one ``.pt``/``.safetensors`` file, or writes a file's state as a DCP folder.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+from ddpstate import _dcp_read, _fs, formats, storage
+from ddpstate._progress import human_bytes
+from ddpstate.convert import (
+    PT,
+    SAFETENSORS,
+    ConvertResult,
+    InspectResult,
+    TensorInfo,
+    VerifyResult,
+    _destination,
+    _dotted,
+    _drop_optimizer,
+    _find_state_dict,
+    _format_from_name,
+    _rename,
+)
+from ddpstate.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    DDPStateError,
+    InvalidArgumentError,
+    StateDictNotFoundError,
+)
+
+__all__ = ["convert_from_dcp", "convert_to_dcp", "inspect_dcp", "verify_dcp"]
+
+#: The manifest ddpstate commits a checkpoint folder with (``manager.py``'s name).
+_MANIFEST = "manifest.json"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _nbytes(entry: Any) -> int:
+    numel = 1
+    for n in entry.size:
+        numel *= int(n)
+    return numel * int(entry.properties.dtype.itemsize)
+
+
+def _file_sizes(path: str, storage_options: Optional[dict[str, Any]]) -> dict[str, int]:
+    """Each file directly in the folder -> its size in bytes."""
+    if _fs.is_remote(path):
+        fs, root = _fs.url_to_fs(path, storage_options)
+        return {
+            os.path.basename(str(info["name"]).rstrip("/")): int(info.get("size") or 0)
+            for info in fs.ls(root, detail=True)
+            if info.get("type") == "file"
+        }
+    local = _fs.local_path(path)
+    with os.scandir(local) as entries:
+        return {e.name: e.stat().st_size for e in entries if e.is_file()}
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def _describe(value: Any, role: Optional[str]) -> str:
+    leaves = list(_leaves(value))
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    if role is not None:
+        return f"{role}: {len(tensors)} tensors, {human_bytes(size)}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor {_dtype_name(value.dtype)} {list(value.shape)}"
+    if isinstance(value, _dcp_read.BytesEntry):
+        return "a pickled value"
+    kind = f"{type(value).__name__} of {len(value)} entries"
+    return kind + (f" ({len(tensors)} tensors, {human_bytes(size)})" if tensors else "")
+
+
+def _leaves(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -> InspectResult:
+    """Describe a DCP folder from its ``.metadata``: keys, shapes, dtypes, sizes; no data read.
+
+    Args:
+        path: The folder.
+        storage_options: fsspec options for a URL.
+
+    Returns:
+        An :class:`~ddpstate.convert.InspectResult` (format ``"dcp"``); tensor
+        shapes are the whole (consolidated) shapes, whatever the sharding.
+
+    Raises:
+        CheckpointCorruptError: The metadata is damaged.
+        UnsafeCheckpointError: The metadata names a class DCP never uses.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ddpstate import keys
+
+    metadata = _dcp_read.read_metadata(path, name=path, storage_options=storage_options)
+    tree = _dcp_read.skeleton(metadata)
+    notes: list[str] = []
+    sd_path: Optional[tuple[Any, ...]] = None
+    sd: Any = None
+    try:
+        sd_path, sd = _find_state_dict(tree, None)
+    except StateDictNotFoundError as exc:
+        notes.append(f"no model state dict found: {exc}")
+    dtype_bytes: dict[str, int] = collections.Counter()
+    tensor_count = chunks = 0
+    for entry in metadata.state_dict_metadata.values():
+        if isinstance(entry, TensorStorageMetadata):
+            tensor_count += 1
+            chunks += len(entry.chunks)
+            dtype_bytes[_dtype_name(entry.properties.dtype)] += _nbytes(entry)
+    sizes = _file_sizes(path, storage_options)
+    files = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    notes.append(
+        f"{tensor_count} tensors stored as {chunks} chunk(s) in {len(files)} file(s); "
+        f"shapes are those of the whole (consolidated) tensors"
+    )
+    items = list(sd.items()) if sd is not None else [(fqn, v) for fqn, v in _flat(tree)]
+    rows = [
+        TensorInfo(
+            str(k), _dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size(), "cpu"
+        )
+        if isinstance(v, torch.Tensor)
+        else TensorInfo(str(k), _describe(v, None), (), 0, "")
+        for k, v in items
+    ]
+    structure: list[tuple[str, str]] = []
+    if sd_path:
+        for k, v in tree.items():
+            role = None
+            if k == sd_path[0]:
+                role = (
+                    "model state dict"
+                    if len(sd_path) == 1
+                    else f"holds the model at {_dotted(sd_path)}"
+                )
+            structure.append((str(k), _describe(v, role)))
+    return InspectResult(
+        path=path,
+        format=formats.DCP,
+        file_size=sum(sizes.values()),
+        tensor_count=tensor_count,
+        tensor_bytes=sum(dtype_bytes.values()),
+        dtype_bytes=dict(dtype_bytes),
+        devices={},
+        prefixes=tuple(keys.detect_prefixes(sd)) if sd is not None else (),
+        state_dict_path=_dotted(sd_path),
+        structure=tuple(structure),
+        tensors=tuple(rows),
+        notes=tuple(notes),
+    )
+
+
+def _flat(tree: Any, prefix: str = "") -> Any:
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+    for k, v in items:
+        name = f"{prefix}{k}"
+        if isinstance(v, (Mapping, list)):
+            yield from _flat(v, f"{name}.")
+        else:
+            yield name, v
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -> VerifyResult:
+    """Check a DCP folder: metadata parses, every file it names is there and long enough.
+
+    DCP records no checksums, so the data's bytes are not read; when a
+    ddpstate ``manifest.json`` sits in the folder, its sizes and CRC-32s are
+    checked too (:func:`ddpstate.manager.verify_checkpoint`).
+
+    Args:
+        path: The folder.
+        storage_options: fsspec options for a URL.
+
+    Returns:
+        A :class:`~ddpstate.convert.VerifyResult` (format ``"dcp"``); each
+        problem names the file.
+
+    Raises:
+        UnsafeCheckpointError: The metadata names a class DCP never uses.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = _dcp_read.read_metadata(path, name=path, storage_options=storage_options)
+    except CheckpointCorruptError as exc:
+        return VerifyResult(path=path, format=formats.DCP, problems=(str(exc),))
+    problems: list[str] = []
+    notes: list[str] = []
+    sizes = _file_sizes(path, storage_options)
+    needed: dict[str, int] = {}
+    first_item: dict[str, str] = {}
+    stored: set[str] = set()
+    for index, info in (metadata.storage_data or {}).items():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+        first_item.setdefault(name, index.fqn)
+        stored.add(index.fqn)
+    for name, end in sorted(needed.items()):
+        size = sizes.get(name)
+        if size is None:
+            problems.append(
+                f"{storage.join(path, name)}: missing (.metadata places {first_item[name]!r} "
+                f"and maybe more there)"
+            )
+        elif size < end:
+            problems.append(
+                f"{storage.join(path, name)}: {size} bytes, but .metadata places data up to "
+                f"byte {end}; the file is truncated"
+            )
+    unplaced = [fqn for fqn in metadata.state_dict_metadata if fqn not in stored]
+    if unplaced:
+        problems.append(
+            f"{storage.join(path, _dcp_read.METADATA_FILE)}: {len(unplaced)} item(s) with no "
+            f"storage location, e.g. "
+            f"{unplaced[0]!r}; the metadata is damaged"
+        )
+    tensors = sum(
+        isinstance(e, TensorStorageMetadata) for e in metadata.state_dict_metadata.values()
+    )
+    read = sizes.get(_dcp_read.METADATA_FILE, 0)
+    if _MANIFEST in sizes:
+        from ddpstate.manager import verify_checkpoint
+
+        found = verify_checkpoint(path, storage_options=storage_options)
+        problems.extend(found.problems)
+        notes.extend(found.notes)
+        read += found.bytes_read
+        notes.append(f"{found.files} file(s) checked against {_MANIFEST} (sizes and CRC-32)")
+    else:
+        notes.append(
+            f"{len(needed)} data file(s) present and long enough; DCP records no checksums, "
+            f"so their bytes were not checked"
+        )
+    return VerifyResult(
+        path=path,
+        format=formats.DCP,
+        problems=tuple(problems),
+        tensors=tensors,
+        bytes_read=read,
+        notes=tuple(notes),
+    )
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def _apply_rules(
+    state: Any,
+    *,
+    strip: Optional[str],
+    add: Optional[str],
+    normalize: bool,
+    key: Optional[str],
+    whole: bool,
+    drop_optimizer: bool,
+) -> tuple[Any, Any, Optional[tuple[Any, ...]], int, tuple[str, ...]]:
+    """(new root, model state dict or None, its path, keys renamed, dropped entries)."""
+    from ddpstate import keys
+
+    renaming = strip is not None or add is not None or normalize
+    sd_path: Optional[tuple[Any, ...]] = None
+    sd: Any = None
+    renamed = 0
+    root = state
+    if renaming or key is not None or not whole:
+        sd_path, sd = _find_state_dict(state, key)
+        new_sd = _rename(sd, strip, add, normalize)
+        renamed = sum(1 for a, b in zip(sd, new_sd, strict=False) if a != b)
+        if new_sd is not sd:
+            root = new_sd if not sd_path else keys.replace_state_dict(state, sd_path, new_sd)
+        sd = new_sd
+    dropped: tuple[str, ...] = ()
+    if drop_optimizer and whole:
+        root, dropped = _drop_optimizer(root, sd_path)
+    return root, sd, sd_path, renamed, dropped
+
+
+def _tensor_stats(value: Any) -> tuple[int, int]:
+    tensors = [v for v in _leaves(value) if isinstance(v, torch.Tensor)]
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def convert_from_dcp(
+    src: str,
+    dst: Optional[str],
+    *,
+    to: Optional[str],
+    strip: Optional[str],
+    add: Optional[str],
+    normalize: bool,
+    key: Optional[str],
+    drop_optimizer: bool,
+    overwrite: bool,
+    unsafe: bool,
+    fsync: bool,
+    storage_options: Optional[dict[str, Any]],
+) -> ConvertResult:
+    """Consolidate a DCP folder into one ``.pt`` or ``.safetensors`` file, atomically.
+
+    See :func:`ddpstate.convert.convert_file` for the arguments; ``to`` is
+    ``"pt"`` or ``"safetensors"`` (a folder cannot become another folder here).
+    The whole checkpoint is read into memory (DCP has no streaming reader);
+    the output holds plain CPU tensors that ``torch.load(weights_only=True)``
+    or ``safetensors.torch.load_file`` read.
+    """
+    from ddpstate import _savecheck, _torch_io
+
+    if to == formats.DCP:
+        raise InvalidArgumentError(
+            f"{src} is already a torch.distributed.checkpoint folder; convert it to 'pt' or "
+            f"'safetensors'"
+        )
+    dst_format = to or _format_from_name(dst) or PT
+    if dst is None:
+        # Next to the folder, named after it: ckpt_dcp/ -> ckpt_dcp.pt (never inside it).
+        folder = src.rstrip("/\\") or src
+        dst = folder + (".safetensors" if dst_format == SAFETENSORS else ".pt")
+    dst_text = _destination(src, dst, dst_format, overwrite, storage_options)
+    state = _torch_io.load_dcp(
+        src if _fs.is_remote(src) else _fs.local_path(src),
+        name=src,
+        weights_only=not unsafe,
+        storage_options=storage_options,
+        remote=_fs.is_remote(src),
+    )
+    whole = dst_format != SAFETENSORS
+    root, sd, sd_path, renamed, dropped = _apply_rules(
+        state, strip=strip, add=add, normalize=normalize, key=key, whole=whole,
+        drop_optimizer=drop_optimizer,
+    )  # fmt: skip
+    notes: list[str] = []
+    if drop_optimizer and whole and not dropped:
+        notes.append("no optimizer state found to drop")
+    left_out: tuple[str, ...] = ()
+    if not whole and isinstance(root, Mapping) and sd_path:
+        left_out = tuple(str(k) for k in root if k != sd_path[0])
+        if len(sd_path) > 1:
+            left_out = (f"the rest of {sd_path[0]!s}", *left_out)
+    written = root if whole else sd
+    count, nbytes = _tensor_stats(written)
+    with storage.atomic_write(dst_text, storage_options=storage_options, fsync=fsync) as out:
+        if whole:
+            # unsafe: the folder's own objects (already trusted by the caller) go back as they are.
+            extra = None if unsafe else ()
+            if extra is None:
+                torch.save(written, out)
+            else:
+                _savecheck.save_torch(written, out, what="state", where=dst_text, extra=extra)
+        else:
+            formats.write_safetensors(out, written, {"format": "pt"}, name=dst_text)
+    return ConvertResult(
+        src=src,
+        dst=dst_text,
+        src_format=formats.DCP,
+        dst_format=dst_format,
+        state_dict_path=_dotted(sd_path) if sd is not None else None,
+        renamed=renamed,
+        tensors=count,
+        bytes_copied=nbytes,
+        dropped=dropped,
+        left_out=left_out,
+        notes=tuple(notes),
+    )
+
+
+def convert_to_dcp(
+    src: str,
+    dst: Optional[str],
+    *,
+    strip: Optional[str],
+    add: Optional[str],
+    normalize: bool,
+    key: Optional[str],
+    drop_optimizer: bool,
+    overwrite: bool,
+    unsafe: bool,
+    fsync: bool,
+    storage_options: Optional[dict[str, Any]],
+) -> ConvertResult:
+    """Write a checkpoint file's state (``.pt``, legacy or ``.safetensors``) as a DCP folder.
+
+    The folder is written under a hidden temporary name next to ``dst``, its
+    files and the folder fsynced, then renamed into place
+    (:func:`ddpstate.storage.replace_folder`), so ``dst`` is never half-written
+    and an existing DCP folder at ``dst`` (with ``overwrite``) stays whole until
+    the new one is complete. Local folders only.
+    """
+    from ddpstate.checkpoint import load
+
+    if dst is None:
+        raise InvalidArgumentError(
+            f"name the folder to write: ddpstate convert {src} OUT_FOLDER --to dcp"
+        )
+    if _fs.is_remote(dst):
+        raise InvalidArgumentError(
+            f"{dst}: writing a torch.distributed.checkpoint folder to a URL is not supported; "
+            f"write it to a local folder and upload that"
+        )
+    target = os.path.abspath(_fs.local_path(dst))
+    if os.path.lexists(target):
+        replaceable = os.path.isdir(target) and (
+            not os.listdir(target) or os.path.exists(os.path.join(target, ".metadata"))
+        )
+        if not replaceable:
+            raise CheckpointExistsError(
+                f"{dst} already exists and is not a torch.distributed.checkpoint folder; "
+                f"name a new folder (only a DCP folder or an empty one is ever replaced)"
+            )
+        if not overwrite and os.listdir(target):
+            raise CheckpointExistsError(
+                f"{dst} already exists; pass --force (overwrite=True) to replace it, or name "
+                f"another destination"
+            )
+    state = load(
+        src, map_location="cpu", weights_only=not unsafe, barrier=False,
+        storage_options=storage_options,
+    )  # fmt: skip
+    root, sd, sd_path, renamed, dropped = _apply_rules(
+        state, strip=strip, add=add, normalize=normalize, key=key, whole=True,
+        drop_optimizer=drop_optimizer,
+    )  # fmt: skip
+    if not isinstance(root, Mapping):
+        raise CheckpointFormatError(
+            f"{src} holds a {type(root).__name__}, not a dict; a torch.distributed.checkpoint "
+            f"folder stores a dict of named values"
+        )
+    odd = _non_str_key(root, ())
+    if odd is not None:
+        where, k = odd
+        raise CheckpointFormatError(
+            f"{src}: {repr(where) if where else 'the top level'} has the non-string key {k!r}; a "
+            f"torch.distributed.checkpoint folder stores every key as a string, so it would "
+            f"come back as {str(k)!r} (an optimizer's state would then silently not load); "
+            f"pass drop_optimizer=True (--drop-optimizer) if that is the optimizer state, or "
+            f"save the optimizer with torch.distributed.checkpoint.state_dict."
+            f"get_optimizer_state_dict, which keys it by parameter name"
+        )
+    notes: list[str] = []
+    if drop_optimizer and not dropped:
+        notes.append("no optimizer state found to drop")
+    if any(getattr(v, "_metadata", None) is not None for v in (root, sd) if v is not None):
+        notes.append(
+            "the state dict's _metadata (module versions) is not kept: DCP stores no "
+            "attributes of dicts; models load without it"
+        )
+    count, nbytes = _tensor_stats(root)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    staging = storage.temp_path_for(target)
+    try:
+        _write_dcp(dict(root), staging, fsync=fsync)
+        storage.replace_folder(staging, target)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, DDPStateError) or not isinstance(exc, Exception):
+            raise
+        raise CheckpointFormatError(
+            f"{src}: writing it as a torch.distributed.checkpoint folder failed "
+            f"({type(exc).__name__}: {exc}); {dst} was left as it was"
+        ) from exc
+    return ConvertResult(
+        src=src,
+        dst=dst,
+        src_format=formats.detect_format(src, storage_options=storage_options),
+        dst_format=formats.DCP,
+        state_dict_path=_dotted(sd_path) if sd is not None else None,
+        renamed=renamed,
+        tensors=count,
+        bytes_copied=nbytes,
+        dropped=dropped,
+        notes=tuple(notes),
+    )
+
+
+def _non_str_key(value: Any, path: tuple[str, ...]) -> Optional[tuple[str, Any]]:
+    """(dotted path of the dict, key) of the first dict key that is not a string."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return ".".join(path), k
+            found = _non_str_key(v, (*path, k))
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _non_str_key(v, (*path, str(i)))
+            if found is not None:
+                return found
+    return None
+
+
+def _write_dcp(state: dict[Any, Any], folder: str, *, fsync: bool) -> None:
+    import warnings
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    os.makedirs(folder)
+    with warnings.catch_warnings():
+        # Without a process group DCP warns that it runs single-process: that is the intent.
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_save(state, storage_writer=FileSystemWriter(folder, sync_files=fsync), no_dist=True)
+    if fsync:
+        storage._fsync_dir(folder)
+    if not os.path.exists(os.path.join(folder, _dcp_read.METADATA_FILE)):
+        raise CheckpointFormatError(f"{folder}: torch wrote no .metadata")

@@ -1,0 +1,330 @@
+"""Reading torch.distributed.checkpoint folders: safe metadata, a data-free skeleton, sharded loads.
+
+The ``.metadata`` pickle is read once, through ``_torch_io``'s unpickler that
+allows only DCP's metadata classes; everything here (key matching, ``inspect``,
+``verify``, loading into an FSDP2 model) works from that parsed object.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
+
+import torch
+
+from ddpstate import _torch_io, storage
+from ddpstate.errors import CheckpointCorruptError, DDPStateError
+
+if TYPE_CHECKING:
+    from ddpstate.checkpoint import IncompatibleKeys
+
+__all__ = [
+    "BytesEntry",
+    "flat_names",
+    "is_sharded_model",
+    "load_full_into_sharded",
+    "load_sharded_model_state",
+    "read_metadata",
+    "skeleton",
+]
+
+#: The metadata file every DCP folder has (torch's ``_metadata_fn``).
+METADATA_FILE = ".metadata"
+
+
+class BytesEntry:
+    """Stands for a non-tensor value in a skeleton: DCP stores it as pickled bytes."""
+
+    __slots__ = ("fqn",)
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn = fqn
+
+    def __repr__(self) -> str:
+        return f"BytesEntry({self.fqn!r})"
+
+
+def read_metadata(path: str, *, name: str, storage_options: Optional[dict[str, Any]] = None) -> Any:
+    """Read and safely unpickle a DCP folder's ``.metadata``.
+
+    Args:
+        path: The folder (local path or fsspec URL).
+        name: How to name it in messages.
+        storage_options: fsspec options for a URL.
+
+    Returns:
+        torch's ``Metadata`` object (``state_dict_metadata``, ``planner_data``,
+        ``storage_data``).
+
+    Raises:
+        CheckpointNotFoundError: The folder has no ``.metadata``.
+        CheckpointCorruptError: The metadata is damaged.
+        UnsafeCheckpointError: The metadata names a class DCP's metadata never uses.
+    """
+    with storage.open_read(storage.join(path, METADATA_FILE), storage_options=storage_options) as f:
+        data = f.read()
+    return _torch_io._check_dcp_metadata(data, name)
+
+
+def flat_names(metadata: Any) -> dict[tuple[Any, ...], str]:
+    """Each saved value's path in the nested checkpoint -> its flat DCP name (FQN).
+
+    ``dcp.save`` flattens nested dicts and lists to dotted names and records
+    the original path of each in ``planner_data``; without that record (a
+    custom planner) every name is its own one-element path.
+    """
+    mappings = metadata.planner_data
+    names: dict[tuple[Any, ...], str] = {}
+    for fqn in metadata.state_dict_metadata:
+        path = mappings.get(fqn) if isinstance(mappings, Mapping) else None
+        names[tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)] = fqn
+    return names
+
+
+def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
+    node: Any = root
+    for step, after in itertools.pairwise(path):
+        if isinstance(node, list):
+            while len(node) <= step:
+                node.append(None)
+            if node[step] is None:
+                node[step] = [] if isinstance(after, int) else {}
+            node = node[step]
+        else:
+            node = node.setdefault(step, [] if isinstance(after, int) else {})
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value
+
+
+def skeleton(metadata: Any) -> dict[Any, Any]:
+    """The checkpoint as it was saved, nested, with no data read.
+
+    Tensors are ``meta`` tensors of the saved (global) shape and dtype, so
+    :mod:`ddpstate.keys` finds and matches the model state dict as it does in a
+    loaded checkpoint; other values are :class:`BytesEntry` placeholders.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root: dict[Any, Any] = {}
+    for path, fqn in flat_names(metadata).items():
+        entry = metadata.state_dict_metadata[fqn]
+        if isinstance(entry, TensorStorageMetadata):
+            value: Any = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="meta")
+        else:
+            value = BytesEntry(fqn)
+        try:
+            _set_path(root, path, value)
+        except (TypeError, IndexError, AttributeError):
+            root[fqn] = value  # a path this sketch cannot rebuild: keep the flat name
+    return root
+
+
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """True when the model holds DTensor parameters or buffers (FSDP2, tensor parallel)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
+
+
+class _Plan(NamedTuple):
+    into: dict[str, Any]  # DCP name -> the model's own (sharded) tensor to fill
+    loaded: dict[str, Any]  # the model's key -> the same tensor, for set_model_state_dict
+    skipped: list[str]  # shape mismatches ignore_mismatched skipped
+    missing: list[str]
+    unexpected: list[str]
+
+
+def _plan(
+    model: torch.nn.Module,
+    path: str,
+    *,
+    strict: bool,
+    key: Optional[str],
+    ignore_mismatched: bool,
+    storage_options: Optional[dict[str, Any]],
+) -> _Plan:
+    """Match the folder's keys and shapes with the model's, from the metadata alone."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ddpstate.checkpoint import _shape_mismatches
+    from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
+
+    metadata = read_metadata(path, name=path, storage_options=storage_options)
+    sd_path, saved = find_state_dict(skeleton(metadata), key)
+    own = get_model_state_dict(model)
+    adapted = adapt_state_dict(saved, own, strict=strict)
+    skipped = [
+        k
+        for k, _, _ in _shape_mismatches(
+            adapted, own, name=path, target=type(model).__name__,
+            ignore_mismatched=ignore_mismatched,
+            # _plan <- load_sharded_model_state <- checkpoint._load_sharded <- load_model_state
+            stacklevel=6,
+        )
+    ]  # fmt: skip
+    names = flat_names(metadata)
+    match = match_keys(saved, own)
+    into: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}
+    for own_key, saved_key in match.mapping.items():
+        fqn = names.get((*sd_path, saved_key))
+        if own_key in skipped or own_key not in adapted or fqn is None:
+            continue
+        if isinstance(adapted[own_key], torch.Tensor):
+            into[fqn] = loaded[own_key] = own[own_key]
+    return _Plan(
+        into,
+        loaded,
+        skipped,
+        [k for k in match.missing if isinstance(k, str)],
+        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
+    )
+
+
+def load_sharded_model_state(
+    model: torch.nn.Module,
+    path: str,
+    *,
+    strict: bool,
+    key: Optional[str],
+    ignore_mismatched: bool,
+    storage_options: Optional[dict[str, Any]] = None,
+    timeout: Union[float, timedelta, None] = None,
+) -> IncompatibleKeys:
+    """Load a DCP folder into a sharded (FSDP2/DTensor) model on every rank, resharding.
+
+    A collective: every rank of the model's process group must call it. The
+    folder's keys are matched to the model's (``ddpstate.keys`` rules, from the
+    metadata alone) and the outcome shared, so a mismatch raises the same
+    error on every rank before any data moves; then each rank reads only the
+    pieces of its own shards (``dcp.load`` into the model's DTensors, whatever
+    the saving world size), and ``set_model_state_dict`` puts them in the model.
+
+    Args:
+        model: The sharded model (FSDP2 ``fully_shard``, or DTensor parameters).
+        path: The DCP folder (local path or fsspec URL).
+        strict, key, ignore_mismatched: As for :func:`ddpstate.load_model_state`.
+        storage_options: fsspec options for a URL.
+        timeout: Seconds to wait for the other ranks' outcome of the matching.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``.
+
+    Raises:
+        KeyMismatchError, ShapeMismatchError, StateDictNotFoundError: On every rank.
+        CheckpointCorruptError: The metadata or a shard file is damaged or missing.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from ddpstate.checkpoint import IncompatibleKeys
+    from ddpstate.dist import share_outcome
+
+    plan: Optional[_Plan] = None
+    error: Optional[Exception] = None
+    try:
+        plan = _plan(
+            model, path, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
+            storage_options=storage_options,
+        )  # fmt: skip
+    except Exception as exc:
+        error = exc
+    share_outcome(error, name="ddpstate.load_model_state", timeout=timeout)
+    if plan is None:  # pragma: no cover - share_outcome raised this rank's error
+        raise CheckpointCorruptError(f"{path}: could not be matched with the model")
+    try:
+        if _is_remote(path):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            dcp_load(plan.into, storage_reader=FsspecReader(path, **(storage_options or {})))
+        else:
+            dcp_load(plan.into, checkpoint_id=path)
+    except BaseException as exc:
+        inner = _torch_io._dcp_failure(exc) or exc
+        if isinstance(inner, DDPStateError):
+            raise inner from exc
+        if isinstance(inner, (KeyboardInterrupt, SystemExit, MemoryError)):
+            raise
+        raise CheckpointCorruptError(
+            f"{path}: reading this torch.distributed.checkpoint folder into "
+            f"{type(model).__name__}'s shards failed ({type(inner).__name__}: "
+            f"{_torch_io._first_line(inner)}); a shard file may be missing or damaged: run "
+            f"`ddpstate verify {path}`"
+        ) from exc
+    set_model_state_dict(model, plan.loaded, options=StateDictOptions(strict=False))
+    if strict:
+        return IncompatibleKeys(plan.skipped, [])
+    return IncompatibleKeys([*plan.skipped, *plan.missing], plan.unexpected)
+
+
+def load_full_into_sharded(
+    model: torch.nn.Module,
+    state_dict: Mapping[str, Any],
+    *,
+    name: str,
+    strict: bool,
+    ignore_mismatched: bool,
+) -> IncompatibleKeys:
+    """Load a whole (unsharded) state dict, present on every rank, into a sharded model.
+
+    A collective (every rank of the model's process group). ``model.load_state_dict``
+    would copy whole tensors into shards and fail (or worse); instead the keys are
+    adapted to ``get_model_state_dict``'s, whole shapes compared, and
+    ``set_model_state_dict(full_state_dict=True)`` cuts each rank's shard.
+
+    Args:
+        model: The sharded model.
+        state_dict: The whole state dict (e.g. a ``.pt`` file's).
+        name: How to name the source in messages.
+        strict, ignore_mismatched: As for :func:`ddpstate.load_model_state`.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``.
+
+    Raises:
+        KeyMismatchError, ShapeMismatchError: The state dict does not fit the model.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from ddpstate.checkpoint import IncompatibleKeys, _shape_mismatches
+    from ddpstate.keys import adapt_state_dict, match_keys
+
+    own = get_model_state_dict(model)
+    adapted = adapt_state_dict(state_dict, own, strict=strict)
+    skipped = [
+        k
+        for k, _, _ in _shape_mismatches(
+            adapted, own, name=name, target=type(model).__name__,
+            ignore_mismatched=ignore_mismatched,
+            stacklevel=5,  # load_full_into_sharded <- load_model_state <- the caller
+        )
+    ]  # fmt: skip
+    loaded = {k: v for k, v in adapted.items() if k not in skipped}
+    set_model_state_dict(
+        model, loaded, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
+    if strict:
+        return IncompatibleKeys(skipped, [])
+    match = match_keys(state_dict, own)
+    return IncompatibleKeys(
+        [*skipped, *(k for k in match.missing if isinstance(k, str))],
+        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
+    )
+
+
+def _is_remote(path: str) -> bool:
+    from ddpstate import _fs
+
+    return _fs.is_remote(os.fspath(path))
