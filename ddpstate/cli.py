@@ -171,7 +171,8 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     convert.add_argument(
-        "src", metavar="SRC",
+        "src",
+        metavar="SRC",
         help="checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder",
     )
     convert.add_argument(
@@ -223,7 +224,8 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     inspect.add_argument(
-        "src", metavar="SRC",
+        "src",
+        metavar="SRC",
         help="checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder",
     )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -870,6 +870,8 @@ def _check_sharded_output(
             "(not --in-place)"
         )
     return limit, os.fspath(dst)
+
+
 def _destination(
     src: str,
     dst: Optional[PathLike],
