@@ -190,9 +190,10 @@ class ZipWriter:
         The same bytes as :meth:`add_record` for each record in turn, in fewer
         system calls: small records (a checkpoint with 100,000 tensors has mostly
         small ones) are read from the source in runs of neighbours and written
-        out, headers and descriptors included, in large blocks; large ones are
-        copied in the kernel as :meth:`ddpstate._stream.Sink.copy_from` does.
-        A record with a negative ``data_offset`` goes through ``write_data``.
+        out, headers and descriptors included, in large blocks. Records of 64 KiB
+        or more, and those with a negative ``data_offset``, go through
+        :meth:`add_record` with their ``write_data`` (convert's copies them in the
+        kernel).
 
         Args:
             source: The file the records' data comes from.
