@@ -302,15 +302,17 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         found = storages.get(key)
         if found is not None:
             return found
+        name = f"{prefix}data/{key}"
+        entry = records.get(name)
         record = StorageRecord(
             key=key,
             type_name=storage_type.name,
             dtype=storage_type.dtype,
             location=_text(pid[3]),
             numel=_count(pid[4]),
-            record_name=f"{prefix}data/{key}",
+            # The zip entry's own name object: one string, not two, per storage.
+            record_name=name if entry is None else entry.name,
         )
-        entry = records.get(record.record_name or "")
         if entry is None:
             problems.append(f"tensor data record data/{key} is missing")
         else:

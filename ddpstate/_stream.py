@@ -147,10 +147,21 @@ class Sink:
         self._advise = write_back and self._fd is not None and hasattr(os, "posix_fadvise")
         self._written_back = self.position
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append bytes."""
         self.file.write(data)
         self.position += len(data)
+
+    def write_copied(self, data: bytes | bytearray, copied: int) -> None:
+        """Append ``data``, which carries ``copied`` bytes read from a source.
+
+        Like :meth:`copy_from` for the progress bar and the disk write-back, for
+        a caller that gathered many small copies (and what surrounds them) itself.
+        """
+        self.write(data)
+        self._write_back()
+        if self.progress is not None:
+            self.progress.update(copied)
 
     def copy_from(self, source: Source, offset: int, length: int, *, crc: bool) -> int:
         """Append ``length`` bytes of ``source`` from ``offset``.

@@ -10,7 +10,7 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, Optional, Union
 
 from ddpstate import _fs, formats
@@ -37,7 +37,7 @@ from ddpstate._safetensors_layout import (
     state_dict_metadata_json,
 )
 from ddpstate._stream import Sink
-from ddpstate._zipwriter import ZipWriter
+from ddpstate._zipwriter import CopyCandidate, ZipWriter
 from ddpstate.errors import (
     AmbiguousStateDictError,
     CheckpointCorruptError,
@@ -545,17 +545,15 @@ def _write_pt(
     writer.add_bytes(_ARCHIVE + ".format_version", b"1")
     writer.add_bytes(_ARCHIVE + ".storage_alignment", b"64")
     writer.add_bytes(_ARCHIVE + "byteorder", ckpt.byteorder.encode("ascii"))
-    crcs: list[tuple[int, int]] = []
-    copied = 0
-    for index, storage in enumerate(storages):
-        size = storage.nbytes
-
-        def write(out: Sink, storage: StorageRecord = storage, size: int = size) -> int:
-            crc = casts.write(out, storage) if casts is not None else None
-            return _copy_storage(out, ckpt, storage, size) if crc is None else crc
-
-        crcs.append((writer.add_record(f"{_ARCHIVE}data/{index}", size, write), size))
-        copied += size
+    sizes = [storage.nbytes for storage in storages]
+    crcs = list(
+        zip(
+            writer.add_copies(ckpt.source, _copy_candidates(ckpt, storages, casts)),
+            sizes,
+            strict=True,
+        )
+    )
+    copied = sum(sizes)
     version = _ZIP_VERSION
     if ckpt.zip_prefix + "version" in ckpt.zip_records:
         record = ckpt.zip_records[ckpt.zip_prefix + "version"]
@@ -570,6 +568,37 @@ def _write_pt(
     writer.add_bytes(_ARCHIVE + ".data/serialization_id", _serialization_id(data_pkl, crcs))
     writer.close()
     return len(storages), copied
+
+
+def _copy_candidates(
+    ckpt: Checkpoint, storages: list[StorageRecord], casts: Optional[Casts]
+) -> Iterator[CopyCandidate]:
+    """The output's storage records for :meth:`ZipWriter.add_copies`, made one at a time.
+
+    A storage that ``casts`` makes anew has no offset in the source (``data_offset``
+    -1), so it always goes through its ``write`` callback, which casts it.
+    """
+    for index, storage in enumerate(storages):
+        size = storage.nbytes
+
+        def write(out: Sink, storage: StorageRecord = storage, size: int = size) -> int:
+            crc = casts.write(out, storage) if casts is not None else None
+            return _copy_storage(out, ckpt, storage, size) if crc is None else crc
+
+        # What _copy_storage copies as it is, with the CRC-32 the source records.
+        whole = (
+            storage.data_offset >= 0
+            and not storage.compressed
+            and storage.crc32 is not None
+            and storage.stored_size == size
+        )
+        yield CopyCandidate(
+            f"{_ARCHIVE}data/{index}",
+            size,
+            storage.crc32 or 0,
+            storage.data_offset if whole else -1,
+            write,
+        )
 
 
 def _copy_storage(out: Sink, ckpt: Checkpoint, storage: StorageRecord, size: int) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -776,6 +775,8 @@ def match_keys(
 
 
 def _nearest(name: str, candidates: Sequence[str]) -> str:
+    import difflib  # here: only error messages need it (convert's start-up does not)
+
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
     return f" (nearest: {close[0]!r})" if close else ""
 

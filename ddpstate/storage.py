@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import posixpath
 import re
-import secrets
 import shutil
 import stat
 import sys
@@ -88,12 +86,14 @@ def is_temp_name(name: str) -> bool:
     return bool(_TEMP_RE.match(base))
 
 
+# os.urandom is what secrets.token_hex draws from; importing secrets (random,
+# hmac, base64) would add to every command's start-up.
 def _temp_name_for(base: str) -> str:
-    return f".{base}{TEMP_MARKER}{secrets.token_hex(8)}"
+    return f".{base}{TEMP_MARKER}{os.urandom(8).hex()}"
 
 
 def _retired_name_for(base: str) -> str:
-    return f".{base}{_RETIRED_MARKER}{secrets.token_hex(8)}"
+    return f".{base}{_RETIRED_MARKER}{os.urandom(8).hex()}"
 
 
 def _protocol(fs: Any) -> str:
@@ -254,6 +254,8 @@ def _rename_exchange(first: str, second: str) -> bool:
     """Swap two paths atomically; False where the OS or filesystem cannot."""
     if not sys.platform.startswith("linux"):
         return False
+    import ctypes  # here: only folder swaps need it, and it slows every command's start
+
     function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if function is None:  # glibc before 2.28, or another libc
         return False
