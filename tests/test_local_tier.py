@@ -8,6 +8,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -390,3 +391,34 @@ def test_a_due_save_local_costs_the_non_writer_four_store_operations(tmp_path: P
     for result in results:
         assert result["started"] == {1: False, 2: True, 3: False, 4: True, 5: False, 6: True}
     assert verify_checkpoint(tmp_path / "shm" / "step_0000000006").ok
+
+
+# --------------------------------------------------------------------------- restart cost
+
+_RESTORE_ONLY = """
+import sys, torch
+from ddpstate.manager import CheckpointManager
+model = torch.nn.Linear(4, 4)
+with CheckpointManager(sys.argv[1], local_dir=sys.argv[2]) as m:
+    assert m.restore({"model": model}) == 1 and m.restored_from.tier == "local"
+assert torch.equal(model.weight, torch.ones(4, 4))
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_restore_does_not_import_torch_dynamo(tmp_path: Path) -> None:
+    # Importing torch._dynamo to recognise compiled wrappers took seconds of every restart;
+    # a process that never compiled holds no compiled module to recognise.
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    with CheckpointManager(tmp_path / "run", local_dir=tmp_path / "shm") as m:
+        m.save_local(1, {"model": model})
+    done = subprocess.run(
+        [sys.executable, "-c", _RESTORE_ONLY, str(tmp_path / "run"), str(tmp_path / "shm")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
