@@ -109,7 +109,7 @@ def _stall_child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
 
 
 # The peer row: 2 "nodes" (LOCAL_RANK=0 on both ranks, one local folder each), as the tests.
-_PEER_VARIANTS = ("peer", "durable, disk cold", "durable, disk warm", "durable, /dev/shm")
+_PEER_VARIANTS = ("peer", "local", "durable, disk cold", "durable, disk warm", "durable, /dev/shm")
 
 
 def _node_dir(opts: dict[str, Any], rank: int) -> str:
@@ -155,14 +155,15 @@ def _peer_child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
                 for t in weights.values():
                     t.zero_()
             barrier()
-            local_dir = _node_dir(opts, rank) if variant == "peer" else None
+            local_dir = _node_dir(opts, rank) if variant in ("peer", "local") else None
             durable = opts["durable_shm"] if variant.endswith("/dev/shm") else opts["durable"]
             start = time.perf_counter()
             with CheckpointManager(durable, keep_last=1, local_dir=local_dir) as manager:
                 step = manager.restore(state)
                 source = manager.restored_from
             times[variant].append(time.perf_counter() - start)
-            want = ("peer" if rank == 1 else "local") if variant == "peer" else "durable"
+            want = "durable" if variant.startswith("durable") else "local"
+            want = "peer" if variant == "peer" and rank == 1 else want
             assert step == opts["step"] and source is not None and source.tier == want, source
             assert weights["w000"][0].item() == opts["value"], "restored the wrong values"
     out.put((rank, times))
@@ -207,7 +208,9 @@ def _spawn(target: Any, opts: dict[str, Any]) -> tuple[float, list[dict[str, Any
 
 #: The restart's phases, in order, as (key, what ends at that moment).
 _PHASES = (
-    ("detected", "agent detects the failure (its first log line after the kill)"),
+    ("detected", "agent detects the failure, SIGTERMs the survivors"),
+    ("stopped", "survivors exited (agent logs the failure)"),
+    ("restarting", "agent's rendezvous done, starts the new workers"),
     ("spawned", "restarted workers spawned (process start, /proc)"),
     ("python", "Python up, the script starts"),
     ("torch", "torch imported"),
@@ -275,21 +278,31 @@ def _worker(opts: dict[str, Any]) -> None:
         json.dump(result, f)
 
 
-_AGENT_LINE = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) ")
+_AGENT_LINE = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] (.*)$")
+# The agent's log lines that end its phases (torch's elastic agent, LOGLEVEL=INFO).
+_AGENT_EVENTS = {
+    "detected": "",  # its first line after the kill
+    "stopped": "failed (exitcode",
+    "restarting": "Starting worker group",
+}
 
 
-def _agent_times(log: str, after: float) -> list[float]:
-    """Times of the agent's log lines (glog style, local time of day) after ``after``."""
+def _agent_times(log: str, after: float) -> dict[str, float]:
+    """When the agent logged each of ``_AGENT_EVENTS`` after ``after`` (glog lines, local time)."""
     base = time.localtime(after)
     midnight = time.mktime((base.tm_year, base.tm_mon, base.tm_mday, 0, 0, 0, 0, 0, -1))
-    found = []
+    found: dict[str, float] = {}
     for line in log.splitlines():
         match = _AGENT_LINE.match(line)
-        if match:
-            h, m, sec = match.groups()
-            at = midnight + int(h) * 3600 + int(m) * 60 + float(sec)
-            if at >= after:
-                found.append(at)
+        if not match:
+            continue
+        h, m, sec, message = match.groups()
+        at = midnight + int(h) * 3600 + int(m) * 60 + float(sec)
+        if at < after:
+            continue
+        for event, text in _AGENT_EVENTS.items():
+            if event not in found and text in message:
+                found[event] = at
     return found
 
 
@@ -316,8 +329,8 @@ def _torchrun_restart(opts: dict[str, Any], monitor: float) -> dict[str, float]:
         shutil.rmtree(out, ignore_errors=True)
     assert all(r["tier"] == opts["tier"] and r["step"] == opts["step"] for r in ranks), ranks
     agent = _agent_times(done.stderr, killed)
-    phases = {"detected": (agent[0] if agent else math.nan) - killed}
-    for key, _ in _PHASES[1:]:
+    phases = {event: agent.get(event, math.nan) - killed for event in _AGENT_EVENTS}
+    for key, _ in _PHASES[len(_AGENT_EVENTS) :]:
         # The slower rank: the job moves at its pace.
         phases[key] = max(r["marks"][key] for r in ranks) - killed
     return phases
@@ -410,18 +423,21 @@ def _print_peer(rows: dict[str, dict[str, float]], repeats: int) -> None:
         f'\n2 "nodes" (one local folder each), node 1\'s empty: the restore() call, median of '
         f"{repeats}, on the receiving rank (on the slower rank)"
     )
-    peer = rows["peer"]
-    lines = [("measure", "peer send", "baseline", "ratio"), ("---",) * 4]
-    for base in _PEER_VARIANTS[1:]:
-        durable = rows[base]
-        lines.append(
-            (
-                "restore the step node 1 lacks",
-                f"{peer['receiver']:.2f} s ({peer['slower']:.2f} s)",
-                f"{base} {durable['receiver']:.2f} s ({durable['slower']:.2f} s)",
-                f"{peer['receiver'] / durable['receiver']:.2f}",
+    lines = [("measure", "ours", "baseline", "ratio"), ("---",) * 4]
+    for ours, measure in (
+        ("peer", "node 1 lacks the step: receive it from node 0"),
+        ("local", "both nodes hold it: the local tier"),
+    ):
+        for base in _PEER_VARIANTS[2:]:
+            mine, durable = rows[ours], rows[base]
+            lines.append(
+                (
+                    measure,
+                    f"{mine['receiver']:.2f} s ({mine['slower']:.2f} s)",
+                    f"{base} {durable['receiver']:.2f} s ({durable['slower']:.2f} s)",
+                    f"{mine['receiver'] / durable['receiver']:.2f}",
+                )
             )
-        )
     _table(lines)
 
 
