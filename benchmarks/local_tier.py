@@ -420,8 +420,8 @@ def _print_restart(rows: dict[str, dict[str, float]], repeats: int, monitor: flo
 
 def _print_peer(rows: dict[str, dict[str, float]], repeats: int) -> None:
     print(
-        f'\n2 "nodes" (one local folder each), node 1\'s empty: the restore() call, median of '
-        f"{repeats}, on the receiving rank (on the slower rank)"
+        f'\n2 "nodes" (one local folder each): the restore() call, median of {repeats}, on '
+        f"node 1's rank (on the slower rank)"
     )
     lines = [("measure", "ours", "baseline", "ratio"), ("---",) * 4]
     for ours, measure in (
