@@ -546,8 +546,9 @@ def gather_to_receivers(
     ``done``. The other ranks wait on ``done`` and read ``value`` (one record
     per receiver): four store operations each, whatever the world size.
     Returns the verdict of this rank's receiver. If ``decide`` raises, that
-    receiver's ranks get a RankFailedError naming it and the exception goes on
-    on the receiver.
+    receiver's ranks raise its error (rebuilt as by :func:`share_outcome`, a
+    RankFailedError naming it if it is not a DDPStateError) and the exception
+    goes on on the receiver.
     """
     start = time.monotonic()
     call = group.next_call()

@@ -168,20 +168,24 @@ class LocalTier:
         def start(rng_states: list[Any]) -> tuple[bool, list[tuple[int, str]]]:
             # On the writer: start the write; the node's ranks learn whether it started
             # and the skips the writer recorded since its last report.
+            started = False
+            if entries is not None:
+                try:
+                    self._thread_error = None
+                    self._thread_step = step
+                    thread = threading.Thread(
+                        target=self._write_in_thread,
+                        args=(step, entries, rng_states, events),
+                        name=f"ddpstate-local-tier-step-{step}",
+                        daemon=False,
+                    )
+                    thread.start()
+                    self._thread, started = thread, True
+                except Exception as exc:  # no thread to be had: still only a skipped step
+                    self._skip(step, exc)
             news = self.skipped[self._reported :]
             self._reported = len(self.skipped)
-            if entries is None:
-                return False, news
-            self._thread_error = None
-            self._thread_step = step
-            self._thread = threading.Thread(
-                target=self._write_in_thread,
-                args=(step, entries, rng_states, events),
-                name=f"ddpstate-local-tier-step-{step}",
-                daemon=False,
-            )
-            self._thread.start()
-            return True, news
+            return started, news
 
         # Every rank's RNG states go to every node's writer, so any node can restore any
         # rank; one round, and a rank that is not a writer never reads the others' states.
