@@ -526,3 +526,73 @@ def broadcast(
         return payload
     _wait(group, key, name, seconds, start, lambda: [src])
     return cast(bytes, group.op(name, group.store.get, key))
+
+
+def gather_to_receivers(
+    group: StoreGroup,
+    payload: bytes,
+    dst: int,
+    name: str,
+    seconds: float,
+    decide: Callable[[list[bytes]], bytes],
+) -> bytes:
+    """One round: every rank's payload to each receiver, each receiver's verdict to its ranks.
+
+    Each rank names its receiver ``dst``; a rank whose ``dst`` is itself is a
+    receiver (such as each node's local rank 0). Every rank logs its payload
+    and counts itself in; the last arriver marks ``value``. The receivers wait
+    for that mark, read the log, run ``decide`` on every rank's payload and
+    append their verdict to ``value``; the receiver that counts in last sets
+    ``done``. The other ranks wait on ``done`` and read ``value`` (one record
+    per receiver): four store operations each, whatever the world size.
+    Returns the verdict of this rank's receiver. If ``decide`` raises, that
+    receiver's ranks raise its error (rebuilt as by :func:`share_outcome`, a
+    RankFailedError naming it if it is not a DDPStateError) and the exception
+    goes on on the receiver.
+    """
+    start = time.monotonic()
+    call = group.next_call()
+    receiver = dst == group.rank
+    last, _ = _arrive(group, call, name, (b"r" if receiver else b"-") + payload, False)
+    verdicts = f"{call}/value"
+    if last:
+        # A rank -1 record marks "all arrived"; the receivers append theirs after it.
+        group.op(name, group.store.set, verdicts, record(-1, b""))
+        _cleanup(group, call)
+
+    def missing() -> list[int]:
+        here = _arrived(group, f"{call}/log")
+        absent = [r for r in range(group.world) if r not in here]
+        if absent:
+            return absent
+        decided = set(records(group.op(name, group.store.get, verdicts)))
+        log = records(group.op(name, group.store.get, f"{call}/log"))
+        return sorted(r for r, p in log.items() if p[:1] == b"r" and r not in decided)
+
+    if receiver:
+        _wait(group, verdicts, name, seconds, start, missing)
+        log = records(group.op(name, group.store.get, f"{call}/log"))
+        receivers = sum(1 for p in log.values() if p[:1] == b"r")
+        try:
+            told = b"v" + decide([log[r][1:] for r in range(group.world)])
+            failure: Optional[BaseException] = None
+        except BaseException as exc:
+            told = b"e" + encode_error(as_shareable(exc, group, name))
+            failure = exc
+        group.op(name, group.store.append, verdicts, record(group.rank, told))
+        total = int(group.op(name, group.store.add, f"{call}/n", 1))
+        if total == group.world + receivers:
+            group.op(name, group.store.set, f"{call}/done", b"0")
+        if failure is not None:
+            raise failure
+        return told[1:]
+    _wait(group, f"{call}/done", name, seconds, start, missing)
+    answer = records(group.op(name, group.store.get, verdicts)).get(dst)
+    if answer is None:
+        raise InvalidArgumentError(
+            f"{name}: rank {group.rank} named rank {dst} as its receiver, but rank {dst} "
+            f"named another rank; every rank's receiver must name itself"
+        )
+    if answer[:1] == b"e":
+        raise decode_error(answer[1:])
+    return answer[1:]

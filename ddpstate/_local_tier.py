@@ -41,6 +41,7 @@ from ddpstate.dist import (
     all_gather_object,
     broadcast_object,
     compare_across_ranks,
+    gather_to_receivers,
     get_local_rank,
     get_rank,
     is_distributed,
@@ -71,6 +72,19 @@ class RestoreSource:
             ``"durable"`` (the manager's directory) or ``"none"``.
         path: The step folder loaded from (None for ``"none"``).
         sender: For ``"peer"``: the global rank whose node sent the step.
+
+    Example:
+        >>> import tempfile, torch, ddpstate
+        >>> manager = ddpstate.CheckpointManager(tempfile.mkdtemp(), local_dir=tempfile.mkdtemp())
+        >>> manager.save_local(1, {"w": torch.ones(2)})
+        True
+        >>> manager.restore({"w": torch.zeros(2)})
+        1
+        >>> isinstance(manager.restored_from, ddpstate.RestoreSource)
+        True
+        >>> (manager.restored_from.tier, manager.restored_from.step)
+        ('local', 1)
+        >>> manager.close()
     """
 
     step: Optional[int]
@@ -114,6 +128,7 @@ class LocalTier:
         self.keep = _check_positive("local_keep", keep)
         self.timeout = timeout
         self.skipped: list[tuple[int, str]] = []
+        self._reported = 0  # skips already told to the node's other ranks
         self._warned = False
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._thread: Optional[threading.Thread] = None
@@ -149,20 +164,41 @@ class LocalTier:
                 entries, events = self._snapshot(manager, state)
             except Exception as exc:  # the local tier never stops training
                 self._skip(step, exc)
-        # Every rank's RNG states go to every node, so any node can restore any rank.
-        rng_states = all_gather_object(capture_rng_state(), timeout=self.timeout)
-        if entries is None:
-            return False
-        self._thread_error = None
-        self._thread_step = step
-        self._thread = threading.Thread(
-            target=self._write_in_thread,
-            args=(step, entries, rng_states, events),
-            name=f"ddpstate-local-tier-step-{step}",
-            daemon=False,
+
+        def start(rng_states: list[Any]) -> tuple[bool, list[tuple[int, str]]]:
+            # On the writer: start the write; the node's ranks learn whether it started
+            # and the skips the writer recorded since its last report.
+            started = False
+            if entries is not None:
+                try:
+                    self._thread_error = None
+                    self._thread_step = step
+                    thread = threading.Thread(
+                        target=self._write_in_thread,
+                        args=(step, entries, rng_states, events),
+                        name=f"ddpstate-local-tier-step-{step}",
+                        daemon=False,
+                    )
+                    thread.start()
+                    self._thread, started = thread, True
+                except Exception as exc:  # no thread to be had: still only a skipped step
+                    self._skip(step, exc)
+            news = self.skipped[self._reported :]
+            self._reported = len(self.skipped)
+            return started, news
+
+        # Every rank's RNG states go to every node's writer, so any node can restore any
+        # rank; one round, and a rank that is not a writer never reads the others' states.
+        started, news = gather_to_receivers(
+            capture_rng_state(),
+            start,
+            dst=_node_main(get_rank()),
+            name="CheckpointManager.save_local",
+            timeout=self.timeout,
         )
-        self._thread.start()
-        return True
+        if not writer:
+            self.skipped.extend(news)
+        return bool(started)
 
     def _snapshot(
         self, manager: CheckpointManager, state: Mapping[str, Any]

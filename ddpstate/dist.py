@@ -57,6 +57,7 @@ __all__ = [
     "default_timeout",
     "gather_and_decide",
     "gather_object",
+    "gather_to_receivers",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -438,6 +439,61 @@ def gather_and_decide(
     )
     if shared is not None:
         raise shared
+
+
+def gather_to_receivers(
+    obj: Any,
+    decide: Callable[[list[Any]], Any],
+    *,
+    dst: int,
+    name: str,
+    timeout: float | timedelta | None = None,
+) -> Any:
+    """Gather one object per rank on each receiver; each rank gets its receiver's answer.
+
+    A collective in one round, for several receivers at once (e.g. each node's
+    local rank 0): every rank names its receiver ``dst``, and a rank with
+    ``dst == rank`` is a receiver. Each receiver calls ``decide`` with every
+    rank's object (indexed by rank) and its small picklable answer goes to the
+    ranks that named it. A rank that is not a receiver costs four store
+    operations and never reads the other ranks' objects.
+
+    Args:
+        obj: This rank's small picklable object.
+        decide: Called on the receivers only.
+        dst: This rank's receiver (its own rank for a receiver).
+        name: The operation, used in timeout and failure messages.
+        timeout: As for :func:`barrier`.
+
+    Returns:
+        The answer of this rank's receiver.
+
+    Raises:
+        DDPStateError: ``decide`` raised on this rank's receiver (its error, or a
+            RankFailedError naming it), on the ranks that named that receiver.
+        InvalidArgumentError: ``dst`` is not a rank, or not a receiver.
+        BarrierTimeoutError: Some ranks did not arrive in time (named).
+
+    Example:
+        >>> from ddpstate.dist import gather_to_receivers
+        >>> gather_to_receivers(3, sum, dst=0, name="sum on each node")
+        3
+    """
+    if not is_distributed():
+        return decide([obj])
+    world = dist.get_world_size()
+    if not 0 <= dst < world:
+        raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+
+    def on_receiver(payloads: list[bytes]) -> bytes:
+        # Trusted input: these bytes come from this job's own ranks, never from a file.
+        return pickle.dumps(decide([pickle.loads(b) for b in payloads]))
+
+    raw = _collectives.gather_to_receivers(
+        _group(), pickle.dumps(obj), dst, name, _resolve_timeout(timeout), on_receiver
+    )
+    # Trusted input: the answer of this job's own receiver rank.
+    return pickle.loads(raw)
 
 
 def compare_across_ranks(

@@ -85,11 +85,10 @@ _PathRenamer = Callable[[str], Optional[tuple[str, int]]]
 
 
 def _optimized_module_type() -> type | None:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except Exception:  # pragma: no cover - dynamo missing on exotic builds
-        return None
-    return OptimizedModule
+    # torch.compile imports torch._dynamo to build its wrapper, so a process that has not
+    # imported it holds no compiled module; importing it here would cost seconds per restart.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
 
 
 def _is_tensor(value: Any) -> bool:

@@ -1058,8 +1058,9 @@ class CheckpointManager:
         """Save ``state`` to the node-local tier when ``step`` is a multiple of ``local_every``.
 
         Meant to be called every step: other steps return at once, with no
-        collective. On a due step it is a collective (the ranks' RNG states
-        travel through the store): each node's local rank 0 copies the state
+        collective. On a due step it is a collective of one round (the ranks'
+        RNG states travel through the store to each node's writer, which tells
+        its node whether the write started): each node's local rank 0 copies the state
         into CPU memory kept between saves and writes it to ``local_dir`` in a
         background thread (manifest last, as durable steps), keeping the
         newest ``local_keep`` steps. It never raises for a failed local write
@@ -1073,7 +1074,8 @@ class CheckpointManager:
             state: As for :meth:`save`.
 
         Returns:
-            True when this rank started a local write for ``step``.
+            True when this rank's node started a local write for ``step``
+            (the same on every rank of the node).
 
         Raises:
             DDPStateError: The manager has no ``local_dir``, or invalid arguments.
@@ -1101,7 +1103,12 @@ class CheckpointManager:
 
     @property
     def local_skipped(self) -> list[tuple[int, str]]:
-        """The local steps this rank skipped and why (empty without a node-local tier)."""
+        """The local steps this rank's node skipped and why (empty without a node-local tier).
+
+        On the node's writer (local rank 0) every skip, as soon as it is known;
+        on its other ranks, those the writer knew at the last due save_local (a
+        background write's failure is known at the next due save).
+        """
         return [] if self._local is None else list(self._local.skipped)
 
     def clear_local(self) -> None:

@@ -207,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.amp and not amp:
         log("--amp needs CUDA; training in float32")
 
+    # Import scikit-learn (seconds) on every rank at once; only reading the data goes
+    # first. Inside main_process_first the ranks imported it one after the other, which
+    # a torchrun restart paid again before its restore.
+    import sklearn.datasets  # noqa: F401
+
     with ddpstate.main_process_first():  # sklearn may unpack its data files once
         train_set, val_set = load_digits_split(args.seed)
 
