@@ -1,7 +1,7 @@
 """``python -m benchmarks [--quick | --full]``: every ddpstate benchmark, one table, one plot.
 
 Runs the families in ``benchmarks/`` (save/load, convert, async stall,
-2-rank gloo) at every checkpoint size and tensor count, and writes
+2-rank gloo, DCP saves) at every checkpoint size and tensor count, and writes
 ``results.md``, ``results.json`` and ``results.png`` to ``--out``
 (``benchmarks/results/`` by default). Ratios are ddpstate / baseline, measured
 side by side in the same run; see each module's docstring for what it
@@ -27,13 +27,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import async_save, convert, distributed, harness, report, save_load
+from benchmarks import async_save, convert, dcp, distributed, harness, report, save_load
 
 FAMILIES: dict[str, Callable[[harness.Results, harness.Settings], None]] = {
     "save_load": save_load.run,
     "convert": convert.run,
     "async": async_save.run,
     "dist": distributed.run,
+    "dcp": dcp.run,
 }
 
 PRESETS = {
