@@ -37,10 +37,12 @@ and optimizer with ``writers="all"``) in one DCP checkpoint below ``dcp/``::
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import os
 import zlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, Optional
 
 import torch
@@ -106,6 +108,10 @@ def _owner(optimizer: torch.optim.Optimizer, models: Mapping[str, nn.Module]) ->
     return None
 
 
+def _models(state: Mapping[str, Any]) -> dict[str, nn.Module]:
+    return {n: o for n, o in state.items() if isinstance(o, nn.Module)}
+
+
 def plan_entries(state: Mapping[str, Any], writers: str, where: str) -> dict[str, str]:
     """The entries of a CheckpointManager ``state`` that go through DCP, name -> kind.
 
@@ -116,7 +122,7 @@ def plan_entries(state: Mapping[str, Any], writers: str, where: str) -> dict[str
     Raises:
         InvalidArgumentError: A DCP optimizer's model is not in ``state``.
     """
-    models = {n: o for n, o in state.items() if isinstance(o, nn.Module)}
+    models = _models(state)
     chosen: dict[str, str] = {}
     for name, model in models.items():
         if writers == "all" or _module_is_sharded(model):
@@ -158,7 +164,7 @@ def state_dicts(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str,
         get_optimizer_state_dict,
     )
 
-    models = {n: o for n, o in state.items() if isinstance(o, nn.Module)}
+    models = _models(state)
     out: dict[str, Any] = {}
     for name, kind in kinds.items():
         if kind == KIND_MODULE:
@@ -196,11 +202,17 @@ def load_entries(
                 f"torch.distributed.checkpoint), but state[{name!r}] is a "
                 f"{type(state[name]).__name__}; pass the live {want.__name__}"
             )
+        if kind == KIND_OPTIMIZER and _owner(state[name], _models(state)) is None:
+            raise InvalidArgumentError(
+                f"{where}: entry {name!r} is an optimizer saved with "
+                f"torch.distributed.checkpoint, keyed by its model's parameter names; put its "
+                f"model in the state passed to restore"
+            )
     targets = state_dicts(state, kinds)
     from torch.distributed.checkpoint.state_dict_loader import load
 
     load(targets, storage_reader=FileSystemReader(folder))
-    models = {n: o for n, o in state.items() if isinstance(o, nn.Module)}
+    models = _models(state)
     for name, kind in kinds.items():
         if kind == KIND_MODULE:
             set_model_state_dict(state[name], targets[name], options=_options())
@@ -256,6 +268,54 @@ def _checksum(path: str) -> dict[str, Any]:
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
+class _ChecksumStream(io.RawIOBase):
+    """A write stream that CRC-32s what passes through, so no file is read back to checksum it."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self._raw = raw
+        self.size = 0
+        self.crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        written = self._raw.write(data)
+        view = memoryview(data).cast("B")[:written]
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return int(written)
+
+    def tell(self) -> int:
+        return int(self._raw.tell())
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return int(self._raw.fileno())
+
+
+def _checksumming_fs(sums: dict[str, dict[str, Any]]) -> Any:
+    """DCP's local FileSystem, recording each data file's size and CRC-32 as it is written."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class ChecksummingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            name = os.path.basename(os.fspath(path))
+            with super().create_stream(path, mode) as raw:
+                if mode != "wb" or not name.endswith(SHARD_SUFFIX):
+                    yield raw
+                    return
+                stream = _ChecksumStream(raw)
+                yield stream
+                sums[name] = {"size": stream.size, "crc32": f"{stream.crc:08x}"}
+
+    return ChecksummingFileSystem()
+
+
 def write_shards(state_dict: Mapping[str, Any], folder: str) -> dict[str, dict[str, Any]]:
     """Write this rank's part of ``state_dict`` into the local ``folder`` with DCP; checksum it.
 
@@ -280,9 +340,18 @@ def write_shards(state_dict: Mapping[str, Any], folder: str) -> dict[str, dict[s
     local = _fs.local_path(folder)
     os.makedirs(local, exist_ok=True)
     writer = FileSystemWriter(local, single_file_per_rank=True, sync_files=True)
+    sums: dict[str, dict[str, Any]] = {}
+    writer.fs = _checksumming_fs(sums)
     save(dict(state_dict), storage_writer=writer)
     rank = get_rank() if is_distributed() else 0
-    return {n: _checksum(os.path.join(local, n)) for n in _own_files(local, rank, rank == 0)}
+    files = {}
+    for name in _own_files(local, rank, rank == 0):
+        path = os.path.join(local, name)
+        known = sums.get(name)
+        # Read back only what was not seen whole on its way out (.metadata, or a stream
+        # that seeked): the size on disk must be what passed through.
+        files[name] = known if known and known["size"] == os.path.getsize(path) else _checksum(path)
+    return files
 
 
 def merge_files(

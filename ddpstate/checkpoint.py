@@ -177,8 +177,15 @@ def save(
     the same error, which names the file and the writer; nobody hangs. A failed
     save leaves the previous file byte-for-byte as it was.
 
-    What is saved can be loaded: before anything is written, sharded
-    (FSDP2 ``DTensor``) and meta tensors are refused, and so is any object
+    Sharded state (FSDP2 / tensor-parallel ``DTensor``, each rank passing its
+    own) is written as a ``torch.distributed.checkpoint`` folder at ``path``:
+    every rank writes its shards, ``src_rank`` commits a ``manifest.json``
+    listing every file's size and CRC-32 last, then swaps the folder into
+    place (``barrier`` is ignored: every rank writes). torch's ``dcp.load``
+    reads the folder as well.
+
+    What is saved can be loaded: before anything is written, meta tensors
+    are refused, and so is any object
     that :func:`load` with ``weights_only=True`` could not restore (it is
     named by its path in ``obj``). Out of the box that covers tensors, numbers,
     strings, containers, numpy scalars and numeric arrays, ``pathlib`` paths,
@@ -206,7 +213,9 @@ def save(
             an object that cannot be pickled...), on every rank.
         UnsafeCheckpointError: ``obj`` holds an object that only
             ``weights_only=False`` could load; the message names its path.
-        ShardedStateError: ``obj`` holds sharded tensors (FSDP2 ``DTensor``).
+        ShardedStateError: ``obj`` holds sharded tensors (FSDP2 ``DTensor``) and
+            ``path`` names a file (``.pt``, ``.safetensors``...) or ``format``/
+            ``metadata`` is given: give a folder path; or a legacy ``ShardedTensor``.
         CheckpointFormatError: The format cannot hold ``obj`` or ``metadata``
             (e.g. non-tensor values for safetensors; the message names the keys).
         InvalidArgumentError: The ranks passed different paths, formats or

@@ -714,8 +714,17 @@ class CheckpointManager:
     DDP). Plain values must be loadable with ``weights_only=True``: numbers,
     strings, tensors, containers, numpy values, paths, ``datetime`` values,
     ``argparse.Namespace``, or your own types listed in ``safe_globals``;
-    anything else is refused by ``save`` before anything is written. Sharded
-    state (FSDP2 ``DTensor``) is refused with :class:`~ddpstate.ShardedStateError`.
+    anything else is refused by ``save`` before anything is written.
+
+    Sharded models (FSDP2 ``fully_shard``, tensor parallel: ``DTensor``
+    parameters) and their optimizers are saved with
+    ``torch.distributed.checkpoint``: every rank writes its own shards into
+    ``step_<n>/dcp/``, and the manifest lists those files too, so the commit,
+    verification and fallback are the same; :meth:`restore` reshards them to
+    the live model's layout (another world size, FSDP2, DDP or a plain model).
+    The optimizer's model must be in the same ``state``. Such a save is
+    synchronous even with ``async_save=True``. Sharded tensors elsewhere (in a
+    plain value) are refused with :class:`~ddpstate.ShardedStateError`.
 
     Checkpoints live in ``<directory>/step_<step>/`` (see the module
     docstring). Rotation runs only after the new checkpoint is committed: it
@@ -775,6 +784,11 @@ class CheckpointManager:
             It may differ between nodes (not between the ranks of one node).
         local_every: :meth:`save_local` writes the steps divisible by this.
         local_keep: Local steps kept on each node (the newest ones).
+        writers: ``"rank0"`` (default): rank 0 writes replicated (DDP) models
+            and optimizers; ``"all"``: every rank writes a part of them through
+            ``torch.distributed.checkpoint`` (its planner splits the tensors by
+            size), which pays off from about 2 ranks on fast storage (see the
+            README's DCP table). Sharded state always uses every rank.
 
     Raises:
         DDPStateError: An argument is invalid, the ranks passed different
@@ -966,8 +980,9 @@ class CheckpointManager:
                 steps or entry names; a value ``restore`` could not load (named
                 by its path, with the ``safe_globals`` way out) or a meta tensor,
                 before anything is committed.
-            ShardedStateError: ``state`` holds FSDP2/tensor-parallel state
-                (``DTensor``), on every rank, before anything is written.
+            ShardedStateError: A plain value holds FSDP2/tensor-parallel state
+                (``DTensor``), or a sharded optimizer's model is not in ``state``;
+                on every rank, before anything is written.
             BarrierTimeoutError: A rank did not reach the save in time.
 
         Example:

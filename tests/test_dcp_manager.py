@@ -129,6 +129,27 @@ def test_fsdp2_model_and_optimizer_restore_bitwise_and_reshard(
     assert any("saved by" in w for w in restored[0]["warnings"]) == resharded  # RNG note
 
 
+def _fsdp_async_save(rank: int, world: int, folder: str) -> dict[str, Any]:
+    model, opt = _fsdp(world)
+    with ddpstate.CheckpointManager(folder, async_save=True) as manager:
+        _train(model, opt, rank)
+        manager.save(1, {"model": model, "optimizer": opt, "epoch": 3})
+        _train(model, opt, rank)
+        manager.save(2, {"model": model, "optimizer": opt, "epoch": 4})
+        manager.wait()
+        steps = manager.steps()
+    return {"full": _full(model, opt), "steps": steps}
+
+
+def test_async_manager_saves_fsdp2_state_and_restores_it_bitwise(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    saved = run_ranks(_fsdp_async_save, 2, args=(folder,), timeout=150)
+    assert saved[0]["steps"] == [1, 2]
+    restored = run_ranks(_fsdp_restore, 2, args=(folder, None), timeout=150)
+    assert [(out["step"], out["epoch"]) for out in restored] == [(2, 4), (2, 4)]
+    _assert_bitwise(saved[0]["full"], restored[0]["full"])
+
+
 def _kill_rank_one_mid_save(rank: int, world: int, folder: str) -> str:
     model, opt = _fsdp(world)
     manager = ddpstate.CheckpointManager(folder, timeout=15)
@@ -293,6 +314,7 @@ def _save_sharded(rank: int, world: int, folder: str) -> dict[str, Any]:
         os.makedirs(target)
         (Path(target) / "old.txt").write_text("the previous folder")
     ddpstate.save(model.state_dict(), target)
+    ddpstate.save_model_state(model, os.path.join(folder, "weights_dcp"))
     # torch's own reader takes the folder as it is (into fresh shards of another model).
     other, _ = _fsdp(world, seed=1)
     loaded = other.state_dict()
@@ -321,6 +343,10 @@ def test_save_writes_sharded_state_as_a_committed_dcp_folder(tmp_path: Path) -> 
     ]  # the old folder was replaced whole, atomically
     check = ddpstate.verify_checkpoint(str(target))
     assert check.ok and check.files == 3, check.problems
+    assert ddpstate.verify_checkpoint(str(tmp_path / "weights_dcp")).ok
+    # Read back whole in one plain process (no process group), as ddpstate.load does today.
+    _assert_bitwise(results[0]["full"], ddpstate.load(str(target), map_location="cpu"))
+    _assert_bitwise(results[0]["full"], ddpstate.load(str(tmp_path / "weights_dcp")))
     _assert_bitwise(results[0]["full"], results[0]["loaded"])
     for out in results:
         assert "give a folder path" in out["refused"].lower()
