@@ -9,6 +9,9 @@ On disk, a :class:`CheckpointManager` folder looks like this::
             model.pt                # one file per entry of `state` (`.safetensors` for models
             optimizer.pt            #   with format="safetensors")
             _rng.pt                 # every rank's RNG states, and the world size
+            dcp/                    # sharded models/optimizers (or all, writers="all"):
+                .metadata           #   one torch.distributed.checkpoint, every rank's
+                __0_0.distcp ...    #   files listed in the manifest (see _dcp.py)
             manifest.json           # written last: the commit marker
 
 A step folder without ``manifest.json`` is an unfinished save and never counts

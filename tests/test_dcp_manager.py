@@ -157,15 +157,13 @@ def _kill_rank_one_mid_save(rank: int, world: int, folder: str) -> str:
     manager.save(1, {"model": model, "optimizer": opt, "epoch": 3})
     _train(model, opt, rank)
     if rank == 1:
-        checksum = _dcp._checksum
 
-        def die_after_writing(path: str) -> dict[str, Any]:
-            # Rank 1's shard is on disk; die before its checksum reaches rank 0.
-            checksum(path)
+        def die_after_writing(folder: str, rank: int, coordinator: bool) -> list[str]:
+            # Rank 1's shard is on disk (DCP's save returned); die before reporting it.
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 
-        _dcp._checksum = die_after_writing  # type: ignore[assignment]
+        _dcp._own_files = die_after_writing  # type: ignore[assignment]
     try:
         manager.save(2, {"model": model, "optimizer": opt, "epoch": 4})
     except DDPStateError as exc:
