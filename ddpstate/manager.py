@@ -790,8 +790,9 @@ class CheckpointManager:
         writers: ``"rank0"`` (default): rank 0 writes replicated (DDP) models
             and optimizers; ``"all"``: every rank writes a part of them through
             ``torch.distributed.checkpoint`` (its planner splits the tensors by
-            size), which pays off from about 2 ranks on fast storage (see the
-            README's DCP table). Sharded state always uses every rank.
+            size). On one node it ties or loses to ``"rank0"`` (the ranks share
+            CPUs and disk; see the README's DCP table); it can pay off where each
+            rank has its own write bandwidth. Sharded state always uses every rank.
 
     Raises:
         DDPStateError: An argument is invalid, the ranks passed different
