@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import os
 import posixpath
+import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -14,7 +15,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.distributed as torch_dist
 
-from ddpstate import _dcp_read, _fs, _savecheck, _torch_io, storage
+from ddpstate import _dcp, _dcp_read, _fs, _savecheck, _torch_io, storage
 from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate.dist import (
     broadcast_object,
@@ -195,8 +196,15 @@ def save(
     the same error, which names the file and the writer; nobody hangs. A failed
     save leaves the previous file byte-for-byte as it was.
 
-    What is saved can be loaded: before anything is written, sharded
-    (FSDP2 ``DTensor``) and meta tensors are refused, and so is any object
+    Sharded state (FSDP2 / tensor-parallel ``DTensor``, each rank passing its
+    own) is written as a ``torch.distributed.checkpoint`` folder at ``path``:
+    every rank writes its shards, ``src_rank`` commits a ``manifest.json``
+    listing every file's size and CRC-32 last, then swaps the folder into
+    place (``barrier`` is ignored: every rank writes). torch's ``dcp.load``
+    reads the folder as well.
+
+    What is saved can be loaded: before anything is written, meta tensors
+    are refused, and so is any object
     that :func:`load` with ``weights_only=True`` could not restore (it is
     named by its path in ``obj``). Out of the box that covers tensors, numbers,
     strings, containers, numpy scalars and numeric arrays, ``pathlib`` paths,
@@ -231,7 +239,9 @@ def save(
             an object that cannot be pickled...), on every rank.
         UnsafeCheckpointError: ``obj`` holds an object that only
             ``weights_only=False`` could load; the message names its path.
-        ShardedStateError: ``obj`` holds sharded tensors (FSDP2 ``DTensor``).
+        ShardedStateError: ``obj`` holds sharded tensors (FSDP2 ``DTensor``) and
+            ``path`` names a file (``.pt``, ``.safetensors``...) or ``format``/
+            ``metadata`` is given: give a folder path; or a legacy ``ShardedTensor``.
         CheckpointFormatError: The format cannot hold ``obj`` or ``metadata``
             (e.g. non-tensor values for safetensors; the message names the keys).
         InvalidArgumentError: The ranks passed different paths, formats or
@@ -248,6 +258,14 @@ def save(
     """
     text = os.fspath(path)
     _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
+    if _dcp.holds_sharded(obj):
+        _dcp.check_folder_target(
+            obj, text, format, metadata is not None, max_shard_size=max_shard_size is not None
+        )
+        _dcp.check_sharded_types(obj, text)
+        _check_rank(src_rank, "src_rank")
+        _save_sharded(obj, text, src_rank, timeout)
+        return
     fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
     if max_shard_size is not None:
         from ddpstate._hf_write import parse_size
@@ -295,6 +313,65 @@ def save(
             raise causes[0] from None  # the others were told; the interrupt goes on here
         if causes:
             raise shared from causes[0]
+        raise
+
+
+def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:
+    """Every rank writes its shards of ``obj`` into a DCP folder at ``text``; see ``_dcp``.
+
+    Three rounds: the ranks agree on the call (``src_rank`` makes the temporary
+    folder beside ``text``) and learn the folder; every rank writes and
+    checksums its part; ``src_rank`` gathers the outcome, writes the manifest
+    last and swaps the folder into place. A failure anywhere removes the
+    temporary folder and raises on every rank; ``text`` is untouched.
+    """
+    distributed = is_distributed()
+    rank = get_rank() if distributed else src_rank
+    world = get_world_size() if distributed else 1
+    made: list[str] = []
+
+    def prepare(seen: list[tuple[Any, ...]]) -> Optional[DDPStateError]:
+        disagreement = _disagreement(SAVE_COLLECTIVE, seen)
+        if disagreement is not None:
+            return disagreement
+        try:
+            made.append(_dcp.prepare_temp(text))
+        except BaseException as exc:
+            return _save_error(exc, text, src_rank)
+        return None
+
+    gather_and_decide(
+        (text, DCP, src_rank), prepare, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout
+    )
+    temp = made[0] if made else None
+    if distributed:
+        temp = broadcast_object(temp, src=src_rank, timeout=timeout)
+    info: dict[str, Any] = {}
+    cause: Optional[BaseException] = None
+    try:
+        info["files"] = _dcp.write_shards(obj, str(temp))
+    except Exception as exc:
+        cause = exc
+        info["error"] = _dcp.failure_text(exc)
+
+    def commit(infos: list[Any]) -> Optional[DDPStateError]:
+        files, failures = _dcp.merge_files(infos)
+        try:
+            if failures:
+                detail = "; ".join(f"rank {r}: {m}" for r, m in failures)
+                raise CheckpointWriteError(f"writing the shards failed ({detail})")
+            _dcp.commit_folder(str(temp), text, files, world)
+        except BaseException as exc:
+            shutil.rmtree(str(temp), ignore_errors=True)
+            error = _save_error(exc, text, src_rank)
+            return with_message(error, str(error).replace(" (the writer)", " (the committer)"))
+        return None
+
+    try:
+        gather_and_decide(info, commit, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout)
+    except DDPStateError as shared:
+        if cause is not None and rank != src_rank:
+            raise shared from cause
         raise
 
 

@@ -9,6 +9,9 @@ On disk, a :class:`CheckpointManager` folder looks like this::
             model.pt                # one file per entry of `state` (`.safetensors` for models
             optimizer.pt            #   with format="safetensors")
             _rng.pt                 # every rank's RNG states, and the world size
+            dcp/                    # sharded models/optimizers (or all, writers="all"):
+                .metadata           #   one torch.distributed.checkpoint, every rank's
+                __0_0.distcp ...    #   files listed in the manifest (see _dcp.py)
             manifest.json           # written last: the commit marker
 
 A step folder without ``manifest.json`` is an unfinished save and never counts
@@ -43,7 +46,7 @@ from typing import IO, Any, Optional, Union
 import torch
 from torch import nn
 
-from ddpstate import _fs, _local_tier, _savecheck, checkpoint, storage
+from ddpstate import _dcp, _fs, _local_tier, _savecheck, checkpoint, storage
 from ddpstate._collectives import with_message
 from ddpstate._version import __version__
 from ddpstate.dist import (
@@ -280,13 +283,17 @@ def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
 
 
 def _manifest_for(
-    step: int,
+    step: Optional[int],
     metrics: Mapping[str, Any],
     world_size: int,
-    entries: dict[str, dict[str, str]],
+    entries: Optional[dict[str, dict[str, str]]],
     files: dict[str, dict[str, Any]],
+    format: Optional[str] = None,
 ) -> bytes:
-    """A step's manifest (the commit marker) as written, its own CRC-32 included."""
+    """A step's manifest (the commit marker) as written, its own CRC-32 included.
+
+    With ``format`` (a ``save()`` DCP folder, see ``_dcp``) it has no entries and no RNG file.
+    """
     now = time.time()
     manifest: dict[str, Any] = {
         "manifest_version": MANIFEST_VERSION,
@@ -302,6 +309,9 @@ def _manifest_for(
         "rng_file": RNG_FILE,
         "files": files,
     }
+    if format is not None:
+        manifest["format"] = format
+        del manifest["entries"], manifest["rng_file"], manifest["step"]
     manifest[MANIFEST_CRC_FIELD] = _manifest_crc(manifest)
     return _manifest_bytes(manifest)
 
@@ -319,6 +329,11 @@ def _is_plain_name(name: Any) -> bool:
         and "\\" not in name
         and not name.startswith(".")
     )
+
+
+def _is_listed(name: Any) -> bool:
+    """A file name a manifest may list: a plain name, or one of a DCP checkpoint's files."""
+    return _is_plain_name(name) or _dcp.is_listed_name(name)
 
 
 def _read_manifest(
@@ -365,12 +380,18 @@ def _manifest_problems(manifest: dict[str, Any], step: Optional[int]) -> list[st
     problems = []
     if step is not None and manifest.get("step") != step:
         problems.append(f"its {MANIFEST_NAME} does not describe step {step}")
+    if manifest.get("format") == _dcp.FOLDER_FORMAT and step is None:
+        return [  # a save() DCP folder: files only
+            f"its {MANIFEST_NAME} lists {name!r}, which is not a file here"
+            for name, expected in manifest["files"].items()
+            if not _is_listed(name) or not isinstance(expected, dict)
+        ]
     entries = manifest.get("entries")
     if not isinstance(entries, dict):
         return [*problems, f"its {MANIFEST_NAME} has no entries"]
     files: dict[str, Any] = manifest["files"]
     for filename, expected in files.items():
-        if not _is_plain_name(filename) or not isinstance(expected, dict):
+        if not _is_listed(filename) or not isinstance(expected, dict):
             problems.append(f"its {MANIFEST_NAME} lists {filename!r}, which is not a file here")
     for name, entry in entries.items():
         if not isinstance(entry, dict) or entry.get("file") not in files:
@@ -432,7 +453,7 @@ def _check_folder(folder: str, step: Optional[int], opts: Optional[dict[str, Any
     check = _FolderCheck(manifest, _manifest_problems(manifest, step), [])
     files: dict[str, Any] = manifest["files"]
     for filename, expected in files.items():
-        if _is_plain_name(filename) and isinstance(expected, dict):
+        if _is_listed(filename) and isinstance(expected, dict):
             _check_file(storage.join(folder, filename), filename, expected, check, opts)
     try:
         present = storage.listdir(folder, storage_options=opts, include_temp=True)
@@ -442,12 +463,19 @@ def _check_folder(folder: str, step: Optional[int], opts: Optional[dict[str, Any
     for name in present:
         if name in files or name == MANIFEST_NAME:
             continue
+        if name == _dcp.DCP_SUBDIR and any(_dcp.is_listed_name(f) for f in files):
+            for extra in _dcp.unlisted_shards(storage.join(folder, name), files, name + "/"):
+                check.problems.append(
+                    f"{extra} is not listed in {MANIFEST_NAME}: a shard this save did not write "
+                    f"(copied in, or left from another save); move it out of the folder"
+                )
+            continue
         if storage.is_temp_name(name):
             check.notes.append(
                 f"{name} is a temporary file left by an interrupted write (not part of the "
                 f"checkpoint; the next save deletes it)"
             )
-        elif name.endswith(PART_SUFFIXES):
+        elif name.endswith((*PART_SUFFIXES, _dcp.SHARD_SUFFIX)):
             check.problems.append(
                 f"{name} is not listed in {MANIFEST_NAME}: a checkpoint file this save did not "
                 f"write (copied in, or left from another save); move it out of the folder"
@@ -689,8 +717,17 @@ class CheckpointManager:
     DDP). Plain values must be loadable with ``weights_only=True``: numbers,
     strings, tensors, containers, numpy values, paths, ``datetime`` values,
     ``argparse.Namespace``, or your own types listed in ``safe_globals``;
-    anything else is refused by ``save`` before anything is written. Sharded
-    state (FSDP2 ``DTensor``) is refused with :class:`~ddpstate.ShardedStateError`.
+    anything else is refused by ``save`` before anything is written.
+
+    Sharded models (FSDP2 ``fully_shard``, tensor parallel: ``DTensor``
+    parameters) and their optimizers are saved with
+    ``torch.distributed.checkpoint``: every rank writes its own shards into
+    ``step_<n>/dcp/``, and the manifest lists those files too, so the commit,
+    verification and fallback are the same; :meth:`restore` reshards them to
+    the live model's layout (another world size, FSDP2, DDP or a plain model).
+    The optimizer's model must be in the same ``state``. Such a save is
+    synchronous even with ``async_save=True``. Sharded tensors elsewhere (in a
+    plain value) are refused with :class:`~ddpstate.ShardedStateError`.
 
     Checkpoints live in ``<directory>/step_<step>/`` (see the module
     docstring). Rotation runs only after the new checkpoint is committed: it
@@ -750,6 +787,12 @@ class CheckpointManager:
             It may differ between nodes (not between the ranks of one node).
         local_every: :meth:`save_local` writes the steps divisible by this.
         local_keep: Local steps kept on each node (the newest ones).
+        writers: ``"rank0"`` (default): rank 0 writes replicated (DDP) models
+            and optimizers; ``"all"``: every rank writes a part of them through
+            ``torch.distributed.checkpoint`` (its planner splits the tensors by
+            size). On one node it ties or loses to ``"rank0"`` (the ranks share
+            CPUs and disk; see the README's DCP table); it can pay off where each
+            rank has its own write bandwidth. Sharded state always uses every rank.
 
     Raises:
         DDPStateError: An argument is invalid, the ranks passed different
@@ -784,6 +827,7 @@ class CheckpointManager:
         local_dir: Optional[PathLike] = None,
         local_every: int = 1,
         local_keep: int = 2,
+        writers: str = "rank0",
     ) -> None:
         if keep_last is not None and (
             isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
@@ -803,6 +847,12 @@ class CheckpointManager:
             )
         if mode not in ("min", "max"):
             raise InvalidArgumentError(f"CheckpointManager: mode={mode!r} must be 'min' or 'max'")
+        if writers not in _dcp.WRITERS:
+            raise InvalidArgumentError(
+                f"CheckpointManager: writers={writers!r} must be 'rank0' (rank 0 writes models "
+                f"and optimizers) or 'all' (every rank writes part, through "
+                f"torch.distributed.checkpoint)"
+            )
         if format not in ("pt", "safetensors"):
             raise InvalidArgumentError(
                 f"CheckpointManager: format={format!r} must be 'pt' or 'safetensors'"
@@ -814,6 +864,7 @@ class CheckpointManager:
         self.mode = mode
         self.async_save = bool(async_save)
         self.format = format
+        self.writers = writers
         self.storage_options = storage_options
         self.timeout = timeout
         self.safe_globals: tuple[Any, ...] = _savecheck.check_safe_globals(
@@ -933,8 +984,9 @@ class CheckpointManager:
                 steps or entry names; a value ``restore`` could not load (named
                 by its path, with the ``safe_globals`` way out) or a meta tensor,
                 before anything is committed.
-            ShardedStateError: ``state`` holds FSDP2/tensor-parallel state
-                (``DTensor``), on every rank, before anything is written.
+            ShardedStateError: A plain value holds FSDP2/tensor-parallel state
+                (``DTensor``), or a sharded optimizer's model is not in ``state``;
+                on every rank, before anything is written.
             BarrierTimeoutError: A rank did not reach the save in time.
 
         Example:
@@ -957,9 +1009,12 @@ class CheckpointManager:
                 f"{sorted(checked_metrics) or 'nothing'}; pass metrics={{{self.metric!r}: value}}"
             )
         folder = self.checkpoint_path(step)
-        # Every rank looks at its own model and optimizer: sharded state is refused
-        # on every rank before anyone writes (rank 0 alone holds only its shards).
-        _check_not_sharded(state, folder)
+        # Sharded models and optimizers (every one with writers="all") are written by every
+        # rank through torch.distributed.checkpoint (_dcp.py); sharded state anywhere else
+        # is refused on every rank before anyone writes (rank 0 alone holds only its shards).
+        dcp_kinds = _dcp.plan_entries(state, self.writers, folder)
+        rest = {k: v for k, v in state.items() if k not in dcp_kinds}
+        _check_not_sharded(rest, folder)
         batchnorm = self._batchnorm_checks(state)
         writer = get_rank() == _WRITER_RANK
         entries: dict[str, _Entry] = {}
@@ -970,7 +1025,7 @@ class CheckpointManager:
             try:
                 refusal = self._rollback_refusal(step, rollback)
                 if not refusal:
-                    entries, events = self._collect(state, snapshot=self.async_save)
+                    entries, events = self._collect(rest, snapshot=self.async_save)
                 for name, entry in entries.items():
                     _savecheck.check_tensors(entry.value, f"state[{name!r}]", folder)
             except Exception as exc:
@@ -983,7 +1038,13 @@ class CheckpointManager:
         # The RNG states ride as one opaque blob per rank: the writer's check needs only
         # step and names, and unpickles the states when it writes them.
         rng = pickle.dumps(_rng_to_wire(capture_rng_state()))
-        info = {"step": step, "names": sorted(names), "rng": rng, "batchnorm": batchnorm}
+        info = {
+            "step": step,
+            "names": sorted(names),
+            "rng": rng,
+            "batchnorm": batchnorm,
+            "dcp": dcp_kinds,
+        }
         # Models wrap_ddp prepared with unsynced BatchNorm are averaged before the write.
         # That is a collective of its own, so it runs only after the round has shown
         # that the ranks agree (step, entries, which models), and the write follows it.
@@ -996,12 +1057,14 @@ class CheckpointManager:
             if error is None and refusal:
                 error = InvalidArgumentError(refusal)
             if error is None:
+                error = _dcp.kinds_disagree(infos, step)
+            if error is None:
                 error = self._check_batchnorm(state, folder, infos)
             if error is not None:
                 causes.extend([local_error] if local_error is not None else [])
                 return error
             rng_blobs.extend(i["rng"] for i in infos)
-            if self.async_save or sync_first:
+            if self.async_save or sync_first or dcp_kinds:
                 return None
             try:
                 self._write(step, entries, _rng_states(rng_blobs), checked_metrics)
@@ -1022,6 +1085,15 @@ class CheckpointManager:
             if causes:
                 raise shared from causes[0]
             raise
+        if dcp_kinds:
+            if sync_first:
+                self._sync_batchnorm(state)
+                if writer:
+                    entries, _ = self._collect(rest, snapshot=False)  # the synced statistics
+            # Synchronous even with async_save: DCP's collectives cannot share the
+            # default process group with training from a background thread.
+            _dcp.save_step(self, step, state, dcp_kinds, entries, rng_blobs, checked_metrics)
+            return
         if sync_first:
             self._sync_batchnorm(state)
             if writer and self.async_save:
@@ -1381,6 +1453,7 @@ class CheckpointManager:
             self.mode,
             self.async_save,
             self.format,
+            self.writers,
         )
         gathered = compare_across_ranks(config, name="CheckpointManager(...)", timeout=self.timeout)
         if gathered is not None:
@@ -1522,32 +1595,17 @@ class CheckpointManager:
         entries: dict[str, _Entry],
         rng_states: list[Any],
         metrics: dict[str, float],
+        prepared: Optional[str] = None,
+        written: Optional[tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]] = None,
     ) -> None:
+        """Write and commit a step; ``prepared`` and ``written`` come from a DCP save (_dcp.py):
+        the folder every rank wrote into, and the (files, entries) they wrote there."""
         opts = self.storage_options
-        storage.makedirs(self.directory, storage_options=opts)
-        self._clean_stale(step)
         target = self.checkpoint_path(step)
-        folder = target
-        if storage.exists(target, storage_options=opts):
-            if not storage.isdir(target, storage_options=opts):
-                raise CheckpointWriteError(
-                    f"{target} exists and is not a folder, so step {step} cannot be saved there; "
-                    f"move that file away (ddpstate never deletes files it did not write)"
-                )
-            if _fs.is_remote(target):
-                # Object stores cannot swap folders: uncommit the old copy first.
-                storage.remove(
-                    storage.join(target, MANIFEST_NAME), storage_options=opts, missing_ok=True
-                )
-                storage.remove(target, storage_options=opts, recursive=True)
-            else:
-                # Re-saving a step: write beside it, then swap, so the old copy stays
-                # committed until the new one is.
-                folder = storage.temp_path_for(target)
-        storage.makedirs(folder, storage_options=opts)
+        folder = self._prepare_folder(step) if prepared is None else prepared
         try:
-            files: dict[str, dict[str, Any]] = {}
-            manifest_entries: dict[str, dict[str, str]] = {}
+            files: dict[str, dict[str, Any]] = dict(written[0]) if written else {}
+            manifest_entries: dict[str, dict[str, str]] = dict(written[1]) if written else {}
             for name, entry in entries.items():
                 as_safetensors = (
                     self.format == "safetensors"
@@ -1594,6 +1652,32 @@ class CheckpointManager:
         for s in newer:
             self._delete_step(s, step)
         self._rotate(step)
+
+    def _prepare_folder(self, step: int) -> str:
+        """Rank 0: clean up crashed saves and create the folder ``step`` is written into."""
+        opts = self.storage_options
+        storage.makedirs(self.directory, storage_options=opts)
+        self._clean_stale(step)
+        target = self.checkpoint_path(step)
+        folder = target
+        if storage.exists(target, storage_options=opts):
+            if not storage.isdir(target, storage_options=opts):
+                raise CheckpointWriteError(
+                    f"{target} exists and is not a folder, so step {step} cannot be saved there; "
+                    f"move that file away (ddpstate never deletes files it did not write)"
+                )
+            if _fs.is_remote(target):
+                # Object stores cannot swap folders: uncommit the old copy first.
+                storage.remove(
+                    storage.join(target, MANIFEST_NAME), storage_options=opts, missing_ok=True
+                )
+                storage.remove(target, storage_options=opts, recursive=True)
+            else:
+                # Re-saving a step: write beside it, then swap, so the old copy stays
+                # committed until the new one is.
+                folder = storage.temp_path_for(target)
+        storage.makedirs(folder, storage_options=opts)
+        return folder
 
     def _discard(self, folder: str, exc: BaseException) -> None:
         """Delete the uncommitted folder of a failed save (the next save would anyway)."""
@@ -1988,9 +2072,17 @@ class CheckpointManager:
     ) -> None:
         opts = self.storage_options
         saved_entries: dict[str, Any] = manifest["entries"]
+        # Entries in the step's DCP checkpoint load first, on every rank together.
+        dcp_kinds = {
+            n: saved_entries[n]["kind"]
+            for n in state
+            if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
+        }
+        if dcp_kinds:
+            _dcp.restore_entries(state, dcp_kinds, folder, ignore_mismatched)
         loaded: dict[str, Any] = {}
         for name in state:
-            if name in saved_entries:
+            if name in saved_entries and name not in dcp_kinds:
                 path = storage.join(folder, saved_entries[name]["file"])
                 # No mmap on the durable tier: a later rotation deletes these files, and on
                 # a shared filesystem another node's mapped pages could then vanish (SIGBUS).

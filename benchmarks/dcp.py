@@ -1,0 +1,243 @@
+"""DCP saves on gloo ranks: DDP ``writers="all"`` vs rank 0, and FSDP2 state, against plain ``dcp``.
+
+Run: ``python -m benchmarks.dcp --size-mib 1024 --worlds 2,4`` (the figures in
+README); ``--size-mib 64`` for a quick check. Also a family of ``python -m
+benchmarks`` (``--only dcp``, at ``--dist-size``, 2 ranks, /dev/shm and disk).
+
+Per world size (N real processes, gloo on 127.0.0.1) and place (``/dev/shm``,
+where the disk's noise is absent, and ``--work`` on disk), every rank holds the
+same model of float32 parameters (``--size-mib`` in all, 64 MiB tensors).
+Alternating the order per repeat, each timed call is taken on every rank and
+its time is the slowest rank's (a collective waits for it), median over repeats:
+
+* DDP: ``CheckpointManager(writers="rank0").save`` (rank 0 writes it all),
+  ``CheckpointManager(writers="all").save`` (DCP's planner splits the
+  replicated tensors across the ranks; every rank writes and checksums its
+  part, rank 0 commits) and the baseline ``dcp.save(get_model_state_dict(model))``
+  (every rank writes, no commit marker or checksums; DCP fsyncs every file);
+* FSDP2 (``fully_shard``): ``CheckpointManager.save`` vs ``dcp.save`` of the
+  sharded state dict, and ``CheckpointManager.restore`` (which first verifies
+  every file's CRC-32 on rank 0) vs ``dcp.load`` + ``set_model_state_dict``.
+  Target: <= 1.15x.
+
+``keep_last=1``: each manager save also deletes the previous step, as in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks import harness
+from benchmarks.harness import Results, Settings, Timing
+
+_TENSOR_MIB = 64
+_MIB = 1 << 20
+_CTX = mp.get_context("spawn")
+
+
+def _model(size_mib: int) -> Any:
+    import torch
+
+    per = min(_TENSOR_MIB, max(1, size_mib // 4))
+    torch.manual_seed(0)
+    return torch.nn.ParameterDict(
+        {
+            f"w{i:03d}": torch.nn.Parameter(torch.randn(per * _MIB // 4))
+            for i in range(max(1, size_mib // per))
+        }
+    )
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    took = time.perf_counter() - start
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, took)
+    return max(gathered)
+
+
+def _child(rank: int, world: int, port: int, opts: dict[str, Any], out: Any) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from ddpstate.manager import CheckpointManager
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=600))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    base = Path(opts["folder"])
+    times: dict[str, list[float]] = {}
+
+    def run(sides: dict[str, Callable[[], Any]], repeats: int) -> None:
+        for i in range(repeats):
+            for name in list(sides) if i % 2 == 0 else list(sides)[::-1]:
+                times.setdefault(name, []).append(_timed(sides[name]))
+
+    if opts["kind"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(_model(opts["size_mib"]))
+        rank0 = CheckpointManager(base / "rank0", keep_last=1)
+        every = CheckpointManager(base / "all", keep_last=1, writers="all")
+        step = iter(range(1, 10_000))
+        run(
+            {
+                "manager_rank0": lambda: rank0.save(next(step), {"model": model}),
+                "manager_all": lambda: every.save(next(step), {"model": model}),
+                "dcp_save": lambda: dcp.save(
+                    get_model_state_dict(model), checkpoint_id=str(base / "dcp")
+                ),
+            },
+            opts["repeats"],
+        )
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = _model(opts["size_mib"])
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        manager = CheckpointManager(base / "fsdp", keep_last=1)
+        step = iter(range(1, 10_000))
+        run(
+            {
+                "manager_save": lambda: manager.save(next(step), {"model": model}),
+                "dcp_save": lambda: dcp.save(
+                    get_model_state_dict(model), checkpoint_id=str(base / "dcp")
+                ),
+            },
+            opts["repeats"],
+        )
+
+        def dcp_load() -> None:
+            sd = get_model_state_dict(model)
+            dcp.load(sd, checkpoint_id=str(base / "dcp"))
+            set_model_state_dict(model, sd)
+
+        run(
+            {"manager_restore": lambda: manager.restore({"model": model}), "dcp_load": dcp_load},
+            opts["repeats"],
+        )
+    if rank == 0:
+        out.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(kind: str, world: int, size_mib: int, repeats: int, folder: Path) -> dict[str, float]:
+    """Run one case on ``world`` spawned ranks; the median (slowest-rank) seconds per side."""
+    import torch.distributed as dist
+
+    folder.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=600),
+    )  # fmt: skip
+    out = _CTX.Queue()
+    opts = {"kind": kind, "size_mib": size_mib, "repeats": repeats, "folder": str(folder)}
+    procs = [
+        _CTX.Process(target=_child, args=(r, world, store.port, opts, out)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    times = out.get(timeout=3600)
+    for p in procs:
+        p.join(timeout=120)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a rank exited with {p.exitcode}")
+    shutil.rmtree(folder, ignore_errors=True)
+    return {name: statistics.median(runs) for name, runs in times.items()}
+
+
+def _places(work: Path) -> dict[str, Path]:
+    places = {"disk": work}
+    if os.path.isdir("/dev/shm"):
+        places["/dev/shm"] = Path(tempfile.mkdtemp(prefix="ddpstate-dcp-", dir="/dev/shm"))
+    return places
+
+
+def run(results: Results, settings: Settings) -> None:
+    """The ``python -m benchmarks`` family: 2 ranks at ``--dist-size``, /dev/shm and disk."""
+    size = settings.dist_size_mib
+    for place, root in _places(settings.work / "dcp").items():
+        try:
+            ddp = measure("ddp", 2, size, settings.repeats, root / "ddp")
+            fsdp = measure("fsdp", 2, size, settings.repeats, root / "fsdp")
+        finally:
+            if place == "/dev/shm":
+                shutil.rmtree(root, ignore_errors=True)
+        pairs = [
+            (f"2-rank DDP save ({place})", "writers='all'", ddp["manager_all"], "writers='rank0'",
+             ddp["manager_rank0"], None),
+            (f"2-rank DDP save ({place})", "writers='all'", ddp["manager_all"], "dcp.save",
+             ddp["dcp_save"], None),
+            (f"2-rank FSDP2 save ({place})", "CheckpointManager.save", fsdp["manager_save"],
+             "dcp.save", fsdp["dcp_save"], 1.15),
+            (f"2-rank FSDP2 restore ({place})", "CheckpointManager.restore",
+             fsdp["manager_restore"], "dcp.load", fsdp["dcp_load"], 1.15),
+        ]  # fmt: skip
+        for case, ours_name, ours_s, base_name, base_s, target in pairs:
+            ours = results.add(Timing(case, "size_mib", size, ours_name, ours_s, None, [], True))
+            base = results.add(Timing(case, "size_mib", size, base_name, base_s, None, []))
+            results.compare(ours, base, target, label=case)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.dcp", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=None, help="disk folder (default: a temp one)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ddpstate-dcp-", dir=args.work))
+    print(f"{args.size_mib} MiB of float32 parameters, median of {args.repeats}, slowest rank")
+    print("| ranks | place | case | ddpstate | s | baseline | s | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    try:
+        for world in [int(w) for w in args.worlds.split(",")]:
+            for place, root in _places(work).items():
+                try:
+                    ddp = measure("ddp", world, args.size_mib, args.repeats, root / "ddp")
+                    fsdp = measure("fsdp", world, args.size_mib, args.repeats, root / "fsdp")
+                finally:
+                    if place == "/dev/shm":
+                        shutil.rmtree(root, ignore_errors=True)
+                rows = [
+                    ("DDP save", "writers='all'", ddp["manager_all"], "writers='rank0'",
+                     ddp["manager_rank0"]),
+                    ("DDP save", "writers='all'", ddp["manager_all"], "dcp.save", ddp["dcp_save"]),
+                    ("FSDP2 save", "manager.save", fsdp["manager_save"], "dcp.save",
+                     fsdp["dcp_save"]),
+                    ("FSDP2 restore", "manager.restore", fsdp["manager_restore"], "dcp.load",
+                     fsdp["dcp_load"]),
+                ]  # fmt: skip
+                for case, ours, ours_s, base, base_s in rows:
+                    print(
+                        f"| {world} | {place} | {case} | {ours} | {ours_s:.2f} | {base} | "
+                        f"{base_s:.2f} | {ours_s / base_s:.2f}x |",
+                        flush=True,
+                    )
+    finally:
+        harness.remove(work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""FSDP2 (DTensor) and writers="all" state through CheckpointManager and save(), on real gloo ranks.
+
+Every restore is compared bitwise with the full (gathered) state the saving job had,
+including resharding between world sizes 4 and 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ddpstate
+from ddpstate import _dcp
+from ddpstate.errors import DDPStateError
+from tests.multiproc import run_ranks
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _fsdp(world: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = _net()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int = 2) -> None:
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=gen)).pow(2).sum().backward()
+        opt.step()
+
+
+def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole (gathered) model and optimizer state on rank 0 (CPU); a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    # Copies: on CPU the gathered tensors may be the live ones, which training changes later.
+    return copy.deepcopy({"model": model_sd, "optim": optim_sd})
+
+
+def _assert_bitwise(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert sorted(map(str, a)) == sorted(map(str, b)), where
+        for k in a:
+            _assert_bitwise(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_bitwise(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
+# --------------------------------------------------------------------------- FSDP2 manager
+
+
+def _fsdp_save(rank: int, world: int, folder: str) -> dict[str, Any]:
+    model, opt = _fsdp(world)
+    manager = ddpstate.CheckpointManager(folder, keep_last=2)
+    _train(model, opt, rank)
+    manager.save(1, {"model": model, "optimizer": opt, "epoch": 3})
+    _train(model, opt, rank)
+    manager.save(2, {"model": model, "optimizer": opt, "epoch": 4})
+    steps = manager.steps()
+    manager.close()
+    return {"full": _full(model, opt), "steps": steps}
+
+
+def _fsdp_restore(rank: int, world: int, folder: str, step: Any) -> dict[str, Any]:
+    model, opt = _fsdp(world, seed=1)  # other initial weights, no optimizer state yet
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "epoch": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager = ddpstate.CheckpointManager(folder)
+        got = manager.restore(state, step=step)
+        manager.close()
+    full = _full(model, opt)
+    # Training goes on from the restored state (FSDP2 still works after set_state_dict).
+    _train(model, opt, rank, steps=1)
+    return {
+        "step": got,
+        "epoch": state["epoch"],
+        "full": full,
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+@pytest.mark.parametrize(("saved_on", "restored_on"), [(2, 2), (4, 4), (4, 2), (2, 4)])
+def test_fsdp2_model_and_optimizer_restore_bitwise_and_reshard(
+    tmp_path: Path, saved_on: int, restored_on: int
+) -> None:
+    folder = str(tmp_path / "run")
+    saved = run_ranks(_fsdp_save, saved_on, args=(folder,), timeout=150)
+    assert saved[0]["steps"] == [1, 2]
+    step_folder = tmp_path / "run" / "step_0000000002"
+    listed = sorted(p.name for p in (step_folder / _dcp.DCP_SUBDIR).iterdir())
+    assert listed == sorted([".metadata", *(f"__{r}_0.distcp" for r in range(saved_on))])
+    assert ddpstate.verify_checkpoint(str(step_folder)).ok
+    restored = run_ranks(_fsdp_restore, restored_on, args=(folder, None), timeout=150)
+    for out in restored:
+        assert out["step"] == 2 and out["epoch"] == 4
+    # The gathered full state lives on rank 0 (cpu_offload gives the others nothing).
+    _assert_bitwise(saved[0]["full"], restored[0]["full"])
+    resharded = saved_on != restored_on
+    assert any("saved by" in w for w in restored[0]["warnings"]) == resharded  # RNG note
+
+
+def _fsdp_async_save(rank: int, world: int, folder: str) -> dict[str, Any]:
+    model, opt = _fsdp(world)
+    with ddpstate.CheckpointManager(folder, async_save=True) as manager:
+        _train(model, opt, rank)
+        manager.save(1, {"model": model, "optimizer": opt, "epoch": 3})
+        _train(model, opt, rank)
+        manager.save(2, {"model": model, "optimizer": opt, "epoch": 4})
+        manager.wait()
+        steps = manager.steps()
+    return {"full": _full(model, opt), "steps": steps}
+
+
+def test_async_manager_saves_fsdp2_state_and_restores_it_bitwise(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    saved = run_ranks(_fsdp_async_save, 2, args=(folder,), timeout=150)
+    assert saved[0]["steps"] == [1, 2]
+    restored = run_ranks(_fsdp_restore, 2, args=(folder, None), timeout=150)
+    assert [(out["step"], out["epoch"]) for out in restored] == [(2, 4), (2, 4)]
+    _assert_bitwise(saved[0]["full"], restored[0]["full"])
+
+
+def _kill_rank_one_mid_save(rank: int, world: int, folder: str) -> str:
+    model, opt = _fsdp(world)
+    manager = ddpstate.CheckpointManager(folder, timeout=15)
+    _train(model, opt, rank)
+    manager.save(1, {"model": model, "optimizer": opt, "epoch": 3})
+    _train(model, opt, rank)
+    if rank == 1:
+
+        def die_after_writing(folder: str, rank: int, coordinator: bool) -> list[str]:
+            # Rank 1's shard is on disk (DCP's save returned); die before reporting it.
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise AssertionError("unreachable")
+
+        _dcp._own_files = die_after_writing  # type: ignore[assignment]
+    try:
+        manager.save(2, {"model": model, "optimizer": opt, "epoch": 4})
+    except DDPStateError as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_step_restorable(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    saved = run_ranks(_fsdp_save, 2, args=(str(tmp_path / "ref"),), timeout=150)
+    outcomes = run_ranks(
+        _kill_rank_one_mid_save, 2, args=(folder,), timeout=150, expect_failure=True
+    )
+    assert outcomes[1] is None  # killed
+    assert outcomes[0] == "BarrierTimeoutError"
+    partial = tmp_path / "run" / "step_0000000002"
+    assert (partial / _dcp.DCP_SUBDIR / "__1_0.distcp").exists()  # its shard was written...
+    assert not (partial / "manifest.json").exists()  # ...but the step was never committed
+    assert ddpstate.CheckpointManager(folder).steps() == [1]
+    restored = run_ranks(_fsdp_restore, 2, args=(folder, None), timeout=150)
+    assert [out["step"] for out in restored] == [1, 1]
+    # Step 1 of this run is the reference run's step 1 (same seeds, same data).
+    reference = run_ranks(_fsdp_restore, 2, args=(str(tmp_path / "ref"), 1), timeout=150)
+    _assert_bitwise(reference[0]["full"], restored[0]["full"])
+    assert saved[0]["steps"] == [1, 2]
+
+
+def test_a_corrupted_shard_makes_restore_fall_back_with_a_warning_naming_it(
+    tmp_path: Path,
+) -> None:
+    folder = str(tmp_path / "run")
+    run_ranks(_fsdp_save, 2, args=(folder,), timeout=150)
+    reference = run_ranks(_fsdp_restore, 2, args=(folder, 1), timeout=150)
+    shard = tmp_path / "run" / "step_0000000002" / _dcp.DCP_SUBDIR / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    check = ddpstate.verify_checkpoint(str(tmp_path / "run" / "step_0000000002"))
+    assert not check.ok and any("dcp/__1_0.distcp fails its checksum" in p for p in check.problems)
+    restored = run_ranks(_fsdp_restore, 2, args=(folder, None), timeout=150)
+    assert [out["step"] for out in restored] == [1, 1]
+    assert any("step_0000000002" in w and "dcp/__1_0.distcp" in w for w in restored[0]["warnings"])
+    _assert_bitwise(reference[0]["full"], restored[0]["full"])
+
+
+def test_an_unlisted_shard_fails_verification(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    run_ranks(_fsdp_save, 2, args=(folder,), timeout=150)
+    step = tmp_path / "run" / "step_0000000002"
+    (step / _dcp.DCP_SUBDIR / "__7_0.distcp").write_bytes(b"stray")
+    check = ddpstate.verify_checkpoint(str(step))
+    assert not check.ok and any("dcp/__7_0.distcp is not listed" in p for p in check.problems)
+
+
+# --------------------------------------------------------------------------- writers="all" (DDP)
+
+
+def _ddp_save_all(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_net())
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, opt, rank)
+    with ddpstate.CheckpointManager(folder, writers="all") as manager:
+        manager.save(5, {"model": model, "optimizer": opt, "epoch": 7})
+    return {"model": model.module.state_dict(), "optim": opt.state_dict()}
+
+
+def _restore_ddp(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(1)
+    model = DistributedDataParallel(_net())
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "epoch": 0}
+    with ddpstate.CheckpointManager(folder, writers="all") as manager:
+        step = manager.restore(state)
+    return {
+        "step": step,
+        "epoch": state["epoch"],
+        "model": model.module.state_dict(),
+        "optim": opt.state_dict(),
+    }
+
+
+def _restore_fsdp_from_ddp(rank: int, world: int, folder: str) -> dict[str, Any]:
+    model, opt = _fsdp(world, seed=1)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "epoch": 0}
+    with ddpstate.CheckpointManager(folder) as manager:
+        step = manager.restore(state)
+    return {"step": step, "full": _full(model, opt)}
+
+
+def test_ddp_writers_all_splits_the_write_and_restores_into_ddp_fsdp2_and_plain(
+    tmp_path: Path,
+) -> None:
+    folder = str(tmp_path / "run")
+    saved = run_ranks(_ddp_save_all, 2, args=(folder,), timeout=150)
+    _assert_bitwise(saved[0], saved[1])  # replicated
+    step = tmp_path / "run" / "step_0000000005"
+    shards = sorted((step / _dcp.DCP_SUBDIR).glob("*.distcp"))
+    # The dedup planner gave each rank a part of the replicated state to write.
+    assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"]
+    assert all(p.stat().st_size > 200 for p in shards)
+    assert sorted(p.name for p in step.iterdir() if p.suffix == ".pt") == ["_rng.pt", "epoch.pt"]
+    assert ddpstate.verify_checkpoint(str(step)).ok
+
+    for out in run_ranks(_restore_ddp, 2, args=(folder,), timeout=150):
+        assert out["step"] == 5 and out["epoch"] == 7
+        _assert_bitwise(saved[0]["model"], out["model"])
+        _assert_bitwise(saved[0]["optim"], out["optim"])
+
+    fsdp = run_ranks(_restore_fsdp_from_ddp, 2, args=(folder,), timeout=150)
+    assert fsdp[0]["step"] == 5
+    _assert_bitwise(saved[0]["model"], fsdp[0]["full"]["model"])
+
+    # A plain model in this (non-distributed) process, through the manager.
+    torch.manual_seed(1)
+    plain = _net()
+    opt = torch.optim.Adam(plain.parameters(), lr=0.1)
+    state: dict[str, Any] = {"model": plain, "optimizer": opt, "epoch": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the RNG note: saved by 2 ranks, restored by 1
+        assert ddpstate.CheckpointManager(folder).restore(state) == 5
+    _assert_bitwise(saved[0]["model"], plain.state_dict())
+    _assert_bitwise(saved[0]["optim"], opt.state_dict())
+    assert state["epoch"] == 7
+
+
+def test_writers_must_be_rank0_or_all(tmp_path: Path) -> None:
+    with pytest.raises(ddpstate.InvalidArgumentError, match="writers='some'"):
+        ddpstate.CheckpointManager(str(tmp_path), writers="some")
+
+
+# ------------------------------------------------------------------------ save() on DTensor state
+
+
+def _save_sharded(rank: int, world: int, folder: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _fsdp(world)
+    _train(model, opt, rank)
+    target = os.path.join(folder, "model_dcp")
+    if rank == 0:
+        os.makedirs(target)
+        (Path(target) / "old.txt").write_text("the previous folder")
+    ddpstate.save(model.state_dict(), target)
+    ddpstate.save_model_state(model, os.path.join(folder, "weights_dcp"))
+    # torch's own reader takes the folder as it is (into fresh shards of another model).
+    other, _ = _fsdp(world, seed=1)
+    loaded = other.state_dict()
+    dcp.load(loaded, checkpoint_id=target)
+    other.load_state_dict(loaded)
+    refused = ""
+    try:
+        ddpstate.save(model.state_dict(), os.path.join(folder, "model.pt"))
+    except ddpstate.ShardedStateError as exc:
+        refused = str(exc)
+    return {
+        "full": _full(model, opt)["model"],
+        "loaded": _full(other, torch.optim.Adam(other.parameters()))["model"],
+        "refused": refused,
+    }
+
+
+def test_save_writes_sharded_state_as_a_committed_dcp_folder(tmp_path: Path) -> None:
+    results = run_ranks(_save_sharded, 2, args=(str(tmp_path),), timeout=150)
+    target = tmp_path / "model_dcp"
+    assert sorted(p.name for p in target.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "manifest.json",
+    ]  # the old folder was replaced whole, atomically
+    check = ddpstate.verify_checkpoint(str(target))
+    assert check.ok and check.files == 3, check.problems
+    assert ddpstate.verify_checkpoint(str(tmp_path / "weights_dcp")).ok
+    # Read back whole in one plain process (no process group), as ddpstate.load does today.
+    _assert_bitwise(results[0]["full"], ddpstate.load(str(target), map_location="cpu"))
+    _assert_bitwise(results[0]["full"], ddpstate.load(str(tmp_path / "weights_dcp")))
+    _assert_bitwise(results[0]["full"], results[0]["loaded"])
+    for out in results:
+        assert "give a folder path" in out["refused"].lower()
+        assert "obj['0.weight']" in out["refused"]
+    assert not (tmp_path / "model.pt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
