@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import struct
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
@@ -227,12 +226,16 @@ class View:
     stop: int
 
 
-def find_aliases(views: Iterable[Optional[View]]) -> tuple[dict[str, str], list[str]]:
+def find_aliases(
+    views: Iterable[Optional[View]], *, overlapping: Optional[set[str]] = None
+) -> tuple[dict[str, str], list[str]]:
     """Tell tied tensors (identical views: written once) from other overlaps (written twice).
 
     Args:
         views: One :class:`View` per tensor in state-dict order; None for an
             empty tensor (nothing to tie).
+        overlapping: When given, the later key of each overlapping pair is
+            added to it (a writer that refuses shared memory copies those).
 
     Returns:
         ``({alias: canonical}, ["'b' overlaps 'a'", ...])``.
@@ -256,9 +259,16 @@ def find_aliases(views: Iterable[Optional[View]]) -> tuple[dict[str, str], list[
     overlaps = []
     for entries in spans.values():
         entries.sort()
-        for (_, end_a, key_a), (start_b, _, key_b) in itertools.pairwise(entries):
-            if start_b < end_a:
-                overlaps.append(f"{key_b!r} overlaps {key_a!r}")
+        # Compare each span with the furthest-reaching one before it, not only its
+        # neighbour: a large view holding two small ones overlaps both.
+        _, reach, reacher = entries[0]
+        for start, stop, key in entries[1:]:
+            if start < reach:
+                overlaps.append(f"{key!r} overlaps {reacher!r}")
+                if overlapping is not None:
+                    overlapping.add(key)
+            if stop > reach:
+                reach, reacher = stop, key
     return aliases, overlaps
 
 

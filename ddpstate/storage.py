@@ -23,6 +23,7 @@ from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPSt
 __all__ = [
     "OBJECT_STORE_PROTOCOLS",
     "TEMP_MARKER",
+    "adopt_renamed_file",
     "atomic_write",
     "exists",
     "is_temp_name",
@@ -409,6 +410,9 @@ def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
                 # Keep a restrictive mode the user gave the previous checkpoint.
                 os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
         fileobj = os.fdopen(fd, "wb", buffering=_WRITE_BUFFER)
+        # Named like a file opened by path (no second open), so that writers that
+        # take a path (safetensors' save_file) can write the temp file.
+        setattr(getattr(fileobj, "raw", fileobj), "name", temp)  # noqa: B010
     except BaseException as exc:
         _cleanup(exc, temp, lambda: os.close(fd), lambda: _unlink_missing_ok(temp))
         raise
@@ -448,6 +452,66 @@ def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
         if retired is not None and os.path.exists(retired):
             _free_later(retired)
     _remove_stale_temps(target, temp)
+
+
+def adopt_renamed_file(fileobj: IO[bytes]) -> None:
+    """Point a local :func:`atomic_write` file object at the file now at its temp path.
+
+    A library that writes by name may write a file of its own and rename it
+    onto the path it was given (``safetensors.torch.save_file`` does, without
+    an fsync): the file object then holds the orphaned original. This moves
+    the file object's descriptor, lock and mode onto the new file, so the
+    fsync and rename that commit the write apply to what the library wrote.
+    A file written in place is left as it is.
+
+    Args:
+        fileobj: The file object from :func:`atomic_write` for a local path,
+            with nothing written through it.
+
+    Raises:
+        CheckpointWriteError: The file at the temp path vanished (e.g. another
+            save took it for a dead writer's); the target is untouched.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.storage import adopt_renamed_file, atomic_write
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
+        >>> with atomic_write(path) as f:
+        ...     with open(f.name + ".new", "wb") as other:
+        ...         _ = other.write(b"written by name")
+        ...     os.replace(f.name + ".new", f.name)
+        ...     adopt_renamed_file(f)
+        >>> open(path, "rb").read()
+        b'written by name'
+    """
+    name = str(fileobj.name)
+    held = os.fstat(fileobj.fileno())
+    try:
+        # Read-only is enough for fsync, flock and fchmod, and nothing is written after.
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"the file written at {name} is gone ({type(exc).__name__}: {exc}); nothing was "
+            f"replaced; save again"
+        ) from exc
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return
+        # The same lock as the temp file had, so later saves never take it for stale.
+        _flock(fd, wait=True)
+        if not os.fstat(fd).st_nlink:
+            raise CheckpointWriteError(
+                f"the file written at {name} was deleted by another save before it was "
+                f"committed; nothing was replaced; save again"
+            )
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, stat.S_IMODE(held.st_mode))  # the mode atomic_write chose, not 0600
+        fileobj.flush()
+        os.dup2(fd, fileobj.fileno(), inheritable=False)
+    finally:
+        os.close(fd)
+    fileobj.seek(0, os.SEEK_END)
 
 
 @contextlib.contextmanager
