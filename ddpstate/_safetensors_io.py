@@ -164,7 +164,16 @@ def _view(key: str, t: torch.Tensor) -> Optional[View]:
     size = t.element_size()
     extent = 1 + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     start = int(t.storage_offset()) * size
-    identity = (*storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    # The conjugate/negative bits are part of what a view means: x.conj() is no tie of x.
+    identity = (
+        *storage,
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        t.is_conj(),
+        t.is_neg(),
+    )
     return View(key, identity, storage, start, start + extent * size)
 
 
@@ -172,8 +181,15 @@ def _find_ties(
     state_dict: Mapping[str, torch.Tensor], name: str, overlapping: Optional[set[str]] = None
 ) -> dict[str, str]:
     """``{alias: canonical}`` of tied tensors; warns about overlaps that are not ties."""
+    # Only tensors that share a storage with another can be tied or overlap; a
+    # storage's start is data_ptr - offset, which costs no storage object.
+    by_storage: dict[tuple[int, int], list[str]] = {}
+    for k, t in state_dict.items():
+        base = t.data_ptr() - int(t.storage_offset()) * t.element_size()
+        by_storage.setdefault((t.get_device(), base), []).append(k)
+    shared = {k for keys in by_storage.values() if len(keys) > 1 for k in keys}
     aliases, overlaps = find_aliases(
-        (_view(k, t) for k, t in state_dict.items()), overlapping=overlapping
+        (_view(k, t) for k, t in state_dict.items() if k in shared), overlapping=overlapping
     )
     if overlaps:
         warnings.warn(
@@ -273,17 +289,19 @@ def _storable(
 ) -> dict[str, torch.Tensor]:
     """The tensors as ``safetensors.torch.save_file`` takes them: each its own dense memory."""
     out: dict[str, torch.Tensor] = {}
-    for key, tensor in state_dict.items():
-        if key in aliases:
+    for key, t in state_dict.items():
+        if aliases and key in aliases:
             continue
-        t = tensor.detach()
-        if t.numel() == 0:
+        if not t.numel():
             # An empty view into a live storage would count as sharing it.
             t = torch.empty(t.shape, dtype=t.dtype)
         elif key in overlapping:
-            t = t.clone()  # save_file refuses overlapping memory; this one is its own copy
-        t = t.resolve_conj().resolve_neg()  # the writer reads raw memory, so apply the bits
-        out[key] = t if t.is_contiguous() else t.contiguous()
+            t = t.detach().clone()  # save_file refuses overlapping memory: its own copy
+        elif t.is_conj() or t.is_neg():
+            t = t.detach().resolve_conj().resolve_neg()  # the writer reads raw memory
+        if not t.is_contiguous():
+            t = t.detach().contiguous()
+        out[key] = t
     return out
 
 

@@ -194,3 +194,13 @@ def test_the_library_written_file_is_the_one_committed_with_our_mode(tmp_path: P
     assert path.stat().st_mode & 0o777 == 0o640
     assert torch.equal(safetensors.torch.load_file(path)["w"], torch.zeros(2))
     assert [p.name for p in tmp_path.iterdir()] == ["mode.safetensors"]
+
+
+def test_a_conjugate_view_is_not_taken_for_a_tie(tmp_path: Path) -> None:
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    sd = {"z": z, "z_conj": z.conj()}
+    path = tmp_path / "conj.safetensors"
+    with pytest.warns(UserWarning, match="overlap"):
+        ddpstate.save(sd, path)
+    back = ddpstate.load(path)
+    assert torch.equal(back["z"], z) and torch.equal(back["z_conj"], z.conj().resolve_conj())
