@@ -75,7 +75,7 @@ if TYPE_CHECKING:
         main_process_first,
         rank_zero_only,
     )
-    from ddpstate.formats import detect_format
+    from ddpstate.formats import FormatName, detect_format, parse_format
     from ddpstate.keys import (
         KNOWN_PREFIXES,
         STATE_DICT_NAMES,
@@ -134,6 +134,8 @@ _EXPORTS: dict[str, str] = {
     "main_process_first": "ddpstate.dist",
     "rank_zero_only": "ddpstate.dist",
     "detect_format": "ddpstate.formats",
+    "FormatName": "ddpstate.formats",
+    "parse_format": "ddpstate.formats",
     "KNOWN_PREFIXES": "ddpstate.keys",
     "STATE_DICT_NAMES": "ddpstate.keys",
     "KeyMatch": "ddpstate.keys",
@@ -211,9 +213,11 @@ __all__ = [
     "sync_batchnorm_stats",
     "wrap_ddp",
     # storage, formats, location
+    "FormatName",
     "MapLocation",
     "atomic_write",
     "detect_format",
+    "parse_format",
     "open_read",
     "resolve_map_location",
     # convert, inspect, diff, verify (the ddpstate command)

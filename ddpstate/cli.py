@@ -13,17 +13,11 @@ from typing import IO, NoReturn, Optional
 
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
-from ddpstate.errors import DDPStateError
+from ddpstate.errors import DDPStateError, InvalidArgumentError
+from ddpstate.formats import DESCRIPTIONS, MANAGER, PT, SAFETENSORS, FormatName, parse_format
 
 __all__ = ["main"]
 
-_FORMAT_NAMES = {
-    "torch_zip": "torch.save zip",
-    "torch_legacy": "legacy torch.save (pre-1.6)",
-    "safetensors": "safetensors",
-    "pt": "torch.save zip",
-    "manager": "CheckpointManager folder",
-}
 
 _MAIN_EPILOG = """\
 examples:
@@ -153,9 +147,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'",
     )  # fmt: skip
     convert.add_argument(
-        "--to", choices=("pt", "safetensors"),
+        "--to", type=_output_format, metavar="{pt,safetensors}",
         help="output format (default: from DST's suffix, .safetensors or .pt/.pth/.bin/.ckpt, "
-        "else the source's); safetensors keeps the model state dict only",
+        "else the source's); safetensors keeps the model state dict only; 'torch' and 'pth' "
+        "also name pt",
     )  # fmt: skip
     convert.add_argument(
         "--drop-optimizer", "--drop_optimizer", action="store_true",
@@ -237,6 +232,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _output_format(text: str) -> FormatName:
+    try:
+        return parse_format(text, allowed=(PT, SAFETENSORS), what="--to")
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _list(items: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
@@ -280,7 +282,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
             where = f" in '{result.state_dict_path}'" if result.state_dict_path else ""
             where = f"; {result.renamed} key(s) renamed{where}"
         print(
-            f"wrote {result.dst} ({_FORMAT_NAMES[result.dst_format]}, {result.tensors} tensors, "
+            f"wrote {result.dst} ({DESCRIPTIONS[result.dst_format]}, {result.tensors} tensors, "
             f"{human_bytes(result.bytes_copied)} of tensor data{where})",
             file=out,
         )
@@ -308,7 +310,7 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     devices = ", ".join(f"{d} ({n} storages)" for d, n in sorted(info.devices.items()))
     lines = [
         f"file       {info.path}",
-        f"format     {_FORMAT_NAMES.get(info.format, info.format)}, {human_bytes(info.file_size)}",
+        f"format     {DESCRIPTIONS.get(info.format, info.format)}, {human_bytes(info.file_size)}",
         f"tensors    {info.tensor_count} ({human_bytes(info.tensor_bytes)}): {dtypes or '-'}",
         f"devices    {devices or '-'}",
         f"prefixes   {' '.join(info.prefixes) or '(none)'}",
@@ -382,9 +384,9 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2), file=out)
         return 0 if result.ok else 1
-    kind = _FORMAT_NAMES.get(result.format or "", "unreadable")
+    kind = DESCRIPTIONS.get(result.format, "unreadable") if result.format else "unreadable"
     if result.ok:
-        counted = "" if result.format == "manager" else f"{result.tensors} tensors, "
+        counted = "" if result.format == MANAGER else f"{result.tensors} tensors, "
         print(
             f"ok: {result.path} ({kind}, {counted}"
             f"{human_bytes(result.bytes_read)} read and checked)",

@@ -11,9 +11,9 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Final, Optional, Union
 
-from ddpstate import _fs
+from ddpstate import _fs, formats
 from ddpstate._pickle_rewrite import rename_keys
 from ddpstate._pickle_scan import (
     GlobalRef,
@@ -44,6 +44,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
     StateDictNotFoundError,
 )
+from ddpstate.formats import FormatName, parse_format
 
 if TYPE_CHECKING:
     import torch
@@ -63,9 +64,9 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-#: Output formats of :func:`convert_file`.
-PT = "pt"
-SAFETENSORS = "safetensors"
+#: Output formats of :func:`convert_file` (:mod:`ddpstate.formats`' names).
+PT: Final = formats.PT
+SAFETENSORS: Final = formats.SAFETENSORS
 
 # Entries drop_optimizer removes besides those whose value looks like optimizer
 # state (see _is_optimizer_state). Short names such as "opt" are left out on
@@ -90,7 +91,7 @@ class ConvertResult:
     Attributes:
         src: The source file.
         dst: The file written (``src`` itself for ``in_place``).
-        src_format: ``"torch_zip"``, ``"torch_legacy"`` or ``"safetensors"``.
+        src_format: ``"pt"``, ``"pt_legacy"`` or ``"safetensors"`` (:mod:`ddpstate.formats`).
         dst_format: ``"pt"`` or ``"safetensors"``.
         state_dict_path: Where the model state dict was found (dotted; ``""``
             for a bare state dict), or None when no key rule was needed.
@@ -106,8 +107,8 @@ class ConvertResult:
 
     src: str
     dst: str
-    src_format: str
-    dst_format: str
+    src_format: FormatName
+    dst_format: FormatName
     state_dict_path: Optional[str]
     renamed: int
     tensors: int
@@ -153,7 +154,7 @@ class InspectResult:
     """
 
     path: str
-    format: str
+    format: FormatName
     file_size: int
     tensor_count: int
     tensor_bytes: int
@@ -233,7 +234,7 @@ class VerifyResult:
     """
 
     path: str
-    format: Optional[str]
+    format: Optional[FormatName]
     problems: tuple[str, ...]
     tensors: int = 0
     bytes_read: int = 0
@@ -474,7 +475,7 @@ def _copied_pickle(
     re-emitted), every value kept, dicts all the way down to the state dict.
     """
     layout = ckpt.pickle_layout
-    if layout is None or ckpt.format != "torch_zip":
+    if layout is None or ckpt.format != formats.TORCH_ZIP:
         return None
     if any(s.location != "cpu" or s.key != str(i) for i, s in enumerate(ckpt.storages)):
         return None
@@ -719,8 +720,8 @@ def convert_file(
     rules = [strip_prefix is not None, add_prefix is not None, bool(normalize)]
     if sum(rules) > 1:
         raise InvalidArgumentError("pass at most one of strip_prefix, add_prefix and normalize")
-    if to not in (None, PT, SAFETENSORS):
-        raise InvalidArgumentError(f"to must be 'pt' or 'safetensors' (got {to!r})")
+    if to is not None:
+        to = parse_format(to, allowed=(PT, SAFETENSORS), what="to")
     if in_place and dst is not None:
         raise InvalidArgumentError("pass either dst or in_place=True, not both")
     if in_place and not fsync:
@@ -732,7 +733,7 @@ def convert_file(
     with read_checkpoint(src_text, unsafe=unsafe, storage_options=storage_options) as ckpt:
         _raise_problems(ckpt)
         dst_format = (
-            to or _format_from_name(dst) or (SAFETENSORS if ckpt.format == "safetensors" else PT)
+            to or _format_from_name(dst) or (SAFETENSORS if ckpt.format == SAFETENSORS else PT)
         )
         if in_place:
             dst_text = src_text
@@ -770,7 +771,7 @@ def convert_file(
         )
 
 
-def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
+def _format_from_name(dst: Optional[PathLike]) -> Optional[FormatName]:
     """The format a destination's suffix names, as ``ddpstate.save`` reads it (None: no say)."""
     if dst is None:
         return None
@@ -785,7 +786,7 @@ def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
 def _convert(
     ckpt: Checkpoint,
     dst: str,
-    dst_format: str,
+    dst_format: FormatName,
     *,
     strip: Optional[str],
     add: Optional[str],
@@ -842,8 +843,8 @@ def _convert(
         renamed
         or metadata_changed
         or dropped
-        or dst_format != (SAFETENSORS if ckpt.format == "safetensors" else PT)
-        or ckpt.format == "torch_legacy"
+        or dst_format != (SAFETENSORS if ckpt.format == SAFETENSORS else PT)
+        or ckpt.format == formats.LEGACY
         or any(s.location != "cpu" for s in ckpt.storages)
         or (sd is not None and path is None)
     )
@@ -869,7 +870,7 @@ def _convert(
             sink = Sink(out, bar, write_back=fsync)
             if dst_format == SAFETENSORS:
                 meta = dict(ckpt.st_metadata)
-                if ckpt.format != "safetensors":
+                if ckpt.format != SAFETENSORS:
                     # Hugging Face loaders ask for this entry in torch-made files.
                     meta.setdefault("format", "pt")
                 count, copied, aliases, overlaps = _write_safetensors(sink, ckpt, sd, meta)
@@ -1264,14 +1265,14 @@ def verify_file(
         problems = [*ckpt.problems, *_extent_problems(ckpt)]
         notes: list[str] = []
         tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
-        if ckpt.format == "torch_zip":
+        if ckpt.format == formats.TORCH_ZIP:
             total = sum(r.compressed_size for r in ckpt.zip_records.values())
         else:
             total = sum(s.stored_size for s in ckpt.storages if s.data_offset >= 0)
         bar = Progress(total, "verify", enabled=None if progress else False)
         read = 0
         try:
-            if ckpt.format == "torch_zip":
+            if ckpt.format == formats.TORCH_ZIP:
                 read = _verify_zip_records(ckpt, problems, notes, bar)
             else:
                 for s in ckpt.storages:
@@ -1331,7 +1332,7 @@ def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> Veri
     steps = ", ".join(str(s) for s in found.steps) or "none"
     return VerifyResult(
         path=found.path,
-        format="manager",
+        format=formats.MANAGER,
         problems=found.problems,
         bytes_read=found.bytes_read,
         notes=(

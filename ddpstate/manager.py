@@ -66,7 +66,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
     KeyMismatchError,
 )
-from ddpstate.formats import write_safetensors
+from ddpstate.formats import PT, SAFETENSORS, parse_format, write_safetensors
 from ddpstate.keys import adapt_state_dict, normalize_keys, unwrap_model
 from ddpstate.rng import _derived_seed, _seed_all, capture_rng_state, restore_rng_state
 
@@ -803,10 +803,7 @@ class CheckpointManager:
             )
         if mode not in ("min", "max"):
             raise InvalidArgumentError(f"CheckpointManager: mode={mode!r} must be 'min' or 'max'")
-        if format not in ("pt", "safetensors"):
-            raise InvalidArgumentError(
-                f"CheckpointManager: format={format!r} must be 'pt' or 'safetensors'"
-            )
+        format = parse_format(format, allowed=(PT, SAFETENSORS), what="CheckpointManager format")
         self.directory = os.fspath(directory)
         self.keep_last = keep_last
         self.keep_best = keep_best

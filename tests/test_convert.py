@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpstate import keys
+from ddpstate import formats, keys
 from ddpstate._pickle_scan import scan_pickle
 from ddpstate._reader import read_checkpoint
 from ddpstate._safetensors_layout import ALIASES_KEY, DTYPES, STATE_DICT_METADATA_KEY
@@ -351,7 +351,7 @@ def test_real_dataparallel_sample_converts_and_loads_on_cpu(tmp_path: Path) -> N
     if not SAMPLE.exists():
         pytest.skip(f"sample checkpoint not found at {SAMPLE}")
     info = inspect_file(SAMPLE)
-    assert info.format == "torch_legacy" and info.devices == {"cuda:0": 97}
+    assert info.format == formats.LEGACY and info.devices == {"cuda:0": 97}
     assert info.prefixes == ("module.",) and len(info.tensors) == 97
     result = convert_file(SAMPLE, tmp_path / "resnet20.pt", strip_prefix="module.")
     assert result.renamed == 97
@@ -367,7 +367,7 @@ def test_inspect_reads_structure_without_data(tmp_path: Path) -> None:
     src = tmp_path / "l.pt"
     torch.save(ckpt, src)
     info = inspect_file(src)
-    assert info.format == "torch_zip" and info.state_dict_path == "state_dict"
+    assert info.format == formats.TORCH_ZIP and info.state_dict_path == "state_dict"
     assert info.prefixes == ("model.",)
     structure = dict(info.structure)
     assert structure["state_dict"].startswith(

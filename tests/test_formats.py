@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddpstate import formats
 from ddpstate._safetensors_io import DTYPE_NAMES
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
 from ddpstate.formats import (
@@ -64,12 +65,12 @@ def test_detect_every_format(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(1)}, tmp_path / "b.pt", _use_new_zipfile_serialization=False)
     _write(tmp_path / "c.pt", {"w": torch.ones(1)})  # safetensors with a misleading suffix
     torch.jit.save(torch.jit.script(torch.nn.Linear(1, 1)), str(tmp_path / "d.pt"))
-    assert detect_format(tmp_path / "a.bin") == "torch_zip"
-    assert detect_format(tmp_path / "b.pt") == "torch_legacy"
+    assert detect_format(tmp_path / "a.bin") == formats.TORCH_ZIP
+    assert detect_format(tmp_path / "b.pt") == formats.LEGACY
     assert detect_format(tmp_path / "c.pt") == "safetensors"
     assert detect_format(tmp_path / "d.pt") == "torchscript"
     with open(tmp_path / "a.bin", "rb") as f:
-        assert detect_format(f) == "torch_zip"
+        assert detect_format(f) == formats.TORCH_ZIP
     (tmp_path / "e.json").write_text('{"not": "a checkpoint"}')
     with pytest.raises(CheckpointFormatError, match="JSON"):
         detect_format(tmp_path / "e.json")
@@ -87,7 +88,7 @@ def test_zip_directory_zip64_truncation_and_foreign_zips(tmp_path: Path) -> None
     at = raw.rfind(b"PK\x05\x06")
     raw[at + 12 : at + 20] = b"\xff" * 8
     (tmp_path / "zip64.pt").write_bytes(raw)
-    assert detect_format(tmp_path / "zip64.pt") == "torch_zip"
+    assert detect_format(tmp_path / "zip64.pt") == formats.TORCH_ZIP
     for cut in (1, 30, len(raw) // 2):
         (tmp_path / "cut.pt").write_bytes(raw[:-cut])
         with pytest.raises(CheckpointCorruptError, match=r"cut\.pt.*truncated"):
@@ -105,7 +106,7 @@ def test_zip_directory_zip64_truncation_and_foreign_zips(tmp_path: Path) -> None
 
 @pytest.mark.skipif(not SAMPLE.exists(), reason="needs the shared legacy sample file")
 def test_detect_legacy_sample() -> None:
-    assert detect_format(SAMPLE) == "torch_legacy"
+    assert detect_format(SAMPLE) == formats.LEGACY
 
 
 # ------------------------------------------------------------------------------- safetensors
