@@ -1540,7 +1540,7 @@ class CheckpointManager:
             manifest_entries: dict[str, dict[str, str]] = {}
             for name, entry in entries.items():
                 as_safetensors = (
-                    self.format == "safetensors"
+                    self.format == SAFETENSORS
                     and entry.kind == _KIND_MODULE
                     and _is_flat_tensor_dict(entry.value)
                 )
