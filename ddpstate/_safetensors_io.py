@@ -27,6 +27,7 @@ from ddpstate import storage
 from ddpstate._safetensors_layout import (
     ALIASES_KEY,
     DTYPES,
+    KEY_ORDER_KEY,
     RESERVED_PREFIX,
     STATE_DICT_METADATA_KEY,
     View,
@@ -145,6 +146,8 @@ def _metadata_entries(
                 out[key] = value
         if problems:
             raise _refuse(name, problems, "Pass metadata as a dict of str -> str")
+    if len(state_dict) > 1:
+        out[KEY_ORDER_KEY] = json.dumps(list(state_dict), separators=(",", ":"))
     sd_meta = getattr(state_dict, "_metadata", None)
     if sd_meta is not None:
         try:
@@ -260,18 +263,17 @@ def _write_all(fileobj: IO[bytes], data: memoryview) -> None:
 
 
 def _local_file_of(fileobj: IO[bytes]) -> Optional[str]:
-    """The path of ``fileobj`` when it is an empty local file opened at its start, else None.
-
-    Writing that path is then the same as writing through ``fileobj`` (same
-    inode, nothing before us), so the safetensors library can write it.
+    """The path of ``fileobj`` when it is an empty :func:`ddpstate.storage.atomic_write`
+    temp file, else None: the safetensors library can then write it by name
+    (through :func:`ddpstate.storage.write_by_name`).
     """
     # Only Python's own file objects: a wrapper (a checksum, an fsspec file, a
     # fault injector) must see every byte, so it is streamed to instead.
     if type(fileobj) not in (io.BufferedWriter, io.BufferedRandom, io.FileIO):
         return None
     name = getattr(fileobj, "name", None)
-    if not isinstance(name, str):
-        return None
+    if not isinstance(name, str) or not storage.is_temp_name(name):
+        return None  # only atomic_write's temp files: the library writes beside them
     try:
         if fileobj.tell() != 0:
             return None
@@ -314,11 +316,10 @@ def write_safetensors(
 ) -> dict[str, str]:
     """Write a state dict to a binary file in safetensors format.
 
-    An empty local file (e.g. the temp file of
-    :func:`ddpstate.storage.atomic_write`) is written by
+    The local temp file of :func:`ddpstate.storage.atomic_write` is written by
     ``safetensors.torch.save_file``; any other file object (an fsspec upload,
-    a buffer) is streamed one tensor at a time straight from memory, so no
-    second copy of the state dict is built. Tied tensors are written once
+    a buffer, a plain open file) is streamed one tensor at a time straight
+    from memory, so no second copy of the state dict is built. Tied tensors are written once
     and recorded as aliases, with a warning; ``_metadata`` and ``metadata``
     go into the header. Any safetensors reader can read the file.
 
@@ -366,9 +367,9 @@ def write_safetensors(
         )
     if local is not None:
         tensors = _storable(state_dict, aliases, overlapping)
-        safetensors.torch.save_file(tensors, local, metadata=meta or None)
-        # save_file writes a file of its own and renames it onto `local`.
-        storage.adopt_renamed_file(fileobj)
+        # save_file writes a temp file of its own and renames it onto the path.
+        with storage.write_by_name(fileobj) as path:
+            safetensors.torch.save_file(tensors, path, metadata=meta or None)
         return aliases
     _write_all(fileobj, memoryview(header))
     for _, tensor in order:
@@ -505,10 +506,10 @@ def read_safetensors(
 ) -> collections.OrderedDict[str, torch.Tensor]:
     """Read a safetensors file, restoring ddpstate's tied tensors and ``_metadata``.
 
-    A local path is read by the safetensors library (``safe_open``), so keys
-    come in the file's data order, as ``safetensors.torch.load_file`` gives
-    them; bytes and file objects (fsspec streams) are read tensor by tensor
-    into fresh memory, keys in header order.
+    A local path is read by the safetensors library (``safe_open``); bytes
+    and file objects (fsspec streams) are read tensor by tensor into fresh
+    memory. Keys come in the order ddpstate recorded when it wrote the file,
+    else in the file's order (as ``safetensors.torch.load_file`` gives them).
 
     Args:
         source: A local path, the file's bytes, or a readable, seekable binary

@@ -24,6 +24,9 @@ ALIASES_KEY = "ddpstate.aliases"
 #: Header metadata key: JSON of the state dict's ``_metadata`` (module path ->
 #: ``{"version": ...}``), which ``nn.Module.load_state_dict`` consults.
 STATE_DICT_METADATA_KEY = "ddpstate.state_dict_metadata"
+#: Header metadata key: JSON list of the state dict's keys in its order, which
+#: the file's own order (by dtype, then name, as the library lays data out) loses.
+KEY_ORDER_KEY = "ddpstate.key_order"
 #: Caller metadata keys may not start with this; ddpstate owns that namespace.
 RESERVED_PREFIX = "ddpstate."
 
@@ -175,7 +178,8 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
     """Apply ddpstate's header extras to a state dict read from a file.
 
     Aliased keys get their canonical entry's very value (tied tensors come back
-    shared), and ``_metadata`` is set from its JSON.
+    shared), the keys take the state dict's order again, and ``_metadata`` is
+    set from its JSON.
 
     Args:
         state_dict: The entries read, in header order; changed in place.
@@ -196,6 +200,16 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
                 state_dict[alias] = state_dict[canonical]
         except (ValueError, KeyError, AttributeError, TypeError) as exc:
             problems.append(f"{ALIASES_KEY} names a tensor that is not in the file ({exc!r})")
+    if KEY_ORDER_KEY in metadata:
+        try:
+            order = json.loads(metadata[KEY_ORDER_KEY])
+            if not isinstance(order, list) or sorted(order) != sorted(state_dict):
+                raise ValueError("it does not list the file's keys")
+            for key in order:
+                value = state_dict.pop(key)
+                state_dict[key] = value
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{KEY_ORDER_KEY} is not the file's keys ({exc})")
     if STATE_DICT_METADATA_KEY in metadata:
         try:
             sd_meta = json.loads(metadata[STATE_DICT_METADATA_KEY])

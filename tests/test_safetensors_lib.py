@@ -7,6 +7,7 @@ import json
 import struct
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -33,21 +34,27 @@ def _plain() -> dict[str, torch.Tensor]:
     }
 
 
-def test_ddpstate_save_is_byte_identical_to_save_file(tmp_path: Path) -> None:
+def test_ddpstate_save_is_save_file_plus_its_own_header_entries(tmp_path: Path) -> None:
     sd = _plain()
     ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
-    for metadata in (None, {"epoch": "3"}):
+    one = {"w": torch.randn(3, 2)}  # one key: no key order to keep, so byte for byte
+    ddpstate.save(one, ours, metadata={"epoch": "3"})
+    safetensors.torch.save_file(one, theirs, metadata={"epoch": "3"})
+    assert ours.read_bytes() == theirs.read_bytes()
+    for metadata in (None, {"epoch": "3", "note": "ünïcode", "step": "12"}):
         ddpstate.save(sd, ours, metadata=metadata)
         safetensors.torch.save_file(sd, theirs, metadata=metadata)
-        assert ours.read_bytes() == theirs.read_bytes(), metadata
-    # The library orders metadata entries by hash, so several differ in order only.
-    metadata = {"epoch": "3", "note": "ünïcode", "step": "12"}
-    ddpstate.save(sd, ours, metadata=metadata)
-    safetensors.torch.save_file(sd, theirs, metadata=metadata)
-    assert _parts(ours) == _parts(theirs)
+        (our_header, our_data), (their_header, their_data) = _parts(ours), _parts(theirs)
+        assert our_data == their_data  # the same tensors in the same order, bit for bit
+        ours_meta = our_header.pop("__metadata__")
+        their_header.pop("__metadata__", None)
+        assert our_header == their_header
+        assert json.loads(ours_meta.pop("ddpstate.key_order")) == list(sd)
+        assert ours_meta == (metadata or {})
+    assert list(ddpstate.load(ours)) == list(sd)  # the state dict's order comes back
 
 
-def _parts(path: Path) -> tuple[dict[str, object], bytes]:
+def _parts(path: Path) -> tuple[dict[str, Any], bytes]:
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     return json.loads(raw[8 : 8 + length]), raw[8 + length :]
@@ -136,14 +143,13 @@ def test_streams_still_write_files_the_library_reads() -> None:
     assert list(read_safetensors(buf.getvalue())) == list(sd)  # streams keep header order
 
 
-def test_an_open_file_is_written_in_place_and_left_at_its_end(tmp_path: Path) -> None:
+def test_a_plain_open_file_is_streamed_and_readable_by_the_library(tmp_path: Path) -> None:
     path = tmp_path / "open.safetensors"
     with open(path, "wb") as f:
-        write_safetensors(f, {"w": torch.ones(3)})
-        assert f.tell() == path.stat().st_size
-    with open(path, "ab") as f:  # not empty: streamed, never truncated
-        pass
-    assert torch.equal(safetensors.torch.load_file(path)["w"], torch.ones(3))
+        f.write(b"")
+        write_safetensors(f, {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.int64)})
+    theirs = safetensors.torch.load_file(path)
+    assert torch.equal(theirs["w"], torch.ones(3)) and theirs["b"].dtype == torch.int64
 
 
 @pytest.mark.parametrize("damage", ["truncated", "overlapping", "short_header", "garbage_json"])
