@@ -203,11 +203,16 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
     if KEY_ORDER_KEY in metadata:
         try:
             order = json.loads(metadata[KEY_ORDER_KEY])
-            if not isinstance(order, list) or sorted(order) != sorted(state_dict):
+            if not isinstance(order, list) or len(order) != len(state_dict):
                 raise ValueError("it does not list the file's keys")
+            if set(order) != state_dict.keys():
+                raise ValueError("it does not list the file's keys")
+            move = getattr(state_dict, "move_to_end", None)  # OrderedDict: O(1) a key
             for key in order:
-                value = state_dict.pop(key)
-                state_dict[key] = value
+                if move is not None:
+                    move(key)
+                else:
+                    state_dict[key] = state_dict.pop(key)
         except (ValueError, TypeError) as exc:
             problems.append(f"{KEY_ORDER_KEY} is not the file's keys ({exc})")
     if STATE_DICT_METADATA_KEY in metadata:
