@@ -1,8 +1,8 @@
 """``python -m benchmarks [--quick | --full]``: every ddpstate benchmark, one table, one plot.
 
-Runs the families in ``benchmarks/`` (save/load, convert, async stall,
-2-rank gloo, Hugging Face sharded folders, DCP saves) at every checkpoint size and tensor
-count, and writes
+Runs the families in ``benchmarks/`` (save/load, safetensors vs its library, convert, async
+stall, 2-rank gloo, Hugging Face sharded folders, DCP saves) at every checkpoint size and
+tensor count, and writes
 ``results.md``, ``results.json`` and ``results.png`` to ``--out``
 (``benchmarks/results/`` by default). Ratios are ddpstate / baseline, measured
 side by side in the same run; see each module's docstring for what it
@@ -28,10 +28,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import async_save, convert, dcp, distributed, harness, hf_sharded, report, save_load
+from benchmarks import (
+    async_save,
+    convert,
+    dcp,
+    distributed,
+    harness,
+    hf_sharded,
+    report,
+    safetensors_lib,
+    save_load,
+)
 
 FAMILIES: dict[str, Callable[[harness.Results, harness.Settings], None]] = {
     "save_load": save_load.run,
+    "safetensors": safetensors_lib.run,
     "convert": convert.run,
     "async": async_save.run,
     "dist": distributed.run,

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
         main_process_first,
         rank_zero_only,
     )
-    from ddpstate.formats import detect_format
+    from ddpstate.formats import FormatName, detect_format, parse_format
     from ddpstate.keys import (
         KNOWN_PREFIXES,
         STATE_DICT_NAMES,
@@ -136,6 +136,8 @@ _EXPORTS: dict[str, str] = {
     "main_process_first": "ddpstate.dist",
     "rank_zero_only": "ddpstate.dist",
     "detect_format": "ddpstate.formats",
+    "FormatName": "ddpstate.formats",
+    "parse_format": "ddpstate.formats",
     "KNOWN_PREFIXES": "ddpstate.keys",
     "STATE_DICT_NAMES": "ddpstate.keys",
     "KeyMatch": "ddpstate.keys",
@@ -215,9 +217,11 @@ __all__ = [
     "sync_batchnorm_stats",
     "wrap_ddp",
     # storage, formats, location
+    "FormatName",
     "MapLocation",
     "atomic_write",
     "detect_format",
+    "parse_format",
     "open_read",
     "resolve_map_location",
     # convert, inspect, diff, verify (the ddpstate command)

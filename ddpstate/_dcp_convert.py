@@ -315,7 +315,7 @@ def convert_from_dcp(
     src: str,
     dst: Optional[str],
     *,
-    to: Optional[str],
+    to: Optional[formats.FormatName],
     strip: Optional[str],
     add: Optional[str],
     normalize: bool,

@@ -33,6 +33,7 @@ from ddpstate.errors import (
     CheckpointFormatError,
     UnsafeCheckpointError,
 )
+from ddpstate.formats import FormatName
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
@@ -58,7 +59,7 @@ class Checkpoint:
 
     Attributes:
         path: The file.
-        format: ``"torch_zip"``, ``"torch_legacy"`` or ``"safetensors"``.
+        format: ``"pt"``, ``"pt_legacy"`` or ``"safetensors"`` (:mod:`ddpstate.formats`).
         size: File size in bytes.
         obj: The object tree with :class:`~ddpstate._pickle_scan.TensorRecord`
             placeholders (for safetensors: an OrderedDict of them).
@@ -77,7 +78,7 @@ class Checkpoint:
     """
 
     path: str
-    format: str
+    format: FormatName
     size: int
     obj: Any
     storages: list[StorageRecord]
@@ -185,7 +186,7 @@ def read_checkpoint(
         >>> torch.save({"module.w": torch.ones(2)}, p)
         >>> with read_checkpoint(p) as ckpt:
         ...     ckpt.format, list(ckpt.obj)
-        ('torch_zip', ['module.w'])
+        ('pt', ['module.w'])
     """
     kind = formats.detect_format(path, storage_options=storage_options)
     if kind == formats.HF_SHARDED:
@@ -337,7 +338,7 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
     )
     return Checkpoint(
         path=path,
-        format="torch_zip",
+        format=formats.TORCH_ZIP,
         size=source.size,
         obj=result.obj,
         storages=list(storages.values()),
@@ -544,7 +545,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
     ordered.extend(r for r in storages.values() if r.data_offset < 0)
     return Checkpoint(
         path=path,
-        format="torch_legacy",
+        format=formats.LEGACY,
         size=source.size,
         obj=result.obj,
         storages=ordered,
@@ -592,7 +593,7 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
     problems += restore_extras(state_dict, header.metadata)
     return Checkpoint(
         path=path,
-        format="safetensors",
+        format=formats.SAFETENSORS,
         size=source.size,
         obj=state_dict,
         storages=storages,

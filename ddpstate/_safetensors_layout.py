@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import struct
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
@@ -25,6 +24,9 @@ ALIASES_KEY = "ddpstate.aliases"
 #: Header metadata key: JSON of the state dict's ``_metadata`` (module path ->
 #: ``{"version": ...}``), which ``nn.Module.load_state_dict`` consults.
 STATE_DICT_METADATA_KEY = "ddpstate.state_dict_metadata"
+#: Header metadata key: JSON list of the state dict's keys in its order, which
+#: the file's own order (by dtype, then name, as the library lays data out) loses.
+KEY_ORDER_KEY = "ddpstate.key_order"
 #: Caller metadata keys may not start with this; ddpstate owns that namespace.
 RESERVED_PREFIX = "ddpstate."
 
@@ -176,7 +178,8 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
     """Apply ddpstate's header extras to a state dict read from a file.
 
     Aliased keys get their canonical entry's very value (tied tensors come back
-    shared), and ``_metadata`` is set from its JSON.
+    shared), the keys take the state dict's order again, and ``_metadata`` is
+    set from its JSON.
 
     Args:
         state_dict: The entries read, in header order; changed in place.
@@ -197,6 +200,21 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
                 state_dict[alias] = state_dict[canonical]
         except (ValueError, KeyError, AttributeError, TypeError) as exc:
             problems.append(f"{ALIASES_KEY} names a tensor that is not in the file ({exc!r})")
+    if KEY_ORDER_KEY in metadata:
+        try:
+            order = json.loads(metadata[KEY_ORDER_KEY])
+            if not isinstance(order, list) or len(order) != len(state_dict):
+                raise ValueError("it does not list the file's keys")
+            if set(order) != state_dict.keys():
+                raise ValueError("it does not list the file's keys")
+            move = getattr(state_dict, "move_to_end", None)  # OrderedDict: O(1) a key
+            for key in order:
+                if move is not None:
+                    move(key)
+                else:
+                    state_dict[key] = state_dict.pop(key)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{KEY_ORDER_KEY} is not the file's keys ({exc})")
     if STATE_DICT_METADATA_KEY in metadata:
         try:
             sd_meta = json.loads(metadata[STATE_DICT_METADATA_KEY])
@@ -227,12 +245,16 @@ class View:
     stop: int
 
 
-def find_aliases(views: Iterable[Optional[View]]) -> tuple[dict[str, str], list[str]]:
+def find_aliases(
+    views: Iterable[Optional[View]], *, overlapping: Optional[set[str]] = None
+) -> tuple[dict[str, str], list[str]]:
     """Tell tied tensors (identical views: written once) from other overlaps (written twice).
 
     Args:
         views: One :class:`View` per tensor in state-dict order; None for an
             empty tensor (nothing to tie).
+        overlapping: When given, the later key of each overlapping pair is
+            added to it (a writer that refuses shared memory copies those).
 
     Returns:
         ``({alias: canonical}, ["'b' overlaps 'a'", ...])``.
@@ -256,9 +278,16 @@ def find_aliases(views: Iterable[Optional[View]]) -> tuple[dict[str, str], list[
     overlaps = []
     for entries in spans.values():
         entries.sort()
-        for (_, end_a, key_a), (start_b, _, key_b) in itertools.pairwise(entries):
-            if start_b < end_a:
-                overlaps.append(f"{key_b!r} overlaps {key_a!r}")
+        # Compare each span with the furthest-reaching one before it, not only its
+        # neighbour: a large view holding two small ones overlaps both.
+        _, reach, reacher = entries[0]
+        for start, stop, key in entries[1:]:
+            if start < reach:
+                overlaps.append(f"{key!r} overlaps {reacher!r}")
+                if overlapping is not None:
+                    overlapping.add(key)
+            if stop > reach:
+                reach, reacher = stop, key
     return aliases, overlaps
 
 

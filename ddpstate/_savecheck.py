@@ -262,6 +262,10 @@ def check_tensors(obj: Any, what: str, where: str, *, sharded_only: bool = False
     sharded = sharded_types()
     if sharded_only and not sharded:
         return
+    if isinstance(obj, dict) and all(
+        type(v) is torch.Tensor and not v.is_meta for v in obj.values()
+    ):
+        return  # a flat state dict of plain tensors, the common case: no paths to build
     for path, value in _walk(obj, what, set()):
         if sharded and isinstance(value, sharded):
             raise ShardedStateError(

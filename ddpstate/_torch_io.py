@@ -141,7 +141,7 @@ def unsafe_globals(source: Source, kind: str) -> list[str]:
 
     Args:
         source: A local path or a readable, seekable binary file.
-        kind: ``"torch_zip"`` or ``"torch_legacy"`` (see :mod:`ddpstate.formats`).
+        kind: ``"pt"`` or ``"pt_legacy"`` (see :mod:`ddpstate.formats`).
 
     Returns:
         Sorted, de-duplicated fully qualified names such as ``"__main__.Net"``.
@@ -154,7 +154,7 @@ def unsafe_globals(source: Source, kind: str) -> list[str]:
         >>> from ddpstate._torch_io import unsafe_globals
         >>> buf = io.BytesIO()
         >>> torch.save({"c": collections.Counter("ab")}, buf)
-        >>> unsafe_globals(buf, "torch_zip")
+        >>> unsafe_globals(buf, "pt")
         []
     """
     with _rewound(source) as src:
@@ -271,7 +271,7 @@ def load_torch_file(
 
     Args:
         source: A local path or a readable, seekable binary file.
-        kind: ``"torch_zip"`` or ``"torch_legacy"``.
+        kind: ``"pt"`` or ``"pt_legacy"``.
         name: How to name the file in messages.
         map_location: Passed to ``torch.load`` (already resolved).
         weights_only: Passed to ``torch.load``.
@@ -295,7 +295,7 @@ def load_torch_file(
         >>> from ddpstate._torch_io import load_torch_file
         >>> buf = io.BytesIO()
         >>> torch.save({"w": torch.ones(1)}, buf)
-        >>> load_torch_file(buf, kind="torch_zip", name="buf", map_location="cpu",
+        >>> load_torch_file(buf, kind="pt", name="buf", map_location="cpu",
         ...                 weights_only=True, mmap=False)
         {'w': tensor([1.])}
     """

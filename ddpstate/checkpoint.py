@@ -43,6 +43,7 @@ from ddpstate.formats import (
     TORCH_ZIP,
     TORCHSCRIPT,
     detect_format,
+    parse_format,
     read_safetensors,
     write_safetensors,
 )
@@ -66,12 +67,6 @@ SAVE_COLLECTIVE = "ddpstate.save"
 LOAD_COLLECTIVE = "ddpstate.load"
 
 _SAFETENSORS_SUFFIXES = (".safetensors",)
-_FORMAT_ALIASES = {
-    "torch": TORCH_ZIP,
-    "torch_zip": TORCH_ZIP,
-    "pt": TORCH_ZIP,
-    "safetensors": SAFETENSORS,
-}
 
 
 # ------------------------------------------------------------------------------- save
@@ -80,13 +75,7 @@ _FORMAT_ALIASES = {
 def _save_format(path: str, format: Optional[str]) -> str:
     if format is None:
         return SAFETENSORS if path.lower().endswith(_SAFETENSORS_SUFFIXES) else TORCH_ZIP
-    chosen = _FORMAT_ALIASES.get(str(format).lower())
-    if chosen is None:
-        raise CheckpointFormatError(
-            f"cannot save {path} as format={format!r}; choose 'torch' (torch.save's zip "
-            f"format) or 'safetensors'"
-        )
-    return chosen
+    return parse_format(format, allowed=(TORCH_ZIP, SAFETENSORS), what=f"save({path!r}) format")
 
 
 def _check_rank(value: int, what: str) -> None:
@@ -214,8 +203,9 @@ def save(
         obj: What to save; read on ``src_rank`` only (other ranks may pass None).
         path: Local path or fsspec URL (``s3://``, ``gs://``, ``memory://``...).
             Missing local parent folders are created.
-        format: ``"torch"`` (torch.save's zip format) or ``"safetensors"``.
-            Default: safetensors for a ``.safetensors`` suffix, else torch.
+        format: ``"pt"`` (torch.save's zip format; also ``"torch"``) or
+            ``"safetensors"`` (any name :func:`~ddpstate.formats.parse_format`
+            accepts). Default: safetensors for a ``.safetensors`` suffix, else pt.
         src_rank: The rank that writes.
         barrier: Share the outcome with every rank (and wait for the writer).
             With False, only the writer does anything and only it can raise.

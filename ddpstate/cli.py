@@ -14,19 +14,11 @@ from typing import IO, Any, NoReturn, Optional
 from ddpstate import formats
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
-from ddpstate.errors import DDPStateError
+from ddpstate.errors import DDPStateError, InvalidArgumentError
+from ddpstate.formats import DESCRIPTIONS, MANAGER, PT, SAFETENSORS, FormatName, parse_format
 
 __all__ = ["main"]
 
-_FORMAT_NAMES = {
-    "torch_zip": "torch.save zip",
-    "torch_legacy": "legacy torch.save (pre-1.6)",
-    "safetensors": "safetensors",
-    "pt": "torch.save zip",
-    "manager": "CheckpointManager folder",
-    "hf_sharded": "Hugging Face sharded checkpoint",
-    formats.DCP: "torch.distributed.checkpoint folder",
-}
 
 _MAIN_EPILOG = """\
 examples:
@@ -184,10 +176,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_key_options(convert)
     convert.add_argument(
-        "--to", choices=("pt", "safetensors", formats.DCP),
+        "--to", type=_output_format, metavar="{pt,safetensors,dcp}",
         help="output format (default: from DST's suffix, .safetensors or .pt/.pth/.bin/.ckpt, "
         "else the source's; pt for a DCP folder); safetensors keeps the model state dict "
-        "only; dcp writes a torch.distributed.checkpoint folder",
+        "only; dcp writes a torch.distributed.checkpoint folder; 'torch' and 'pth' also "
+        "name pt",
     )  # fmt: skip
     convert.add_argument(
         "--max-shard-size", "--max_shard_size", metavar="SIZE",
@@ -287,6 +280,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _output_format(text: str) -> FormatName:
+    try:
+        return parse_format(text, allowed=(PT, SAFETENSORS, formats.DCP), what="--to")
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _list(items: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
@@ -327,7 +327,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
             where = f" in '{result.state_dict_path}'" if result.state_dict_path else ""
             where = f"; {result.renamed} key(s) renamed{where}"
         print(
-            f"wrote {result.dst} ({_FORMAT_NAMES[result.dst_format]}, {result.tensors} tensors, "
+            f"wrote {result.dst} ({DESCRIPTIONS[result.dst_format]}, {result.tensors} tensors, "
             f"{human_bytes(result.bytes_copied)} of tensor data{where})",
             file=out,
         )
@@ -355,7 +355,7 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     devices = ", ".join(f"{d} ({n} storages)" for d, n in sorted(info.devices.items()))
     lines = [
         f"file       {info.path}",
-        f"format     {_FORMAT_NAMES.get(info.format, info.format)}, {human_bytes(info.file_size)}",
+        f"format     {DESCRIPTIONS.get(info.format, info.format)}, {human_bytes(info.file_size)}",
         f"tensors    {info.tensor_count} ({human_bytes(info.tensor_bytes)}): {dtypes or '-'}",
         f"devices    {devices or '-'}",
         f"prefixes   {' '.join(info.prefixes) or '(none)'}",
@@ -429,9 +429,9 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2), file=out)
         return 0 if result.ok else 1
-    kind = _FORMAT_NAMES.get(result.format or "", "unreadable")
+    kind = DESCRIPTIONS.get(result.format, "unreadable") if result.format else "unreadable"
     if result.ok:
-        counted = "" if result.format == "manager" else f"{result.tensors} tensors, "
+        counted = "" if result.format == MANAGER else f"{result.tensors} tensors, "
         checked = "read and checked" if result.format != formats.DCP else "read; sizes checked"
         print(
             f"ok: {result.path} ({kind}, {counted}{human_bytes(result.bytes_read)} {checked})",

@@ -11,7 +11,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Any, Optional, Union
+from typing import IO, TYPE_CHECKING, Any, Final, Optional, Union
 
 from ddpstate import _fs, formats
 from ddpstate._cast import Casts, target_dtype
@@ -46,7 +46,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
     StateDictNotFoundError,
 )
-from ddpstate.formats import HF_SHARDED
+from ddpstate.formats import HF_SHARDED, FormatName, parse_format
 
 if TYPE_CHECKING:
     import torch
@@ -66,9 +66,9 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-#: Output formats of :func:`convert_file`.
-PT = "pt"
-SAFETENSORS = "safetensors"
+#: Output formats of :func:`convert_file` (:mod:`ddpstate.formats`' names).
+PT: Final = formats.PT
+SAFETENSORS: Final = formats.SAFETENSORS
 
 # Entries drop_optimizer removes besides those whose value looks like optimizer
 # state (see _is_optimizer_state). Short names such as "opt" are left out on
@@ -93,8 +93,8 @@ class ConvertResult:
     Attributes:
         src: The source file.
         dst: The file written (``src`` itself for ``in_place``).
-        src_format: ``"torch_zip"``, ``"torch_legacy"``, ``"safetensors"``,
-            ``"hf_sharded"`` or ``"dcp"``.
+        src_format: ``"pt"``, ``"pt_legacy"``, ``"safetensors"``, ``"hf_sharded"`` or
+            ``"dcp"`` (:mod:`ddpstate.formats`).
         dst_format: ``"pt"``, ``"safetensors"``, ``"hf_sharded"`` (``max_shard_size``)
             or ``"dcp"``.
         state_dict_path: Where the model state dict was found (dotted; ``""``
@@ -112,8 +112,8 @@ class ConvertResult:
 
     src: str
     dst: str
-    src_format: str
-    dst_format: str
+    src_format: FormatName
+    dst_format: FormatName
     state_dict_path: Optional[str]
     renamed: int
     tensors: int
@@ -160,7 +160,7 @@ class InspectResult:
     """
 
     path: str
-    format: str
+    format: FormatName
     file_size: int
     tensor_count: int
     tensor_bytes: int
@@ -240,7 +240,7 @@ class VerifyResult:
     """
 
     path: str
-    format: Optional[str]
+    format: Optional[FormatName]
     problems: tuple[str, ...]
     tensors: int = 0
     bytes_read: int = 0
@@ -493,7 +493,7 @@ def _copied_pickle(
     re-emitted), every value kept, dicts all the way down to the state dict.
     """
     layout = ckpt.pickle_layout
-    if layout is None or ckpt.format != "torch_zip":
+    if layout is None or ckpt.format != formats.TORCH_ZIP:
         return None
     if any(s.location != "cpu" or s.key != str(i) for i, s in enumerate(ckpt.storages)):
         return None
@@ -794,11 +794,11 @@ def convert_file(
     """
     _check_rules(strip_prefix, add_prefix, normalize)
     cast_to = None if dtype is None else target_dtype(dtype)
+    if to is not None:
+        to = parse_format(to, allowed=(PT, SAFETENSORS, formats.DCP), what="to")
     shard_limit = shard_dst = None
     if max_shard_size is not None:
         shard_limit, shard_dst = _check_sharded_output(dst, to, in_place, max_shard_size)
-    if to not in (None, PT, SAFETENSORS, formats.DCP):
-        raise InvalidArgumentError(f"to must be 'pt', 'safetensors' or 'dcp' (got {to!r})")
     if in_place and dst is not None:
         raise InvalidArgumentError("pass either dst or in_place=True, not both")
     if in_place and not fsync:
@@ -834,7 +834,7 @@ def convert_file(
     with read_checkpoint(src_text, unsafe=unsafe, storage_options=storage_options) as ckpt:
         _raise_problems(ckpt)
         dst_format = (
-            to or _format_from_name(dst) or (SAFETENSORS if ckpt.format == "safetensors" else PT)
+            to or _format_from_name(dst) or (SAFETENSORS if ckpt.format == SAFETENSORS else PT)
         )
         if shard_dst is not None:
             dst_format = SAFETENSORS
@@ -932,7 +932,7 @@ def _destination(
     return dst_text
 
 
-def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
+def _format_from_name(dst: Optional[PathLike]) -> Optional[FormatName]:
     """The format a destination's suffix names, as ``ddpstate.save`` reads it (None: no say)."""
     if dst is None:
         return None
@@ -947,7 +947,7 @@ def _format_from_name(dst: Optional[PathLike]) -> Optional[str]:
 def _convert(
     ckpt: Checkpoint,
     dst: str,
-    dst_format: str,
+    dst_format: FormatName,
     *,
     strip: Optional[str],
     add: Optional[str],
@@ -1013,8 +1013,8 @@ def _convert(
         or renamed
         or metadata_changed
         or dropped
-        or dst_format != (SAFETENSORS if ckpt.format == "safetensors" else PT)
-        or ckpt.format == "torch_legacy"
+        or dst_format != (SAFETENSORS if ckpt.format == SAFETENSORS else PT)
+        or ckpt.format == formats.LEGACY
         or any(s.location != "cpu" for s in ckpt.storages)
         or (sd is not None and path is None)
     )
@@ -1049,7 +1049,7 @@ def _convert(
                 sink = Sink(out, bar, write_back=fsync)
                 if dst_format == SAFETENSORS:
                     meta = dict(ckpt.st_metadata)
-                    if ckpt.format != "safetensors":
+                    if ckpt.format != SAFETENSORS:
                         # Hugging Face loaders ask for this entry in torch-made files.
                         meta.setdefault("format", "pt")
                     count, copied, aliases, overlaps = _write_safetensors(
@@ -1565,14 +1565,14 @@ def verify_file(
         problems = [*ckpt.problems, *_extent_problems(ckpt)]
         notes: list[str] = []
         tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
-        if ckpt.format == "torch_zip":
+        if ckpt.format == formats.TORCH_ZIP:
             total = sum(r.compressed_size for r in ckpt.zip_records.values())
         else:
             total = sum(s.stored_size for s in ckpt.storages if s.data_offset >= 0)
         bar = Progress(total, "verify", enabled=None if progress else False)
         read = 0
         try:
-            if ckpt.format == "torch_zip":
+            if ckpt.format == formats.TORCH_ZIP:
                 read = _verify_zip_records(ckpt, problems, notes, bar)
             else:
                 for s in ckpt.storages:
@@ -1632,7 +1632,7 @@ def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> Veri
     steps = ", ".join(str(s) for s in found.steps) or "none"
     return VerifyResult(
         path=found.path,
-        format="manager",
+        format=formats.MANAGER,
         problems=found.problems,
         bytes_read=found.bytes_read,
         notes=(

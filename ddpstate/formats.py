@@ -6,11 +6,16 @@ import dataclasses
 import os
 import struct
 import zipfile
-from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any, Literal, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import IO, TYPE_CHECKING, Any, Final, Literal, Optional, Union
 
 from ddpstate import _fs
-from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
+from ddpstate.errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+)
 
 if TYPE_CHECKING:
     from ddpstate._safetensors_io import (
@@ -53,9 +58,13 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ALIASES_KEY",
     "DCP",
+    "DESCRIPTIONS",
     "FORMATS",
     "HF_SHARDED",
     "LEGACY",
+    "MANAGER",
+    "PT",
+    "PT_LEGACY",
     "SAFETENSORS",
     "STATE_DICT_METADATA_KEY",
     "SafetensorsHeader",
@@ -64,6 +73,7 @@ __all__ = [
     "TORCH_ZIP",
     "FormatName",
     "detect_format",
+    "parse_format",
     "read_safetensors",
     "read_safetensors_header",
     "safetensors_header_for",
@@ -72,21 +82,102 @@ __all__ = [
 ]
 
 #: torch.save's zip container (torch >= 1.6): ``<root>/data.pkl`` + ``<root>/data/<key>``.
-TORCH_ZIP = "torch_zip"
+TORCH_ZIP: Final = "pt"
 #: torch.save's pre-1.6 format: a stream of pickles starting with a magic number.
-LEGACY = "torch_legacy"
+LEGACY: Final = "pt_legacy"
 #: The safetensors format: 8-byte little-endian header length, JSON header, raw data.
-SAFETENSORS = "safetensors"
+SAFETENSORS: Final = "safetensors"
 #: A TorchScript archive (``torch.jit.save``): a zip with ``code/`` and ``constants.pkl``.
-TORCHSCRIPT = "torchscript"
+TORCHSCRIPT: Final = "torchscript"
 #: A ``torch.distributed.checkpoint`` folder (has a ``.metadata`` file).
-DCP = "dcp"
-#: A Hugging Face sharded checkpoint: ``*.safetensors.index.json`` / ``*.bin.index.json``
-#: naming the shard of every key (or the folder holding exactly one such index).
-HF_SHARDED = "hf_sharded"
+DCP: Final = "dcp"
+#: A :class:`ddpstate.CheckpointManager` folder (step folders committed by a manifest).
+MANAGER: Final = "manager"
+#: A Hugging Face sharded checkpoint: ``*.safetensors.index.json`` or
+#: ``*.bin.index.json`` (a ``weight_map`` of key -> shard file) and its shards.
+HF_SHARDED: Final = "hf_sharded"
+#: Clearer names for the two torch.save formats (same values).
+PT: Final = TORCH_ZIP
+PT_LEGACY: Final = LEGACY
 
-FormatName = Literal["torch_zip", "torch_legacy", "safetensors", "torchscript", "dcp"]
-FORMATS: tuple[str, ...] = (TORCH_ZIP, LEGACY, SAFETENSORS, TORCHSCRIPT, DCP)
+FormatName = Literal[
+    "pt", "pt_legacy", "safetensors", "torchscript", "dcp", "manager", "hf_sharded"
+]
+FORMATS: tuple[FormatName, ...] = (
+    TORCH_ZIP,
+    LEGACY,
+    SAFETENSORS,
+    TORCHSCRIPT,
+    DCP,
+    MANAGER,
+    HF_SHARDED,
+)
+
+#: How each format is named to a person (the CLI's output).
+DESCRIPTIONS: dict[FormatName, str] = {
+    TORCH_ZIP: "torch.save zip",
+    LEGACY: "legacy torch.save (pre-1.6)",
+    SAFETENSORS: "safetensors",
+    TORCHSCRIPT: "TorchScript archive",
+    DCP: "torch.distributed.checkpoint folder",
+    MANAGER: "CheckpointManager folder",
+    HF_SHARDED: "Hugging Face sharded checkpoint",
+}
+
+# Names accepted on input, each for a reason: the canonical names; "torch", the
+# name save(format=) documented first; "torch_zip"/"torch_legacy", what detection
+# said before the names were unified; "pth", the other suffix torch.save files
+# go by. Not accepted: "bin" (GGML, raw dumps and others share the suffix, so it
+# does not name a format) and "st" (no tool in the ecosystem uses it).
+_ALIASES: dict[str, FormatName] = {
+    **{name: name for name in FORMATS},
+    "torch": TORCH_ZIP,
+    "torch_zip": TORCH_ZIP,
+    "pth": TORCH_ZIP,
+    "torch_legacy": LEGACY,
+}
+
+
+def parse_format(
+    alias: Any, *, allowed: Optional[Iterable[FormatName]] = None, what: str = "format"
+) -> FormatName:
+    """The one name of a checkpoint format, from any name ddpstate accepts for it.
+
+    Every API edge that takes a format (``save(format=)``,
+    ``CheckpointManager(format=)``, ``convert_file(to=)``, the CLI's ``--to``)
+    goes through here, so each accepts the same names and every result says
+    one of :data:`FORMATS`.
+
+    Args:
+        alias: A format name in any case: ``"pt"`` (also ``"torch"``,
+            ``"torch_zip"``, ``"pth"``), ``"pt_legacy"`` (also
+            ``"torch_legacy"``), ``"safetensors"``, ``"torchscript"``,
+            ``"dcp"``, ``"manager"``, ``"hf_sharded"``.
+        allowed: The formats this caller can handle; default: all.
+        what: How the caller names the argument, for the message (``"to"``...).
+
+    Returns:
+        The canonical name, one of :data:`FORMATS`.
+
+    Raises:
+        InvalidArgumentError: ``alias`` names no format, or one not in
+            ``allowed``; the message lists the names that are.
+
+    Example:
+        >>> from ddpstate.formats import parse_format
+        >>> parse_format("torch"), parse_format("SafeTensors")
+        ('pt', 'safetensors')
+    """
+    name = _ALIASES.get(alias.strip().lower()) if isinstance(alias, str) else None
+    choices = tuple(FORMATS if allowed is None else allowed)
+    if name is None or name not in choices:
+        known = "" if name is None else f" ({name} is not one this call handles)"
+        raise InvalidArgumentError(
+            f"{what}={alias!r} is not a format here{known}; choose one of "
+            f"{', '.join(repr(c) for c in choices)}"
+        )
+    return name
+
 
 # torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -204,7 +295,7 @@ def _zip_directory(fileobj: IO[bytes], size: int, name: str) -> bytes:
     return directory
 
 
-def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> str:
+def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> FormatName:
     directory = _zip_directory(fileobj, size, name)
     # Entry names sit in the directory as raw bytes: torch.jit.save writes code/
     # and constants.pkl, torch.save a data.pkl.
@@ -224,10 +315,10 @@ def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> str:
     )
 
 
-def sniff_format(head: bytes, size: Optional[int] = None) -> Optional[str]:
+def sniff_format(head: bytes, size: Optional[int] = None) -> Optional[FormatName]:
     """Guess the format from a file's first bytes alone.
 
-    Zip archives come back as ``"torch_zip"``; only :func:`detect_format`, which
+    Zip archives come back as ``"pt"``; only :func:`detect_format`, which
     reads the zip directory, tells a TorchScript archive apart.
 
     Args:
@@ -240,7 +331,7 @@ def sniff_format(head: bytes, size: Optional[int] = None) -> Optional[str]:
     Example:
         >>> from ddpstate.formats import sniff_format
         >>> sniff_format(b"PK\\x03\\x04" + bytes(60))
-        'torch_zip'
+        'pt'
     """
     if head.startswith(_ZIP_MAGIC):
         return TORCH_ZIP
@@ -268,7 +359,9 @@ def _describe(head: bytes) -> str:
     return f"unknown bytes {head[:8].hex(' ')}"
 
 
-def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] = None) -> str:
+def detect_format(
+    source: Source, *, storage_options: Optional[dict[str, Any]] = None
+) -> FormatName:
     """Tell which checkpoint format a file or folder holds, from its bytes.
 
     Args:
@@ -277,9 +370,9 @@ def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] =
         storage_options: fsspec options for URLs.
 
     Returns:
-        One of ``"torch_zip"``, ``"torch_legacy"``, ``"safetensors"``,
-        ``"torchscript"``, ``"dcp"``, ``"hf_sharded"`` (an index file, or a
-        folder holding exactly one).
+        One of ``"pt"``, ``"pt_legacy"``, ``"safetensors"``, ``"torchscript"``,
+        ``"dcp"``, ``"hf_sharded"`` (an index file, or a folder holding exactly
+        one); see :func:`parse_format`.
 
     Raises:
         CheckpointNotFoundError: The path does not exist.
@@ -292,7 +385,7 @@ def detect_format(source: Source, *, storage_options: Optional[dict[str, Any]] =
         >>> path = os.path.join(tempfile.mkdtemp(), "w.bin")
         >>> torch.save({"w": torch.ones(2)}, path)
         >>> ddpstate.detect_format(path)
-        'torch_zip'
+        'pt'
     """
     if hasattr(source, "read"):
         fileobj: IO[bytes] = source  # type: ignore[assignment]
@@ -348,7 +441,7 @@ def _hf_index(name: str, storage_options: Optional[dict[str, Any]]) -> bool:
     return find_index(name, storage_options) is not None
 
 
-def _folder_kind(name: str, has_dcp_metadata: bool) -> str:
+def _folder_kind(name: str, has_dcp_metadata: bool) -> FormatName:
     if has_dcp_metadata:
         return DCP
     raise CheckpointFormatError(
@@ -358,7 +451,7 @@ def _folder_kind(name: str, has_dcp_metadata: bool) -> str:
     )
 
 
-def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> str:
+def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> FormatName:
     kind = sniff_format(head, size)
     if kind == TORCH_ZIP:
         return _zip_kind(fileobj, size, name)

@@ -69,7 +69,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
     KeyMismatchError,
 )
-from ddpstate.formats import write_safetensors
+from ddpstate.formats import PT, SAFETENSORS, parse_format, write_safetensors
 from ddpstate.keys import adapt_state_dict, normalize_keys, unwrap_model
 from ddpstate.rng import _derived_seed, _seed_all, capture_rng_state, restore_rng_state
 
@@ -853,10 +853,7 @@ class CheckpointManager:
                 f"and optimizers) or 'all' (every rank writes part, through "
                 f"torch.distributed.checkpoint)"
             )
-        if format not in ("pt", "safetensors"):
-            raise InvalidArgumentError(
-                f"CheckpointManager: format={format!r} must be 'pt' or 'safetensors'"
-            )
+        format = parse_format(format, allowed=(PT, SAFETENSORS), what="CheckpointManager format")
         self.directory = os.fspath(directory)
         self.keep_last = keep_last
         self.keep_best = keep_best
@@ -1608,7 +1605,7 @@ class CheckpointManager:
             manifest_entries: dict[str, dict[str, str]] = dict(written[1]) if written else {}
             for name, entry in entries.items():
                 as_safetensors = (
-                    self.format == "safetensors"
+                    self.format == SAFETENSORS
                     and entry.kind == _KIND_MODULE
                     and _is_flat_tensor_dict(entry.value)
                 )

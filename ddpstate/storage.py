@@ -33,6 +33,7 @@ __all__ = [
     "replace_folder",
     "retired_original",
     "temp_path_for",
+    "write_by_name",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -369,23 +370,33 @@ def _remove_stale_temps(target: str, own: str) -> None:
         except OSError:
             continue
         try:
-            if stat.S_ISREG(os.fstat(fd).st_mode) and _flock(fd, wait=False):
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode) and _flock(fd, wait=False):
                 os.unlink(path)
+            elif stat.S_ISDIR(mode) and _flock(fd, wait=False):
+                # A write_by_name staging folder (a library's own temp file inside).
+                shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass
         finally:
             os.close(fd)
 
 
-def _create_locked_temp(folder: str, base: str, path: str) -> tuple[str, int]:
-    """Create a fresh temp file for ``base`` and hold its ``flock``; return (name, fd)."""
+def _create_locked_temp(
+    folder: str, base: str, path: str, *, as_folder: bool = False
+) -> tuple[str, int]:
+    """Create a fresh temp file (or folder) for ``base`` and hold its ``flock``; (name, fd)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     while True:
         temp = os.path.join(folder, _temp_name_for(base))
         try:
             # 0o666 lets the umask decide, as for any new file; O_EXCL refuses to
             # follow a planted symlink or reuse someone else's file.
-            fd = os.open(temp, flags, 0o666)
+            if as_folder:
+                os.mkdir(temp, 0o700)
+                fd = os.open(temp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            else:
+                fd = os.open(temp, flags, 0o666)
         except OSError as exc:
             raise CheckpointWriteError(
                 f"cannot create a file in {folder} to write {path} ({type(exc).__name__}: "
@@ -411,6 +422,9 @@ def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
                 # Keep a restrictive mode the user gave the previous checkpoint.
                 os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
         fileobj = os.fdopen(fd, "wb", buffering=_WRITE_BUFFER)
+        # Named like a file opened by path (no second open), so that writers that
+        # take a path (safetensors' save_file) can write the temp file.
+        setattr(getattr(fileobj, "raw", fileobj), "name", temp)  # noqa: B010
     except BaseException as exc:
         _cleanup(exc, temp, lambda: os.close(fd), lambda: _unlink_missing_ok(temp))
         raise
@@ -450,6 +464,93 @@ def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
         if retired is not None and os.path.exists(retired):
             _free_later(retired)
     _remove_stale_temps(target, temp)
+
+
+@contextlib.contextmanager
+def write_by_name(fileobj: IO[bytes]) -> Iterator[str]:
+    """A path for a library that writes files by name, committed through ``fileobj``.
+
+    Some writers (``safetensors.torch.save_file``) take a path, write a temp
+    file of their own next to it and rename it there, without an fsync. This
+    yields a path inside a hidden, locked folder named like ddpstate's temp
+    files (so a writer killed mid-write leaves nothing that is listed as a
+    checkpoint, and the next save of the target deletes it); afterwards the
+    file written there replaces the temp file of ``fileobj`` and ``fileobj``
+    is re-bound to it (descriptor, lock and mode), so the fsync and rename
+    that :func:`atomic_write` does next commit what the library wrote.
+
+    Args:
+        fileobj: The file object from :func:`atomic_write` for a local path,
+            with nothing written through it.
+
+    Returns:
+        A context manager yielding the path to write.
+
+    Raises:
+        CheckpointWriteError: The staging folder cannot be made, or what was
+            written there vanished (e.g. another save took it for a dead
+            writer's); the target is untouched.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.storage import atomic_write, write_by_name
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
+        >>> with atomic_write(path) as f, write_by_name(f) as name:
+        ...     with open(name, "wb") as other:
+        ...         _ = other.write(b"written by name")
+        >>> open(path, "rb").read(), os.listdir(os.path.dirname(path))
+        (b'written by name', ['x.bin'])
+    """
+    temp = str(fileobj.name)
+    folder, temp_base = os.path.split(temp)
+    base = temp_base[1 : temp_base.rindex(TEMP_MARKER)]
+    stage, fd = _create_locked_temp(folder, base, temp, as_folder=True)
+    try:
+        written = os.path.join(stage, base)
+        yield written
+        try:
+            os.replace(written, temp)
+        except OSError as exc:
+            raise CheckpointWriteError(
+                f"the file written at {written} cannot replace {temp} ({type(exc).__name__}: "
+                f"{exc}); nothing was replaced; save again"
+            ) from exc
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        os.close(fd)
+    _adopt_renamed_file(fileobj)
+
+
+def _adopt_renamed_file(fileobj: IO[bytes]) -> None:
+    """Point an :func:`atomic_write` file object at the file now at its temp path."""
+    name = str(fileobj.name)
+    held = os.fstat(fileobj.fileno())
+    try:
+        # Read-only is enough for fsync, flock and fchmod, and nothing is written after.
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"the file written at {name} is gone ({type(exc).__name__}: {exc}); nothing was "
+            f"replaced; save again"
+        ) from exc
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return
+        # The same lock as the temp file had, so later saves never take it for stale.
+        _flock(fd, wait=True)
+        if not os.fstat(fd).st_nlink:
+            raise CheckpointWriteError(
+                f"the file written at {name} was deleted by another save before it was "
+                f"committed; nothing was replaced; save again"
+            )
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, stat.S_IMODE(held.st_mode))  # the mode atomic_write chose, not 0600
+        fileobj.flush()
+        os.dup2(fd, fileobj.fileno(), inheritable=False)
+    finally:
+        os.close(fd)
+    fileobj.seek(0, os.SEEK_END)
 
 
 @contextlib.contextmanager

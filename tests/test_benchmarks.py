@@ -33,3 +33,17 @@ def test_scale_benchmark_runs_every_collective_and_counts_store_operations() -> 
     assert row["n"] == 4 and all(ms > 0 for ms in row["ms"].values())
     mean, most = row["ops"]["barrier"]
     assert mean <= 4 and most <= 8, row["ops"]  # O(1) per rank: add + append + wait
+
+
+def test_safetensors_family_compares_with_the_library_on_tmpfs_and_disk(tmp_path: Path) -> None:
+    from benchmarks.__main__ import main
+
+    results = main(
+        ["--only", "safetensors", "--counts", "600", "--count-size", "1", "--repeats", "1",
+         "--no-plot", "--out", str(tmp_path / "results"), "--work", str(tmp_path)]
+    )  # fmt: skip
+    cases = {(c.case, c.baseline) for c in results.comparisons}
+    assert ("st save (disk)", "safetensors save_file + fsync") in cases
+    assert ("st load mmap (disk)", "safetensors load_file") in cases
+    assert ("st load read (disk)", "safetensors load_file (pread)") in cases
+    assert all(c.x == 600 and c.target == 1.05 for c in results.comparisons)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpstate import keys
+from ddpstate import formats, keys
 from tests.payloads import RunsCommand
 from tests.samples import RESNET20, data_offset
 
@@ -181,7 +181,8 @@ def test_inspect_table_and_json(nested: tuple[Path, Net, Any]) -> None:
     assert "module.conv.weight" in table.stdout and "[4, 3, 3, 3]" in table.stdout
     assert "optimizer state:" in table.stdout
     data = json.loads(run("inspect", path, "--json").stdout)
-    assert data["format"] == "torch_zip" and data["devices"] == {"cpu": len(ckpt["state_dict"]) + 6}
+    assert data["format"] == formats.TORCH_ZIP
+    assert data["devices"] == {"cpu": len(ckpt["state_dict"]) + 6}
     assert [t["name"] for t in data["tensors"]] == list(ckpt["state_dict"])
 
 

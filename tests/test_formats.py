@@ -17,7 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddpstate import formats
 from ddpstate._safetensors_io import DTYPE_NAMES
+from ddpstate._safetensors_layout import KEY_ORDER_KEY
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
 from ddpstate.formats import (
     ALIASES_KEY,
@@ -64,12 +66,12 @@ def test_detect_every_format(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(1)}, tmp_path / "b.pt", _use_new_zipfile_serialization=False)
     _write(tmp_path / "c.pt", {"w": torch.ones(1)})  # safetensors with a misleading suffix
     torch.jit.save(torch.jit.script(torch.nn.Linear(1, 1)), str(tmp_path / "d.pt"))
-    assert detect_format(tmp_path / "a.bin") == "torch_zip"
-    assert detect_format(tmp_path / "b.pt") == "torch_legacy"
+    assert detect_format(tmp_path / "a.bin") == formats.TORCH_ZIP
+    assert detect_format(tmp_path / "b.pt") == formats.LEGACY
     assert detect_format(tmp_path / "c.pt") == "safetensors"
     assert detect_format(tmp_path / "d.pt") == "torchscript"
     with open(tmp_path / "a.bin", "rb") as f:
-        assert detect_format(f) == "torch_zip"
+        assert detect_format(f) == formats.TORCH_ZIP
     (tmp_path / "e.json").write_text('{"not": "a checkpoint"}')
     with pytest.raises(CheckpointFormatError, match="JSON"):
         detect_format(tmp_path / "e.json")
@@ -87,7 +89,7 @@ def test_zip_directory_zip64_truncation_and_foreign_zips(tmp_path: Path) -> None
     at = raw.rfind(b"PK\x05\x06")
     raw[at + 12 : at + 20] = b"\xff" * 8
     (tmp_path / "zip64.pt").write_bytes(raw)
-    assert detect_format(tmp_path / "zip64.pt") == "torch_zip"
+    assert detect_format(tmp_path / "zip64.pt") == formats.TORCH_ZIP
     for cut in (1, 30, len(raw) // 2):
         (tmp_path / "cut.pt").write_bytes(raw[:-cut])
         with pytest.raises(CheckpointCorruptError, match=r"cut\.pt.*truncated"):
@@ -105,7 +107,7 @@ def test_zip_directory_zip64_truncation_and_foreign_zips(tmp_path: Path) -> None
 
 @pytest.mark.skipif(not SAMPLE.exists(), reason="needs the shared legacy sample file")
 def test_detect_legacy_sample() -> None:
-    assert detect_format(SAMPLE) == "torch_legacy"
+    assert detect_format(SAMPLE) == formats.LEGACY
 
 
 # ------------------------------------------------------------------------------- safetensors
@@ -124,7 +126,7 @@ def test_every_shared_dtype_round_trips_bit_exactly(tmp_path: Path, dtype: torch
     _write(path, sd)
     for mmap in (True, False):
         back = read_safetensors(path, mmap=mmap)
-        assert list(back) == list(sd)
+        assert list(back) == list(sd)  # the library reads data order; ddpstate's entry restores
         for key, value in sd.items():
             assert _same_bits(back[key], value), (key, mmap)
     back = read_safetensors(path.read_bytes())
@@ -229,7 +231,9 @@ def test_header_layout_is_aligned_and_padded() -> None:
     assert len(header) % 8 == 0
     assert [k for k, _ in order] == ["d", "b"]  # 8-byte elements first: every tensor aligned
     (length,) = struct.unpack("<Q", header[:8])
-    assert list(json.loads(header[8 : 8 + length])) == ["b", "d"]  # header keeps dict order
+    parsed = json.loads(header[8 : 8 + length])
+    assert list(parsed) == ["__metadata__", "b", "d"]  # header keeps dict order
+    assert json.loads(parsed["__metadata__"][KEY_ORDER_KEY]) == ["b", "d"]
 
 
 def test_mmap_read_is_private(tmp_path: Path) -> None:
@@ -309,4 +313,5 @@ def test_round_trip_property(entries: dict[str, Any], metadata: dict[str, str]) 
     back = read_safetensors(buf.getvalue())
     assert list(back) == list(sd)
     assert all(_same_bits(back[k], v) for k, v in sd.items())
-    assert read_safetensors_header(buf.getvalue()).metadata == metadata
+    stored = read_safetensors_header(buf.getvalue()).metadata
+    assert {k: v for k, v in stored.items() if not k.startswith("ddpstate.")} == metadata

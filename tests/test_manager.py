@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from ddpstate import formats
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -175,7 +176,7 @@ def test_safetensors_format_writes_models_as_safetensors(tmp_path: Path) -> None
         manager.save(2, {"model": model, "optimizer": opt})
         folder = Path(manager.checkpoint_path(2))
         assert detect_format(folder / "model.safetensors") == "safetensors"
-        assert detect_format(folder / "optimizer.pt") == "torch_zip"
+        assert detect_format(folder / "optimizer.pt") == formats.TORCH_ZIP
         fresh = _net(3)
         fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
         assert manager.restore({"model": fresh, "optimizer": fresh_opt}) == 2

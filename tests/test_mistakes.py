@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import ddpstate
+from ddpstate import formats
 from ddpstate.cli import main
 from ddpstate.errors import (
     CheckpointFormatError,
@@ -195,10 +196,10 @@ def test_convert_to_a_safetensors_name_writes_safetensors(tmp_path: Path) -> Non
     assert torch.equal(load_file(str(out))["w"], torch.arange(3.0))
     back = tmp_path / "back.pt"
     assert main(["convert", str(out), str(back), "-q"]) == 0
-    assert ddpstate.detect_format(back) == "torch_zip"
+    assert ddpstate.detect_format(back) == formats.TORCH_ZIP
     # An explicit --to still wins over the name.
     assert main(["convert", str(src), str(tmp_path / "x.safetensors"), "--to", "pt", "-q"]) == 0
-    assert ddpstate.detect_format(tmp_path / "x.safetensors") == "torch_zip"
+    assert ddpstate.detect_format(tmp_path / "x.safetensors") == formats.TORCH_ZIP
 
 
 # --------------------------------------------------------------------------- row 4: misnamed file

@@ -1,0 +1,212 @@
+"""Local safetensors files go through the safetensors library, both ways, byte for byte."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+import ddpstate
+from ddpstate.errors import CheckpointCorruptError
+from ddpstate.formats import (
+    ALIASES_KEY,
+    read_safetensors,
+    read_safetensors_header,
+    write_safetensors,
+)
+
+
+def _plain() -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.randn(4, 3),
+        "b": torch.randn(3).half(),
+        "steps": torch.tensor(7),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 5),
+    }
+
+
+def test_ddpstate_save_is_save_file_plus_its_own_header_entries(tmp_path: Path) -> None:
+    sd = _plain()
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    one = {"w": torch.randn(3, 2)}  # one key: no key order to keep, so byte for byte
+    ddpstate.save(one, ours, metadata={"epoch": "3"})
+    safetensors.torch.save_file(one, theirs, metadata={"epoch": "3"})
+    assert ours.read_bytes() == theirs.read_bytes()
+    for metadata in (None, {"epoch": "3", "note": "ünïcode", "step": "12"}):
+        ddpstate.save(sd, ours, metadata=metadata)
+        safetensors.torch.save_file(sd, theirs, metadata=metadata)
+        (our_header, our_data), (their_header, their_data) = _parts(ours), _parts(theirs)
+        assert our_data == their_data  # the same tensors in the same order, bit for bit
+        ours_meta = our_header.pop("__metadata__")
+        their_header.pop("__metadata__", None)
+        assert our_header == their_header
+        assert json.loads(ours_meta.pop("ddpstate.key_order")) == list(sd)
+        assert ours_meta == (metadata or {})
+    assert list(ddpstate.load(ours)) == list(sd)  # the state dict's order comes back
+
+
+def _parts(path: Path) -> tuple[dict[str, Any], bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def test_files_written_by_ddpstate_load_with_plain_load_file(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    sd = model.state_dict()
+    path = tmp_path / "m.safetensors"
+    ddpstate.save(sd, path, metadata={"step": "9"})
+    theirs = safetensors.torch.load_file(path)
+    assert theirs.keys() == sd.keys()
+    assert all(torch.equal(theirs[k], v) for k, v in sd.items())
+    with safetensors.safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    assert meta["step"] == "9" and "ddpstate.state_dict_metadata" in meta
+    back = ddpstate.load(path)
+    assert back._metadata == sd._metadata  # type: ignore[attr-defined]
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    fresh.load_state_dict(back)
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt", "k": "v"}])
+def test_files_written_by_save_file_load_with_ddpstate(
+    tmp_path: Path, metadata: dict[str, str] | None
+) -> None:
+    sd = _plain()
+    path = tmp_path / "ref.safetensors"
+    safetensors.torch.save_file(sd, path, metadata=metadata)
+    for mmap in (None, False):
+        back = ddpstate.load(path, mmap=mmap)
+        assert sorted(back) == sorted(sd)
+        for key, value in sd.items():
+            assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
+    assert read_safetensors_header(path).metadata == (metadata or {})
+    # A model loads it straight away, through the same call as a torch file.
+    net = torch.nn.Linear(2, 2)
+    safetensors.torch.save_file(net.state_dict(), tmp_path / "net.safetensors")
+    ddpstate.load_model_state(torch.nn.Linear(2, 2), tmp_path / "net.safetensors")
+
+
+def test_tied_tensors_are_deduplicated_for_the_library_and_restored(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Linear(4, 20, bias=False))
+    model[1].weight = model[0].weight
+    path = tmp_path / "tied.safetensors"
+    with pytest.warns(UserWarning, match=r"1\.weight -> 0\.weight"):
+        ddpstate.save(model.state_dict(), path)
+    theirs = safetensors.torch.load_file(path)
+    assert list(theirs) == ["0.weight"]  # written once
+    with safetensors.safe_open(path, framework="pt") as f:
+        assert json.loads(f.metadata()[ALIASES_KEY]) == {"1.weight": "0.weight"}
+    back = ddpstate.load(path)
+    assert back["1.weight"] is back["0.weight"]
+    assert torch.equal(back["0.weight"], model[0].weight.detach())
+
+
+def test_views_the_library_would_refuse_are_stored(tmp_path: Path) -> None:
+    base = torch.arange(40.0)
+    sd = {
+        "all": base,  # holds both halves below: each overlaps it, not each other
+        "head": base[:10],
+        "tail": base[20:],
+        "transposed": torch.randn(3, 5).t(),
+        "strided": torch.arange(12)[::4],
+        "empty_view": base[5:5],
+        "conj": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj(),
+    }
+    path = tmp_path / "views.safetensors"
+    with pytest.warns(UserWarning, match="overlap"):
+        ddpstate.save(sd, path)
+    theirs = safetensors.torch.load_file(path)
+    ours = ddpstate.load(path)
+    for key, value in sd.items():
+        expected = value.resolve_conj()
+        assert torch.equal(theirs[key], expected) and torch.equal(ours[key], expected), key
+    # The caller's tensors are untouched.
+    assert torch.equal(base, torch.arange(40.0)) and sd["conj"].is_conj()
+
+
+def test_streams_still_write_files_the_library_reads() -> None:
+    sd = _plain()
+    buf = io.BytesIO()
+    write_safetensors(buf, sd, {"k": "v"})
+    theirs = safetensors.torch.load(buf.getvalue())
+    assert all(torch.equal(theirs[k], v) for k, v in sd.items())
+    assert list(read_safetensors(buf.getvalue())) == list(sd)  # streams keep header order
+
+
+def test_a_plain_open_file_is_streamed_and_readable_by_the_library(tmp_path: Path) -> None:
+    path = tmp_path / "open.safetensors"
+    with open(path, "wb") as f:
+        f.write(b"")
+        write_safetensors(f, {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.int64)})
+    theirs = safetensors.torch.load_file(path)
+    assert torch.equal(theirs["w"], torch.ones(3)) and theirs["b"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overlapping", "short_header", "garbage_json"])
+def test_files_the_library_refuses_raise_corrupt_naming_the_file(
+    tmp_path: Path, damage: str
+) -> None:
+    path = tmp_path / "bad.safetensors"
+    safetensors.torch.save_file({"a": torch.ones(8), "b": torch.ones(2)}, path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    if damage == "truncated":
+        raw = raw[:-5]
+    elif damage == "overlapping":
+        text = raw[8 : 8 + length].replace(b"[32,40]", b"[24,32]")
+        assert text != raw[8 : 8 + length]
+        raw = raw[:8] + text + raw[8 + length :]
+    elif damage == "short_header":
+        raw = struct.pack("<Q", length - 8) + raw[8:]
+    else:
+        raw = raw[:8] + b"{" + b"!" * (length - 1) + raw[8 + length :]
+    path.write_bytes(raw)
+    for mmap in (True, False):
+        with pytest.raises(CheckpointCorruptError, match=r"bad\.safetensors"):
+            read_safetensors(path, mmap=mmap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointCorruptError, match=r"bad\.safetensors"):
+            ddpstate.load(path)
+
+
+def test_save_over_an_existing_file_is_atomic_on_refusal(tmp_path: Path) -> None:
+    path = tmp_path / "keep.safetensors"
+    ddpstate.save({"w": torch.ones(2)}, path)
+    before = path.read_bytes()
+    with pytest.raises(ddpstate.CheckpointFormatError, match="'x' is a int"):
+        ddpstate.save({"w": torch.zeros(2), "x": 3}, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.safetensors"]
+
+
+def test_the_library_written_file_is_the_one_committed_with_our_mode(tmp_path: Path) -> None:
+    # save_file writes its own file (mode 0600) and renames it; the save keeps the
+    # previous file's mode, leaves no temp file, and the fsynced inode is the new file.
+    path = tmp_path / "mode.safetensors"
+    ddpstate.save({"w": torch.ones(2)}, path)
+    path.chmod(0o640)
+    ddpstate.save({"w": torch.zeros(2)}, path)
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert torch.equal(safetensors.torch.load_file(path)["w"], torch.zeros(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["mode.safetensors"]
+
+
+def test_a_conjugate_view_is_not_taken_for_a_tie(tmp_path: Path) -> None:
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    sd = {"z": z, "z_conj": z.conj()}
+    path = tmp_path / "conj.safetensors"
+    with pytest.warns(UserWarning, match="overlap"):
+        ddpstate.save(sd, path)
+    back = ddpstate.load(path)
+    assert torch.equal(back["z"], z) and torch.equal(back["z_conj"], z.conj().resolve_conj())
