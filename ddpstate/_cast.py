@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddpstate._pickle_scan import StorageRecord, TensorRecord
-from ddpstate._reader import storage_type_for
+from ddpstate._reader import contiguous_strides, storage_type_for
 from ddpstate.errors import CheckpointFormatError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -53,15 +53,6 @@ def target_dtype(name: str) -> str:
             f"dtype must be one of bf16, fp16, fp32 (or bfloat16, float16, float32), got {name!r}"
         )
     return found
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class Casts:
@@ -117,7 +108,7 @@ class Casts:
                 rec,
                 storage=storage,
                 offset=0,
-                stride=_contiguous_strides(rec.shape),
+                stride=contiguous_strides(rec.shape),
                 dtype=dtype,
                 rebuild="v2" if type_name != "UntypedStorage" else "v3",
             )

@@ -257,14 +257,8 @@ def _own_files(folder: str, rank: int, coordinator: bool) -> list[str]:
 
 
 def _checksum(path: str) -> dict[str, Any]:
-    size, crc = 0, 0
     with open(path, "rb") as f:
-        while True:
-            chunk = f.read(_READ_CHUNK)
-            if not chunk:
-                break
-            size += len(chunk)
-            crc = zlib.crc32(chunk, crc)
+        size, crc = storage.size_and_crc32(f, _READ_CHUNK)
     return {"size": size, "crc32": f"{crc:08x}"}
 
 

@@ -586,7 +586,7 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
             storage=record,
             offset=0,
             shape=entry.shape,
-            stride=_contiguous_strides(entry.shape),
+            stride=contiguous_strides(entry.shape),
             dtype=dtype,
             rebuild="v2" if typed else "v3",
         )
@@ -606,7 +606,8 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
     )
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a C-contiguous tensor of ``shape`` (as ``torch.empty(shape).stride()``)."""
     strides: list[int] = []
     step = 1
     for size in reversed(shape):

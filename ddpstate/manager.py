@@ -417,15 +417,9 @@ def _check_file(
     check: _FolderCheck,
     opts: Optional[dict[str, Any]],
 ) -> None:
-    size, crc = 0, 0
     try:
         with storage.open_read(path, storage_options=opts) as f:
-            while True:
-                chunk = f.read(_READ_CHUNK)
-                if not chunk:
-                    break
-                size += len(chunk)
-                crc = zlib.crc32(chunk, crc)
+            size, crc = storage.size_and_crc32(f, _READ_CHUNK)
     except CheckpointNotFoundError:
         check.problems.append(f"{filename} is missing")
         return

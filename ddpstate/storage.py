@@ -12,6 +12,7 @@ import stat
 import sys
 import threading
 import warnings
+import zlib
 from collections.abc import Iterator
 from typing import IO, Any, Optional, Union
 
@@ -668,6 +669,23 @@ def atomic_write(
         manager = _atomic_write_rename(fs, text, inner)
     with manager as remote_file:
         yield remote_file
+
+
+def size_and_crc32(f: IO[bytes], chunk_size: int = 8 << 20) -> tuple[int, int]:
+    """Read ``f`` to its end: ``(bytes read, CRC-32 of them)``, ``chunk_size`` at a time.
+
+    Example:
+        >>> import io
+        >>> size_and_crc32(io.BytesIO(b"abc"))
+        (3, 891568578)
+    """
+    size, crc = 0, 0
+    while True:
+        chunk = f.read(chunk_size)
+        if not chunk:
+            return size, crc
+        size += len(chunk)
+        crc = zlib.crc32(chunk, crc)
 
 
 def open_read(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) -> IO[bytes]:
