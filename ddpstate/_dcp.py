@@ -38,11 +38,14 @@ and optimizer with ``writers="all"``) in one DCP checkpoint below ``dcp/``::
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import io
 import os
+import threading
 import zlib
 from collections.abc import Iterator, Mapping, MutableMapping
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -310,12 +313,17 @@ def _checksumming_fs(sums: dict[str, dict[str, Any]]) -> Any:
     return ChecksummingFileSystem()
 
 
-def write_shards(state_dict: Mapping[str, Any], folder: str) -> dict[str, dict[str, Any]]:
+def write_shards(
+    state_dict: Mapping[str, Any], folder: str, process_group: Any = None
+) -> dict[str, dict[str, Any]]:
     """Write this rank's part of ``state_dict`` into the local ``folder`` with DCP; checksum it.
 
     A collective where a process group exists (``dcp.save``). Every file is
     fsynced by DCP's writer (``sync_files=True``) before its coordinator
     writes ``.metadata``.
+
+    Args:
+        process_group: DCP's group (None: the default one); async saves pass their own.
 
     Returns:
         The files this rank wrote (name -> ``{"size", "crc32"}``), ``.metadata`` on rank 0.
@@ -336,7 +344,7 @@ def write_shards(state_dict: Mapping[str, Any], folder: str) -> dict[str, dict[s
     writer = FileSystemWriter(local, single_file_per_rank=True, sync_files=True)
     sums: dict[str, dict[str, Any]] = {}
     writer.fs = _checksumming_fs(sums)
-    save(dict(state_dict), storage_writer=writer)
+    save(dict(state_dict), storage_writer=writer, process_group=process_group)
     rank = get_rank() if is_distributed() else 0
     files = {}
     for name in _own_files(local, rank, rank == 0):
@@ -500,6 +508,25 @@ def kinds_disagree(infos: list[Any], step: int) -> Optional[InvalidArgumentError
     )
 
 
+def _prepare(manager: Any, step: int, rank: int) -> str:
+    """Rank 0 prepares the step's folder and tells every rank (a collective); raised on all."""
+    from ddpstate.dist import broadcast_object
+    from ddpstate.manager import _error_text
+
+    prepared: Optional[str] = None
+    failure = ""
+    if rank == 0:
+        try:
+            prepared = manager._prepare_folder(step)
+        except Exception as exc:
+            failure = _error_text(exc)
+    prepared, failure = broadcast_object((prepared, failure), src=0, timeout=manager.timeout)
+    if prepared is None:
+        target = manager.checkpoint_path(step)
+        raise manager._write_failure(step, target, [(0, failure)])
+    return str(prepared)
+
+
 def save_step(
     manager: Any,
     step: int,
@@ -517,23 +544,11 @@ def save_step(
     list, writes the rank-0 entries and the manifest (last), and every rank
     raises the same error if any rank failed.
     """
-    from ddpstate.dist import broadcast_object, gather_and_decide
-    from ddpstate.manager import _error_text, _rng_states
+    from ddpstate.dist import gather_and_decide
 
     rank = get_rank() if is_distributed() else 0
     name = f"CheckpointManager.save(step={step})"
-    target = manager.checkpoint_path(step)
-    prepared: Optional[str] = None
-    failure = ""
-    if rank == 0:
-        try:
-            prepared = manager._prepare_folder(step)
-        except Exception as exc:
-            failure = _error_text(exc)
-    prepared, failure = broadcast_object((prepared, failure), src=0, timeout=manager.timeout)
-    if prepared is None:
-        raise manager._write_failure(step, target, [(0, failure)])
-    folder = str(prepared)
+    folder = _prepare(manager, step, rank)
     info: dict[str, Any] = {}
     cause: Optional[BaseException] = None
     try:
@@ -544,27 +559,7 @@ def save_step(
     causes: list[BaseException] = []
 
     def decide(infos: list[Any]) -> Optional[DDPStateError]:
-        files, failures = merge_files(infos, DCP_SUBDIR + "/")
-        if failures:
-            manager._discard(folder, CheckpointWriteError(failures[0][1]))
-            return manager._write_failure(step, target, failures)  # type: ignore[no-any-return]
-        written = {
-            n: {"file": f"{DCP_SUBDIR}/{METADATA_NAME}", "kind": k} for n, k in kinds.items()
-        }
-        try:
-            fsync_folder(os.path.join(folder, DCP_SUBDIR))
-            manager._write(
-                step,
-                dict(entries),
-                _rng_states(rng_blobs),
-                metrics,
-                prepared=folder,
-                written=(files, written),
-            )
-        except Exception as exc:
-            causes.append(exc)
-            return manager._write_failure(step, target, [(0, _error_text(exc))])  # type: ignore[no-any-return]
-        return None
+        return _commit(manager, step, folder, kinds, infos, entries, rng_blobs, metrics, causes)
 
     try:
         gather_and_decide(info, decide, dst=0, name=name, timeout=manager.timeout)
@@ -573,6 +568,159 @@ def save_step(
         if chained is not None:
             raise shared from chained
         raise
+
+
+def _commit(
+    manager: Any,
+    step: int,
+    folder: str,
+    kinds: Mapping[str, str],
+    infos: list[Any],
+    entries: Mapping[str, Any],
+    rng_blobs: list[bytes],
+    metrics: dict[str, float],
+    causes: list[BaseException],
+) -> Optional[DDPStateError]:
+    """Rank 0: commit the step every rank wrote its shards for, or return why it failed."""
+    from ddpstate.manager import _error_text, _rng_states
+
+    target = manager.checkpoint_path(step)
+    files, failures = merge_files(infos, DCP_SUBDIR + "/")
+    if failures:
+        manager._discard(folder, CheckpointWriteError(failures[0][1]))
+        return manager._write_failure(step, target, failures)  # type: ignore[no-any-return]
+    written = {n: {"file": f"{DCP_SUBDIR}/{METADATA_NAME}", "kind": k} for n, k in kinds.items()}
+    try:
+        fsync_folder(os.path.join(folder, DCP_SUBDIR))
+        manager._write(
+            step,
+            dict(entries),
+            _rng_states(rng_blobs),
+            metrics,
+            prepared=folder,
+            written=(files, written),
+        )
+    except Exception as exc:
+        causes.append(exc)
+        return manager._write_failure(step, target, [(0, _error_text(exc))])  # type: ignore[no-any-return]
+    return None
+
+
+# ------------------------------------------------------------------------- async saves
+
+
+def snapshot(state_dict: Any) -> Any:
+    """A CPU copy of ``state_dict`` taken now (``DTensor``s stay ``DTensor``s, local shards copied).
+
+    An async save writes the copy in the background while training changes the live tensors.
+    """
+    if isinstance(state_dict, torch.Tensor):
+        # A DTensor's to() copies its local shard and keeps its mesh and placements.
+        return state_dict.detach().to("cpu", copy=True)
+    if isinstance(state_dict, Mapping):
+        return {k: snapshot(v) for k, v in state_dict.items()}
+    if isinstance(state_dict, (list, tuple)):
+        return type(state_dict)(snapshot(v) for v in state_dict)
+    return copy.deepcopy(state_dict)
+
+
+def async_group(manager: Any) -> Any:
+    """The manager's own gloo group for background DCP writes; created on first use.
+
+    Collective (``new_group``): every rank calls it from the same ``save``. The
+    background thread runs DCP's collectives on this group, never on the
+    training's, whose collectives the main thread goes on issuing meanwhile.
+    None when no process group is initialised (DCP then needs none).
+    """
+    import torch.distributed as dist
+
+    from ddpstate.dist import _resolve_timeout
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if getattr(manager, "_dcp_group", None) is None:
+        seconds = _resolve_timeout(manager.timeout)
+        manager._dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+    return manager._dcp_group
+
+
+def release_group(manager: Any) -> None:
+    """Destroy the manager's background-write group (at ``close``)."""
+    group = getattr(manager, "_dcp_group", None)
+    manager._dcp_group = None
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
+def start_async_step(
+    manager: Any,
+    step: int,
+    state: Mapping[str, Any],
+    kinds: Mapping[str, str],
+    entries: Mapping[str, Any],
+    events: list[Any],
+    rng_blobs: list[bytes],
+    metrics: dict[str, float],
+) -> threading.Thread:
+    """Snapshot the DCP entries, then write and commit the step in a background thread.
+
+    Called by every rank from ``CheckpointManager.save`` (a collective: rank 0
+    prepares the folder and tells every rank, and the group is created on the
+    first call). The thread writes this rank's shards with DCP on the manager's
+    own gloo group, gathers every rank's outcome to rank 0, which commits the
+    step (manifest last) as :func:`save_step` does, and receives rank 0's
+    verdict; a failure is left in ``manager._thread_error`` on every rank, for
+    the next ``save``/``wait``/``restore``/``close`` to raise.
+    """
+    rank = get_rank() if is_distributed() else 0
+    folder = _prepare(manager, step, rank)
+    group = async_group(manager)
+    copied = snapshot(state_dicts(state, kinds))  # before returning: training goes on
+
+    def run() -> None:
+        import torch.distributed as dist
+
+        info: dict[str, Any] = {}
+        try:
+            for event in events:
+                event.synchronize()  # the rank-0 entries' CUDA copies
+            info["files"] = write_shards(copied, os.path.join(folder, DCP_SUBDIR), group)
+        except Exception as exc:
+            info["error"] = failure_text(exc)
+        if group is None:
+            infos: Optional[list[Any]] = [info]
+        else:
+            infos = [None] * dist.get_world_size(group) if rank == 0 else None
+            dist.gather_object(info, infos, dst=0, group=group)
+        causes: list[BaseException] = []
+        verdict = None
+        if rank == 0:
+            assert infos is not None
+            verdict = _commit(
+                manager, step, folder, kinds, infos, entries, rng_blobs, metrics, causes
+            )
+            if verdict is not None and causes:
+                verdict.__cause__ = causes[0]
+        text = [None if verdict is None else str(verdict)]
+        if group is not None:
+            dist.broadcast_object_list(text, src=0, group=group)
+        if verdict is None and text[0] is not None:
+            verdict = CheckpointWriteError(text[0])
+        manager._thread_error = verdict
+
+    def guarded() -> None:
+        try:
+            run()
+        except BaseException as exc:  # the group broke (a rank died): raise it at the next call
+            manager._thread_error = exc
+
+    manager._thread_error = None
+    thread = threading.Thread(target=guarded, name=f"ddpstate-dcp-writer-step-{step}", daemon=False)
+    thread.start()
+    return thread
 
 
 def restore_entries(

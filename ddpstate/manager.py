@@ -115,6 +115,7 @@ _KIND_VALUE = "value"
 class _Pending:
     step: int
     folder: str
+    shared: bool = False  # its writer threads already agreed on the error (DCP, every rank)
 
 
 @dataclass(frozen=True)
@@ -719,9 +720,12 @@ class CheckpointManager:
     ``step_<n>/dcp/``, and the manifest lists those files too, so the commit,
     verification and fallback are the same; :meth:`restore` reshards them to
     the live model's layout (another world size, FSDP2, DDP or a plain model).
-    The optimizer's model must be in the same ``state``. Such a save is
-    synchronous even with ``async_save=True``. Sharded tensors elsewhere (in a
-    plain value) are refused with :class:`~ddpstate.ShardedStateError`.
+    The optimizer's model must be in the same ``state``. With
+    ``async_save=True`` each rank copies its shards to CPU in ``save`` and
+    writes them in the background on a gloo group of the manager's own
+    (created at the first such save, destroyed at :meth:`close`). Sharded
+    tensors elsewhere (in a plain value) are refused with
+    :class:`~ddpstate.ShardedStateError`.
 
     Checkpoints live in ``<directory>/step_<step>/`` (see the module
     docstring). Rotation runs only after the new checkpoint is committed: it
@@ -863,6 +867,7 @@ class CheckpointManager:
         )
         self._closed = False
         self._pending: Optional[_Pending] = None
+        self._dcp_group: Any = None  # background DCP writes' gloo group (_dcp.async_group)
         self._thread: Optional[threading.Thread] = None
         self._thread_error: Optional[BaseException] = None
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -1079,10 +1084,14 @@ class CheckpointManager:
         if dcp_kinds:
             if sync_first:
                 self._sync_batchnorm(state)
-                if writer:
-                    entries, _ = self._collect(rest, snapshot=False)  # the synced statistics
-            # Synchronous even with async_save: DCP's collectives cannot share the
-            # default process group with training from a background thread.
+                if writer:  # the synced statistics
+                    entries, events = self._collect(rest, snapshot=self.async_save)
+            if self.async_save:  # written on the manager's own group in the background
+                self._pending = _Pending(step, folder, shared=True)
+                self._thread = _dcp.start_async_step(
+                    self, step, state, dcp_kinds, entries, events, rng_blobs, checked_metrics
+                )
+                return
             _dcp.save_step(self, step, state, dcp_kinds, entries, rng_blobs, checked_metrics)
             return
         if sync_first:
@@ -1425,6 +1434,7 @@ class CheckpointManager:
 
     def _release(self) -> None:
         self._closed = True
+        _dcp.release_group(self)
         if self._local is not None:
             self._local.close()
         self._thread = None
@@ -1943,6 +1953,8 @@ class CheckpointManager:
         failure = (
             None
             if error is None
+            else error
+            if pending.shared and isinstance(error, DDPStateError)
             else self._write_failure(pending.step, pending.folder, [(0, _error_text(error))])
         )
         self._share_outcome(pending.step, pending.folder, failure, error)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,98 @@ def test_async_manager_saves_fsdp2_state_and_restores_it_bitwise(tmp_path: Path)
     restored = run_ranks(_fsdp_restore, 2, args=(folder, None), timeout=150)
     assert [(out["step"], out["epoch"]) for out in restored] == [(2, 4), (2, 4)]
     _assert_bitwise(saved[0]["full"], restored[0]["full"])
+
+
+def _gate_dcp_writes() -> threading.Event:
+    """Hold this rank's background DCP write until the returned event is set (real write after)."""
+    gate = threading.Event()
+    real = _dcp.write_shards
+
+    def gated(state_dict: Any, folder: str, process_group: Any = None) -> Any:
+        gate.wait()
+        return real(state_dict, folder, process_group)
+
+    _dcp.write_shards = gated  # type: ignore[assignment]
+    return gate
+
+
+def _async_save_gated(rank: int, world: int, folder: str) -> dict[str, Any]:
+    model, opt = _fsdp(world)
+    _train(model, opt, rank)
+    gate = _gate_dcp_writes()
+    with ddpstate.CheckpointManager(folder, async_save=True) as manager:
+        manager.save(1, {"model": model, "optimizer": opt, "epoch": 3})
+        # save() returned while no rank has written a shard: nothing is committed yet.
+        step_folder = Path(manager.checkpoint_path(1))
+        in_flight = {
+            "steps": manager.steps(),
+            "manifest": (step_folder / "manifest.json").exists(),
+            "shards": sorted(p.name for p in step_folder.rglob("*.distcp")),
+        }
+        saved = _full(model, opt)
+        # Training goes on (collectives on the default group) while the write waits...
+        _train(model, opt, rank)
+        after = _full(model, opt)
+        gate.set()  # ...then the write runs from the snapshot taken in save()
+        manager.wait()
+        steps = manager.steps()
+    return {"in_flight": in_flight, "saved": saved, "after": after, "steps": steps}
+
+
+def test_async_dcp_save_returns_before_the_shards_are_written_and_restores_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    folder = str(tmp_path / "run")
+    out = run_ranks(_async_save_gated, 2, args=(folder,), timeout=150)
+    for rank_out in out:
+        assert rank_out["in_flight"] == {"steps": [], "manifest": False, "shards": []}
+        assert rank_out["steps"] == [1]
+    assert ddpstate.verify_checkpoint(str(tmp_path / "run" / "step_0000000001")).ok
+    restored = run_ranks(_fsdp_restore, 2, args=(folder, None), timeout=150)
+    assert [(r["step"], r["epoch"]) for r in restored] == [(1, 3), (1, 3)]
+    # The values of save() time, not the ones training made while the write waited.
+    _assert_bitwise(out[0]["saved"], restored[0]["full"])
+    with pytest.raises(AssertionError):
+        _assert_bitwise(out[0]["after"], restored[0]["full"])
+
+
+def _async_save_fails(rank: int, world: int, folder: str) -> dict[str, Any]:
+    model, opt = _fsdp(world)
+    _train(model, opt, rank)
+    gate = _gate_dcp_writes()
+    state = {"model": model, "optimizer": opt, "epoch": 3}
+    with ddpstate.CheckpointManager(folder, async_save=True, timeout=60) as manager:
+        manager.save(1, state)
+        if rank == 0:
+            # A file where DCP's folder goes: every rank's write fails for real.
+            (Path(manager.checkpoint_path(1)) / _dcp.DCP_SUBDIR).write_bytes(b"in the way")
+        ddpstate.barrier()
+        gate.set()
+        try:
+            manager.save(2, state)
+        except DDPStateError as exc:
+            error = (type(exc).__name__, str(exc))
+        else:
+            error = None
+        steps_after_failure = manager.steps()
+        manager.save(2, state)  # the manager goes on working
+        manager.wait()
+        steps = manager.steps()
+    return {"error": error, "steps_after_failure": steps_after_failure, "steps": steps}
+
+
+def test_a_failed_background_dcp_write_raises_on_every_rank_at_the_next_call(
+    tmp_path: Path,
+) -> None:
+    folder = str(tmp_path / "run")
+    out = run_ranks(_async_save_fails, 2, args=(folder,), timeout=150)
+    assert out[0]["error"] is not None and out[0]["error"] == out[1]["error"]
+    name, message = out[0]["error"]
+    assert name == "CheckpointWriteError"
+    assert "step 1" in message and "rank 0" in message and "rank 1" in message
+    assert [o["steps_after_failure"] for o in out] == [[], []]
+    assert [o["steps"] for o in out] == [[2], [2]]
+    assert not (tmp_path / "run" / "step_0000000001").exists()  # the failed step's folder
 
 
 def _kill_rank_one_mid_save(rank: int, world: int, folder: str) -> str:
