@@ -444,3 +444,21 @@ def test_save_writes_sharded_state_as_a_committed_dcp_folder(tmp_path: Path) -> 
         assert "obj['0.weight']" in out["refused"]
     assert not (tmp_path / "model.pt").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_async_writers_all_without_a_process_group_saves_in_the_background(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = _net()
+    saved = copy.deepcopy(model.state_dict())
+    with ddpstate.CheckpointManager(tmp_path, async_save=True, writers="all") as manager:
+        manager.save(1, {"model": model})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # after save() returned: not in the checkpoint
+        manager.wait()
+        assert manager.steps() == [1]
+        assert (tmp_path / "step_0000000001" / _dcp.DCP_SUBDIR / ".metadata").exists()
+        assert manager.restore({"model": model}) == 1
+    _assert_bitwise(saved, model.state_dict())
