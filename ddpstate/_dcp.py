@@ -619,7 +619,7 @@ def snapshot(state_dict: Any) -> Any:
         return state_dict.detach().to("cpu", copy=True)
     if isinstance(state_dict, Mapping):
         return {k: snapshot(v) for k, v in state_dict.items()}
-    if isinstance(state_dict, (list, tuple)):
+    if isinstance(state_dict, list) or type(state_dict) is tuple:  # (namedtuples: deepcopy)
         return type(state_dict)(snapshot(v) for v in state_dict)
     return copy.deepcopy(state_dict)
 
@@ -675,6 +675,8 @@ def start_async_step(
     verdict; a failure is left in ``manager._thread_error`` on every rank, for
     the next ``save``/``wait``/``restore``/``close`` to raise.
     """
+    from ddpstate.manager import _error_text
+
     rank = get_rank() if is_distributed() else 0
     folder = _prepare(manager, step, rank)
     group = async_group(manager)
@@ -714,7 +716,12 @@ def start_async_step(
     def guarded() -> None:
         try:
             run()
-        except BaseException as exc:  # the group broke (a rank died): raise it at the next call
+        except Exception as exc:  # the group broke (a rank died): raised at the next call
+            target = manager.checkpoint_path(step)
+            failure = manager._write_failure(step, target, [(rank, _error_text(exc))])
+            failure.__cause__ = exc
+            manager._thread_error = failure
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: raised as they are
             manager._thread_error = exc
 
     manager._thread_error = None
