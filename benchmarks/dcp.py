@@ -17,7 +17,7 @@ its time is the slowest rank's (a collective waits for it), median over repeats:
   (every rank writes, no commit marker or checksums; DCP fsyncs every file);
 * FSDP2 (``fully_shard``): ``CheckpointManager.save`` vs ``dcp.save`` of the
   sharded state dict, and ``CheckpointManager.restore`` (which first verifies
-  every file's CRC-32 on rank 0) vs ``dcp.load`` + ``set_model_state_dict``.
+  every file's CRC-32, each rank a share) vs ``dcp.load`` + ``set_model_state_dict``.
   Target: <= 1.15x. And the time ``save`` blocks training with
   ``async_save=True`` (the CPU snapshot; the write is waited for untimed) vs
   the synchronous ``save``.

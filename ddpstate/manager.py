@@ -46,7 +46,7 @@ from typing import IO, Any, Optional, Union
 import torch
 from torch import nn
 
-from ddpstate import _dcp, _fs, _local_tier, _savecheck, checkpoint, storage
+from ddpstate import _dcp, _fs, _local_tier, _savecheck, _verify_split, checkpoint, storage
 from ddpstate._collectives import with_message
 from ddpstate._version import __version__
 from ddpstate.dist import (
@@ -450,6 +450,16 @@ def _check_folder(folder: str, step: Optional[int], opts: Optional[dict[str, Any
     for filename, expected in files.items():
         if _is_listed(filename) and isinstance(expected, dict):
             _check_file(storage.join(folder, filename), filename, expected, check, opts)
+    _check_listing(folder, files, check, opts)
+    if check.problems:
+        check.manifest = None
+    return check
+
+
+def _check_listing(
+    folder: str, files: dict[str, Any], check: _FolderCheck, opts: Optional[dict[str, Any]]
+) -> None:
+    """Add the problems and notes of what lies in ``folder`` beside the listed ``files``."""
     try:
         present = storage.listdir(folder, storage_options=opts, include_temp=True)
     except DDPStateError as exc:
@@ -477,9 +487,6 @@ def _check_folder(folder: str, step: Optional[int], opts: Optional[dict[str, Any
             )
         else:
             check.notes.append(f"{name} is not part of the checkpoint (ignored)")
-    if check.problems:
-        check.manifest = None
-    return check
 
 
 @dataclass(frozen=True)
@@ -1246,11 +1253,13 @@ class CheckpointManager:
         :func:`verify_checkpoint` does (manifest present and intact, every
         file's size and CRC-32, no unlisted checkpoint file), warns about each
         one it skips and why, and broadcasts its choice; every rank then loads
-        that checkpoint. Objects with ``load_state_dict`` are loaded in place
-        (models through :func:`ddpstate.keys.adapt_state_dict`, so any
-        wrapping works); plain values are written back into ``state`` (the
-        dict is updated in place, as ``torch.distributed.checkpoint.load``
-        does). Each rank restores its own RNG states.
+        that checkpoint. With several ranks, rank 0 reads the manifest and
+        every rank checks a share of the files (balanced by size). Objects
+        with ``load_state_dict`` are loaded in place (models through
+        :func:`ddpstate.keys.adapt_state_dict`, so any wrapping works); plain
+        values are written back into ``state`` (the dict is updated in place,
+        as ``torch.distributed.checkpoint.load`` does). Each rank restores its
+        own RNG states.
 
         With a ``local_dir`` and no ``step``, the node-local tier answers first:
         each node's local rank 0 verifies its newest local step, and the ranks
@@ -1313,13 +1322,20 @@ class CheckpointManager:
         if local is not None and local[0].step is not None:
             choice = (local[0].step, local[1])
         choose_error: Optional[Exception] = None
+        # Several ranks: each checksums a share of the candidate's files (_verify_split).
+        split = local is None and is_distributed() and get_world_size() > 1
         if local is None and get_rank() == 0:
             try:
-                choice = self._choose(step)
+                choice = self._choose(step, split)
             except Exception as exc:
                 if not is_distributed():
                     raise
                 choose_error = exc
+            finally:
+                if split:
+                    _verify_split.finish(self.timeout)
+        elif split:
+            _verify_split.follow(self.storage_options, self.timeout)
         if local is None:
             share_outcome(choose_error, name="CheckpointManager.restore", timeout=self.timeout)
             choice = broadcast_object(choice, src=0, timeout=self.timeout)
@@ -1996,15 +2012,27 @@ class CheckpointManager:
     def _read_manifest(self, folder: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
         return _read_manifest(folder, self.storage_options)
 
-    def _verify(self, folder: str, step: int) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-        """Check a step folder as :func:`verify_checkpoint` does; return (manifest, problems)."""
+    def _verify(
+        self, folder: str, step: int, split: bool = False
+    ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        """Check a step folder as :func:`verify_checkpoint` does; return (manifest, problems).
+
+        With ``split`` (rank 0 of several), every rank checksums a share of the files.
+        """
+        if split:
+            return _verify_split.verify(folder, step, self.storage_options, self.timeout)
         check = _check_folder(folder, step, self.storage_options)
         if check.manifest is None:
             return None, "; ".join(check.problems)
         return check.manifest, None
 
-    def _choose(self, step: Optional[int]) -> Optional[tuple[int, dict[str, Any]]]:
-        """Rank 0: pick the checkpoint to restore (see :meth:`restore`)."""
+    def _choose(
+        self, step: Optional[int], split: bool = False
+    ) -> Optional[tuple[int, dict[str, Any]]]:
+        """Rank 0: pick the checkpoint to restore (see :meth:`restore`).
+
+        ``split``: the other ranks help verify (see :meth:`_verify`).
+        """
         opts = self.storage_options
         if step is not None:
             folder = self.checkpoint_path(step)
@@ -2013,7 +2041,7 @@ class CheckpointManager:
                     f"{folder}: no checkpoint for step {step}; committed steps in "
                     f"{self.directory}: {self.steps()}"
                 )
-            manifest, problem = self._verify(folder, step)
+            manifest, problem = self._verify(folder, step, split)
             if manifest is None:
                 raise CheckpointCorruptError(
                     f"{folder}: cannot restore step {step}: {problem}. Restore another step, or "
@@ -2036,7 +2064,7 @@ class CheckpointManager:
             folder = self.checkpoint_path(s)
             if not storage.isdir(folder, storage_options=opts):
                 continue
-            manifest, problem = self._verify(folder, s)
+            manifest, problem = self._verify(folder, s, split)
             if manifest is not None:
                 for bad_folder, why in skipped:
                     warnings.warn(
