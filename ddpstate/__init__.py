@@ -34,7 +34,7 @@ from ddpstate.errors import (
 # `ddpstate` command streams key rewrites without importing torch at all, which
 # keeps it in the memory of a file copy.
 if TYPE_CHECKING:
-    from ddpstate._local_tier import RestoreSource
+    from ddpstate._manager.local_tier import RestoreSource
     from ddpstate.batchnorm import (
         BatchNormNd,
         BatchNormPolicy,
@@ -156,7 +156,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointManager": "ddpstate.manager",
     "CheckpointVerification": "ddpstate.manager",
     "verify_checkpoint": "ddpstate.manager",
-    "RestoreSource": "ddpstate._local_tier",
+    "RestoreSource": "ddpstate._manager.local_tier",
     "capture_rng_state": "ddpstate.rng",
     "restore_rng_state": "ddpstate.rng",
     "ResumableDistributedSampler": "ddpstate.sampler",

@@ -15,8 +15,13 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.distributed as torch_dist
 
-from ddpstate import _dcp, _dcp_read, _fs, _savecheck, _torch_io, storage
+from ddpstate import _fs, storage
 from ddpstate._collectives import MAX_MESSAGE, with_message
+from ddpstate._dcp import read as _dcp_read
+from ddpstate._dcp import write as _dcp
+from ddpstate._fs import PathLike
+from ddpstate._io import savecheck as _savecheck
+from ddpstate._io import torch_io as _torch_io
 from ddpstate.dist import (
     broadcast_object,
     compare_across_ranks,
@@ -59,7 +64,7 @@ from ddpstate.location import (
 
 __all__ = ["IncompatibleKeys", "load", "load_model_state", "save", "save_model_state"]
 
-PathLike = Union[str, "os.PathLike[str]"]
+
 Timeout = Union[float, timedelta, None]
 
 #: Barrier names, so a timeout message says which call a rank is missing from.
@@ -99,7 +104,7 @@ def _write(
     if parent and not parent.endswith("://"):
         storage.makedirs(parent, storage_options=storage_options)
     if max_shard_size is not None:
-        from ddpstate._hf_write import save_sharded
+        from ddpstate._hf.write import save_sharded
 
         save_sharded(_flat_tensors(obj, path), path, max_shard_size, metadata)
         return
@@ -258,7 +263,7 @@ def save(
         return
     fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
     if max_shard_size is not None:
-        from ddpstate._hf_write import parse_size
+        from ddpstate._hf.write import parse_size
 
         parse_size(max_shard_size)  # a bad size fails on every rank, before any write
         if format is not None and _save_format(text, format) != SAFETENSORS:
@@ -398,7 +403,7 @@ def _read(
             f"{text}: this is a TorchScript archive, not a checkpoint: use torch.jit.load"
         )
     if kind == HF_SHARDED:
-        from ddpstate._hf_sharded import load_sharded
+        from ddpstate._hf.read import load_sharded
 
         return load_sharded(
             text,

@@ -14,9 +14,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, Final, Optional, Union
 
 from ddpstate import _fs, formats
-from ddpstate._cast import Casts, target_dtype
-from ddpstate._pickle_rewrite import rename_keys
-from ddpstate._pickle_scan import (
+from ddpstate._fs import PathLike
+from ddpstate._layout.safetensors import (
+    CODES,
+    STATE_DICT_METADATA_KEY,
+    View,
+    build_header,
+    find_aliases,
+    state_dict_metadata_json,
+)
+from ddpstate._streaming.cast import Casts, target_dtype
+from ddpstate._streaming.pickle_rewrite import rename_keys
+from ddpstate._streaming.pickle_scan import (
     GlobalRef,
     Opaque,
     StorageRecord,
@@ -26,18 +35,10 @@ from ddpstate._pickle_scan import (
     module_state_dict,
     opaque_name,
 )
-from ddpstate._progress import Progress, human_bytes
-from ddpstate._reader import Checkpoint, read_checkpoint, zip_entry_bytes
-from ddpstate._safetensors_layout import (
-    CODES,
-    STATE_DICT_METADATA_KEY,
-    View,
-    build_header,
-    find_aliases,
-    state_dict_metadata_json,
-)
-from ddpstate._stream import Sink
-from ddpstate._zipwriter import CopyCandidate, ZipWriter
+from ddpstate._streaming.progress import Progress, human_bytes
+from ddpstate._streaming.reader import Checkpoint, read_checkpoint, zip_entry_bytes
+from ddpstate._streaming.stream import Sink
+from ddpstate._streaming.zipwriter import CopyCandidate, ZipWriter
 from ddpstate.errors import (
     AmbiguousStateDictError,
     CheckpointCorruptError,
@@ -64,7 +65,6 @@ __all__ = [
     "verify_file",
 ]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 #: Output formats of :func:`convert_file` (:mod:`ddpstate.formats`' names).
 PT: Final = formats.PT
@@ -487,7 +487,7 @@ def _copied_pickle(
     """``data.pkl`` for the output by copying the source's through, or None.
 
     Only where the result is, to the byte, what re-emitting the renamed tree
-    gives (:mod:`ddpstate._pickle_rewrite` says why): a torch.save-shaped pickle,
+    gives (:mod:`ddpstate._streaming.pickle_rewrite` says why): a torch.save-shaped pickle,
     storages already numbered in first-use order and tagged ``cpu``, and a rename
     that changes the keys and at most the ``_metadata`` attribute (spliced in
     re-emitted), every value kept, dicts all the way down to the state dict.
@@ -537,7 +537,7 @@ def _write_pt(
         data_pkl, storages = pickle_bytes, ckpt.storages
     else:
         # Imported here: the copy-through (the common case) never needs the pickler.
-        from ddpstate._pickle_emit import dump_checkpoint_pickle
+        from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle
 
         data_pkl, storages = dump_checkpoint_pickle(root, casts.replace if casts else None)
     writer = ZipWriter(sink)
@@ -814,7 +814,7 @@ def convert_file(
                 "in_place=True cannot turn a file into a folder or a folder into a file; name DST"
             )
         # DCP needs torch; imported only here so the streaming paths stay torch-free.
-        from ddpstate import _dcp_convert
+        from ddpstate._dcp import convert as _dcp_convert
 
         dst_text = None if dst is None else os.fspath(dst)
         options: dict[str, Any] = dict(
@@ -877,7 +877,7 @@ def convert_file(
 def _sharded_base(ckpt: Checkpoint) -> Optional[str]:
     if ckpt.format != HF_SHARDED:
         return None
-    from ddpstate._hf_sharded import folder_of
+    from ddpstate._hf.read import folder_of
 
     return folder_of(ckpt.path)
 
@@ -886,7 +886,7 @@ def _check_sharded_output(
     dst: Optional[PathLike], to: Optional[str], in_place: bool, max_shard_size: Union[int, str]
 ) -> tuple[int, str]:
     """``(shard size limit, output folder)``, or the error for a combination that cannot be."""
-    from ddpstate._hf_write import parse_size
+    from ddpstate._hf.write import parse_size
 
     limit = parse_size(max_shard_size)
     if to not in (None, SAFETENSORS):
@@ -1108,7 +1108,7 @@ def _write_sharded_safetensors(
     overwrite: bool,
 ) -> tuple[int, int, dict[str, str], list[str]]:
     """The state dict as a Hugging Face sharded folder, each shard by ``_write_safetensors``."""
-    from ddpstate import _hf_write
+    from ddpstate._hf import write as _hf_write
 
     if casts is not None:
         sd = casts.state_dict(sd)
@@ -1227,7 +1227,7 @@ def inspect_file(
     from ddpstate import keys
 
     if _is_dcp_folder(os.fspath(src), storage_options):
-        from ddpstate._dcp_convert import inspect_dcp
+        from ddpstate._dcp.convert import inspect_dcp
 
         return inspect_dcp(os.fspath(src), storage_options=storage_options)
     with read_checkpoint(os.fspath(src), unsafe=unsafe, storage_options=storage_options) as ckpt:
@@ -1545,7 +1545,8 @@ def verify_file(
         True
     """
     text = os.fspath(src)
-    from ddpstate import _hf_sharded, storage
+    from ddpstate import storage
+    from ddpstate._hf import read as _hf_sharded
 
     if _hf_sharded.find_index(text, storage_options) is not None:
         return _hf_sharded.verify_sharded(
@@ -1553,7 +1554,7 @@ def verify_file(
         )
     if storage.isdir(text, storage_options=storage_options):
         if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
-            from ddpstate._dcp_convert import verify_dcp
+            from ddpstate._dcp.convert import verify_dcp
 
             return verify_dcp(text, storage_options=storage_options)
         return _verify_folder(text, storage_options)

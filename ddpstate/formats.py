@@ -18,7 +18,7 @@ from ddpstate.errors import (
 )
 
 if TYPE_CHECKING:
-    from ddpstate._safetensors_io import (
+    from ddpstate._io.safetensors_io import (
         ALIASES_KEY,
         STATE_DICT_METADATA_KEY,
         SafetensorsHeader,
@@ -47,7 +47,7 @@ _SAFETENSORS_NAMES = frozenset(
 
 def __getattr__(name: str) -> Any:
     if name in _SAFETENSORS_NAMES:
-        from ddpstate import _safetensors_io
+        from ddpstate._io import safetensors_io as _safetensors_io
 
         value = getattr(_safetensors_io, name)
         globals()[name] = value
@@ -430,13 +430,13 @@ def detect_format(
 
 
 def _is_index(name: str, head: bytes) -> bool:
-    from ddpstate._hf_sharded import is_index_name
+    from ddpstate._hf.read import is_index_name
 
     return is_index_name(name) and head.lstrip().startswith(b"{")
 
 
 def _hf_index(name: str, storage_options: Optional[dict[str, Any]]) -> bool:
-    from ddpstate._hf_sharded import find_index
+    from ddpstate._hf.read import find_index
 
     return find_index(name, storage_options) is not None
 

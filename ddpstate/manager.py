@@ -46,8 +46,13 @@ from typing import IO, Any, Optional, Union
 import torch
 from torch import nn
 
-from ddpstate import _dcp, _fs, _local_tier, _savecheck, _verify_split, checkpoint, storage
+from ddpstate import _fs, checkpoint, storage
 from ddpstate._collectives import with_message
+from ddpstate._dcp import write as _dcp
+from ddpstate._fs import PathLike
+from ddpstate._io import savecheck as _savecheck
+from ddpstate._manager import local_tier as _local_tier
+from ddpstate._manager import verify_split as _verify_split
 from ddpstate._version import __version__
 from ddpstate.dist import (
     all_reduce_flag,
@@ -75,7 +80,7 @@ from ddpstate.rng import _derived_seed, _seed_all, capture_rng_state, restore_rn
 
 __all__ = ["CheckpointManager", "CheckpointVerification", "verify_checkpoint"]
 
-PathLike = Union[str, "os.PathLike[str]"]
+
 Timeout = Union[float, timedelta, None]
 
 #: Step folders are ``step_`` + the step zero-padded to this many digits (more if needed).

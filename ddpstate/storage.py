@@ -14,9 +14,10 @@ import threading
 import warnings
 import zlib
 from collections.abc import Iterator
-from typing import IO, Any, Optional, Union
+from typing import IO, Any, Optional
 
 from ddpstate import _fs
+from ddpstate._fs import PathLike
 from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
 
 __all__ = [
@@ -37,7 +38,6 @@ __all__ = [
     "write_by_name",
 ]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 #: Marker in every temporary file name: ``.<target name>.ddpstate-tmp-<16 hex digits>``.
 #: The leading dot hides it from ``ls`` and glob patterns such as ``*.pt``.

@@ -120,7 +120,7 @@ def test_convert_to_safetensors_says_what_it_left_out(nested: tuple[Path, Net, A
     assert proc.returncode == 0, proc.stderr
     assert "left out of the safetensors file" in proc.stdout
     assert "epoch, optimizer" in proc.stdout
-    from ddpstate._safetensors_io import read_safetensors
+    from ddpstate._io.safetensors_io import read_safetensors
 
     loaded = read_safetensors(path.with_suffix(".safetensors"))
     for key, value in net.state_dict().items():

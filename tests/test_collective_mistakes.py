@@ -97,9 +97,7 @@ _SPAWN = mp.get_context("spawn")
 
 
 def _host_store(port: Any) -> None:
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False
-    )
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
     port.put(store.port)
     time.sleep(300)
 

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpstate import formats, keys
-from ddpstate._pickle_scan import scan_pickle
-from ddpstate._reader import read_checkpoint
-from ddpstate._safetensors_layout import ALIASES_KEY, DTYPES, STATE_DICT_METADATA_KEY
-from ddpstate._stream import Sink
-from ddpstate._zipwriter import ZipWriter
+from ddpstate._layout.safetensors import ALIASES_KEY, DTYPES, STATE_DICT_METADATA_KEY
+from ddpstate._streaming.pickle_scan import scan_pickle
+from ddpstate._streaming.reader import read_checkpoint
+from ddpstate._streaming.stream import Sink
+from ddpstate._streaming.zipwriter import ZipWriter
 from ddpstate.convert import (
     convert_file,
     default_destination,
@@ -474,7 +474,7 @@ def test_torchscript_and_non_checkpoints_are_named(tmp_path: Path) -> None:
 
 def test_zip64_records_load_in_torch(tmp_path: Path) -> None:
     """A record of 4 GiB and records past 4 GiB get zip64 fields torch and zipfile read."""
-    from ddpstate._pickle_emit import dump_checkpoint_pickle
+    from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle
 
     src = tmp_path / "src.pt"
     torch.save({"w": torch.arange(6.0)}, src)
@@ -545,7 +545,7 @@ def test_remote_urls_go_through_fsspec() -> None:
 
 
 def test_progress_bar_only_for_slow_work_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddpstate import _progress
+    from ddpstate._streaming import progress as _progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -583,7 +583,7 @@ def test_pickles_cannot_alter_the_stand_ins() -> None:
     torch.save({"w": torch.ones(2, dtype=torch.float8_e5m2)}, buffer)
     with zipfile.ZipFile(buffer) as z:
         data = z.read("archive/data.pkl")
-    from ddpstate._pickle_scan import StorageRecord, TensorRecord
+    from ddpstate._streaming.pickle_scan import StorageRecord, TensorRecord
 
     def storage(pid: Any) -> StorageRecord:
         return StorageRecord(pid[2], pid[1].name, pid[1].dtype, pid[3], pid[4])

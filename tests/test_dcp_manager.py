@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import ddpstate
-from ddpstate import _dcp
+from ddpstate._dcp import write as _dcp
 from ddpstate.errors import DDPStateError
 from tests.multiproc import run_ranks
 

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpstate import formats
-from ddpstate._safetensors_io import DTYPE_NAMES
-from ddpstate._safetensors_layout import KEY_ORDER_KEY
+from ddpstate._io.safetensors_io import DTYPE_NAMES
+from ddpstate._layout.safetensors import KEY_ORDER_KEY
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
 from ddpstate.formats import (
     ALIASES_KEY,

@@ -439,7 +439,7 @@ def test_library_errors_still_name_python_arguments(tmp_path: Path) -> None:
 
 
 def test_checked_pickling_writes_what_torch_save_writes() -> None:
-    from ddpstate._savecheck import save_torch
+    from ddpstate._io.savecheck import save_torch
 
     state = {"w": torch.arange(4.0), "p": nn.Parameter(torch.ones(1)), "n": [1, "a", None]}
     ours, theirs = io.BytesIO(), io.BytesIO()
@@ -471,8 +471,8 @@ def test_the_command_reads_what_save_writes(
 
 
 def test_every_everyday_global_resolves_here() -> None:
-    from ddpstate._everyday import EVERYDAY_GLOBALS
-    from ddpstate._savecheck import allowed_globals
+    from ddpstate._io.savecheck import allowed_globals
+    from ddpstate._layout.everyday import EVERYDAY_GLOBALS
 
     named = {name for g in allowed_globals() if isinstance(g, tuple) for name in [g[1]]}
     moved = {n for n in EVERYDAY_GLOBALS if n.startswith(("pathlib._local.", "numpy.core."))}

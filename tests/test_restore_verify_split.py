@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpstate import _verify_split
+from ddpstate._manager import verify_split as _verify_split
 from ddpstate.errors import CheckpointCorruptError
 from ddpstate.manager import MANIFEST_NAME, CheckpointManager, verify_checkpoint
 from tests.multiproc import run_ranks

@@ -105,8 +105,15 @@ def test_trains_checkpoints_and_exports_a_plain_model(tmp_path: Path) -> None:
 
 def _start(cmd: list[str]) -> subprocess.Popen[str]:
     """Start a job in its own session, so _killpg reaches torchrun and every worker."""
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
 
 
 def _killpg(proc: subprocess.Popen[str], sig: int) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpstate._stream import Sink, Source
-from ddpstate._zipwriter import CopyCandidate, ZipWriter
+from ddpstate._streaming.stream import Sink, Source
+from ddpstate._streaming.zipwriter import CopyCandidate, ZipWriter
 from ddpstate.errors import CheckpointCorruptError
 
 

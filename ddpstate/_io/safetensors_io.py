@@ -2,7 +2,7 @@
 
 Local files are read and written by the ``safetensors`` package itself (the
 reference implementation). What it cannot serve is done here on top of the
-torch-free layout in :mod:`ddpstate._safetensors_layout`: writing to and
+torch-free layout in :mod:`ddpstate._layout.safetensors`: writing to and
 reading from file objects (fsspec uploads and downloads, buffers), and
 headers read without the data.
 """
@@ -26,7 +26,7 @@ import safetensors.torch
 import torch
 
 from ddpstate import storage
-from ddpstate._safetensors_layout import (
+from ddpstate._layout.safetensors import (
     ALIASES_KEY,
     DTYPES,
     KEY_ORDER_KEY,

@@ -14,14 +14,14 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
-from ddpstate._pickle_scan import StorageRecord, TensorRecord
-from ddpstate._reader import contiguous_strides, storage_type_for
+from ddpstate._streaming.pickle_scan import StorageRecord, TensorRecord
+from ddpstate._streaming.reader import contiguous_strides, storage_type_for
 from ddpstate.errors import CheckpointFormatError, InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch
 
-    from ddpstate._stream import Sink
+    from ddpstate._streaming.stream import Sink
 
 #: ``convert --dtype`` names, and the dtype each stands for (torch's own names work too).
 DTYPE_NAMES: dict[str, str] = {

@@ -24,7 +24,7 @@ import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
-from ddpstate._pickle_scan import STORAGE_DTYPE
+from ddpstate._streaming.pickle_scan import STORAGE_DTYPE
 
 _PROTO_2 = pickle.PROTO + b"\x02"
 _STOP = pickle.STOP[0]
@@ -123,7 +123,7 @@ def walk(data: bytes) -> Optional[PickleLayout]:
     the memo (a copy of it would be written apart); each string of at most one
     character written once (the unpickler returns one shared object for all of
     them, which a pickler memoizes). The memo checks cover
-    :func:`ddpstate._pickle_scan.check_memo_indexes` and more.
+    :func:`ddpstate._streaming.pickle_scan.check_memo_indexes` and more.
 
     Args:
         data: The bytes of ``data.pkl``.
@@ -355,7 +355,7 @@ def _splice_state(
     (checked against the bytes there), replaced by the new one, and every memo
     slot after it renumbered. None when any of that cannot be shown.
     """
-    from ddpstate._pickle_emit import dump_within
+    from ddpstate._streaming.pickle_emit import dump_within
 
     found = [
         (pos, index) for pos, index in layout.strings() if _string_at(data, pos) == b"_metadata"

@@ -32,7 +32,7 @@ from typing import IO, Any, Optional
 
 import torch
 
-from ddpstate._everyday import EVERYDAY_GLOBALS
+from ddpstate._layout.everyday import EVERYDAY_GLOBALS
 from ddpstate.errors import (
     CheckpointFormatError,
     InvalidArgumentError,

@@ -35,5 +35,5 @@ EVERYDAY_GLOBALS: tuple[str, ...] = (
     "datetime.timedelta",
     "datetime.timezone",
     "argparse.Namespace",
-    "ddpstate._savecheck._rebuild_defaultdict",
+    "ddpstate._io.savecheck._rebuild_defaultdict",
 )

@@ -51,7 +51,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ddpstate import _fs, _savecheck, storage
+from ddpstate import _fs, storage
+from ddpstate._io import savecheck as _savecheck
 from ddpstate.dist import get_rank, is_distributed
 from ddpstate.errors import (
     CheckpointWriteError,

@@ -3,7 +3,7 @@
 The layout (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
 next to ``model-00001-of-00003.safetensors``...) is ``{"metadata": {"total_size":
 N}, "weight_map": {key: shard file name}}``. This module finds and checks the
-index and opens the shards: as one merged :class:`~ddpstate._reader.Checkpoint`
+index and opens the shards: as one merged :class:`~ddpstate._streaming.reader.Checkpoint`
 for the streaming commands (headers only, one tensor read at a time), or loaded
 with torch for :func:`ddpstate.load`. Nothing here imports torch at import time.
 """
@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddpstate import _fs
-from ddpstate._stream import Source
+from ddpstate._streaming.stream import Source
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -27,14 +27,14 @@ from ddpstate.errors import (
 )
 
 if TYPE_CHECKING:
-    from ddpstate._progress import Progress
-    from ddpstate._reader import Checkpoint
+    from ddpstate._streaming.progress import Progress
+    from ddpstate._streaming.reader import Checkpoint
     from ddpstate.convert import VerifyResult
     from ddpstate.location import ResolvedMapLocation
 
 #: How the index files of the layout end (transformers writes these two).
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
-#: The index name ``transformers`` and :mod:`ddpstate._hf_write` give safetensors shards.
+#: The index name ``transformers`` and :mod:`ddpstate._hf.write` give safetensors shards.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # An index is a few MB at most even for 100,000 keys; a larger one is not an index.
 _MAX_INDEX_BYTES = 256 << 20
@@ -275,7 +275,7 @@ class _ShardsSource(Source):
 
 
 def _state_dict_of(ckpt: Checkpoint, shard: str, index: ShardIndex) -> dict[str, Any]:
-    from ddpstate._pickle_scan import TensorRecord
+    from ddpstate._streaming.pickle_scan import TensorRecord
 
     obj = ckpt.obj
     if not isinstance(obj, dict) or not all(
@@ -298,7 +298,7 @@ def open_sharded(
 
     Args:
         path: The index file or the folder holding it.
-        unsafe: As for :func:`ddpstate._reader.read_checkpoint` (``.bin`` shards).
+        unsafe: As for :func:`ddpstate._streaming.reader.read_checkpoint` (``.bin`` shards).
         storage_options: fsspec options for URLs.
 
     Returns:
@@ -312,7 +312,7 @@ def open_sharded(
             byte orders differ.
     """
     from ddpstate import formats
-    from ddpstate._reader import Checkpoint
+    from ddpstate._streaming.reader import Checkpoint
 
     index_path = find_index(path, storage_options)
     if index_path is None:
@@ -372,7 +372,7 @@ def open_sharded(
 def _open_shard(
     index: ShardIndex, shard: str, unsafe: bool, storage_options: Optional[dict[str, Any]]
 ) -> Checkpoint:
-    from ddpstate._reader import read_checkpoint
+    from ddpstate._streaming.reader import read_checkpoint
 
     where = index.shard_path(shard)
     try:
@@ -418,7 +418,7 @@ def load_sharded(
         UnsafeCheckpointError: As for :func:`open_sharded` and :func:`ddpstate.load`.
     """
     from ddpstate import formats, storage
-    from ddpstate._torch_io import load_torch_file
+    from ddpstate._io.torch_io import load_torch_file
     from ddpstate.location import _place_all
 
     index_path = find_index(path, storage_options)
@@ -524,8 +524,8 @@ def verify_sharded(
         CheckpointFormatError: A folder holding two indexes.
     """
     from ddpstate import formats, storage
-    from ddpstate._pickle_scan import TensorRecord
-    from ddpstate._reader import read_checkpoint
+    from ddpstate._streaming.pickle_scan import TensorRecord
+    from ddpstate._streaming.reader import read_checkpoint
     from ddpstate.convert import VerifyResult, verify_file
     from ddpstate.errors import DDPStateError
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 import torch
 
-from ddpstate import _torch_io, storage
+from ddpstate import storage
+from ddpstate._io import torch_io as _torch_io
 from ddpstate.errors import CheckpointCorruptError, DDPStateError
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from ddpstate._pickle_scan import (
+from ddpstate._streaming.pickle_scan import (
     DtypeRef,
     GlobalRef,
     Opaque,
@@ -222,7 +222,7 @@ def dump_checkpoint_pickle(
     globals are written back under their original names, unchanged.
 
     Args:
-        obj: A tree from :func:`ddpstate._pickle_scan.scan_pickle`, possibly rewritten.
+        obj: A tree from :func:`ddpstate._streaming.pickle_scan.scan_pickle`, possibly rewritten.
         replace: Records to write in place of others, by the ``id`` of the one
             in ``obj`` (how ``convert --dtype`` swaps in cast tensors without
             rebuilding the tree).

@@ -12,8 +12,9 @@ import zlib
 from typing import IO, Any, Optional
 
 from ddpstate import formats
-from ddpstate._pickle_rewrite import PickleLayout, walk
-from ddpstate._pickle_scan import (
+from ddpstate._layout.safetensors import parse_header, restore_extras
+from ddpstate._streaming.pickle_rewrite import PickleLayout, walk
+from ddpstate._streaming.pickle_scan import (
     DTYPE_ITEMSIZE,
     DTYPE_STORAGE,
     STORAGE_DTYPE,
@@ -26,8 +27,7 @@ from ddpstate._pickle_scan import (
     opaque_name,
     scan_pickle,
 )
-from ddpstate._safetensors_layout import parse_header, restore_extras
-from ddpstate._stream import Source
+from ddpstate._streaming.stream import Source
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -61,7 +61,7 @@ class Checkpoint:
         path: The file.
         format: ``"pt"``, ``"pt_legacy"`` or ``"safetensors"`` (:mod:`ddpstate.formats`).
         size: File size in bytes.
-        obj: The object tree with :class:`~ddpstate._pickle_scan.TensorRecord`
+        obj: The object tree with :class:`~ddpstate._streaming.pickle_scan.TensorRecord`
             placeholders (for safetensors: an OrderedDict of them).
         storages: Every storage the tree refers to, in first-use order.
         globals_used: Globals the pickle names.
@@ -73,7 +73,7 @@ class Checkpoint:
         st_metadata: The safetensors ``__metadata__`` minus ddpstate's own keys.
         pickle_bytes: ``data.pkl`` as stored (zip format only).
         pickle_layout: Where its strings lie, when it has torch.save's own shape
-            (see :mod:`ddpstate._pickle_rewrite`); None otherwise.
+            (see :mod:`ddpstate._streaming.pickle_rewrite`); None otherwise.
         source: The open file; closed by :meth:`close`.
     """
 
@@ -190,7 +190,7 @@ def read_checkpoint(
     """
     kind = formats.detect_format(path, storage_options=storage_options)
     if kind == formats.HF_SHARDED:
-        from ddpstate._hf_sharded import open_sharded
+        from ddpstate._hf.read import open_sharded
 
         return open_sharded(path, unsafe=unsafe, storage_options=storage_options)
     if kind == formats.TORCHSCRIPT:

@@ -7,7 +7,7 @@ import zlib
 from collections.abc import Iterable
 from typing import Callable, NamedTuple
 
-from ddpstate._stream import Sink, Source
+from ddpstate._streaming.stream import Sink, Source
 
 # torch.save (through miniz) writes every record stored (uncompressed), aligns
 # each record's data to 64 bytes with an extra field named "FB" full of "Z",
@@ -135,7 +135,7 @@ class ZipWriter:
 
     Example:
         >>> import io
-        >>> from ddpstate._stream import Sink
+        >>> from ddpstate._streaming.stream import Sink
         >>> out = io.BytesIO()
         >>> writer = ZipWriter(Sink(out))
         >>> _ = writer.add_bytes("archive/version", b"3\\n")
@@ -208,7 +208,7 @@ class ZipWriter:
 
         Example:
             >>> import io, os, tempfile, zlib
-            >>> from ddpstate._stream import Sink, Source
+            >>> from ddpstate._streaming.stream import Sink, Source
             >>> path = os.path.join(tempfile.mkdtemp(), "data")
             >>> _ = open(path, "wb").write(b"x" * 100)
             >>> out = io.BytesIO()

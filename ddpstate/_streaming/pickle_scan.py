@@ -9,7 +9,7 @@ import pickle
 from collections.abc import Iterator, Mapping
 from typing import IO, Any, Callable, ClassVar, Optional, cast
 
-from ddpstate._everyday import EVERYDAY_GLOBALS
+from ddpstate._layout.everyday import EVERYDAY_GLOBALS
 
 # Everything here stays importable without torch: `ddpstate convert` streams a
 # multi-GB file in the memory and time of a copy, and importing torch alone
@@ -790,7 +790,7 @@ def scan_pickle(
         persistent_load: Turns each persistent id into an object (storage records).
         memo_checked: The caller already walked these bytes with a check at
             least as strict as :func:`check_memo_indexes`
-            (:func:`ddpstate._pickle_rewrite.walk` accepted them).
+            (:func:`ddpstate._streaming.pickle_rewrite.walk` accepted them).
 
     Returns:
         The object tree and the globals it names.

@@ -17,8 +17,9 @@ from typing import Any, Optional
 
 import torch
 
-from ddpstate import _dcp_read, _fs, formats, storage
-from ddpstate._progress import human_bytes
+from ddpstate import _fs, formats, storage
+from ddpstate._dcp import read as _dcp_read
+from ddpstate._streaming.progress import human_bytes
 from ddpstate.convert import (
     PT,
     SAFETENSORS,
@@ -334,7 +335,8 @@ def convert_from_dcp(
     the output holds plain CPU tensors that ``torch.load(weights_only=True)``
     or ``safetensors.torch.load_file`` read.
     """
-    from ddpstate import _savecheck, _torch_io
+    from ddpstate._io import savecheck as _savecheck
+    from ddpstate._io import torch_io as _torch_io
 
     if to == formats.DCP:
         raise InvalidArgumentError(

@@ -9,7 +9,7 @@ import zlib
 from typing import IO, Any, Optional
 
 from ddpstate import _fs, storage
-from ddpstate._progress import Progress
+from ddpstate._streaming.progress import Progress
 from ddpstate.errors import CheckpointCorruptError
 
 # Large enough to run near disk speed, small enough to keep peak memory flat.

@@ -14,7 +14,7 @@ from typing import IO, Any, Optional, Union
 
 import torch
 
-from ddpstate._savecheck import loading_allowed
+from ddpstate._io.savecheck import loading_allowed
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -151,7 +151,7 @@ def unsafe_globals(source: Source, kind: str) -> list[str]:
 
     Example:
         >>> import io, torch, collections
-        >>> from ddpstate._torch_io import unsafe_globals
+        >>> from ddpstate._io.torch_io import unsafe_globals
         >>> buf = io.BytesIO()
         >>> torch.save({"c": collections.Counter("ab")}, buf)
         >>> unsafe_globals(buf, "pt")
@@ -191,7 +191,7 @@ def module_globals(names: Iterable[str]) -> list[str]:
     Only modules that are already imported are looked at, so nothing new runs.
 
     Example:
-        >>> from ddpstate._torch_io import module_globals
+        >>> from ddpstate._io.torch_io import module_globals
         >>> module_globals(["torch.nn.modules.linear.Linear", "__main__.Config"])
         ['torch.nn.modules.linear.Linear']
     """
@@ -292,7 +292,7 @@ def load_torch_file(
 
     Example:
         >>> import io, torch
-        >>> from ddpstate._torch_io import load_torch_file
+        >>> from ddpstate._io.torch_io import load_torch_file
         >>> buf = io.BytesIO()
         >>> torch.save({"w": torch.ones(1)}, buf)
         >>> load_torch_file(buf, kind="pt", name="buf", map_location="cpu",
@@ -478,7 +478,7 @@ def load_dcp(
     Example:
         >>> import tempfile, torch, warnings
         >>> import torch.distributed.checkpoint as dcp
-        >>> from ddpstate._torch_io import load_dcp
+        >>> from ddpstate._io.torch_io import load_dcp
         >>> folder = tempfile.mkdtemp()
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")
