@@ -1,6 +1,6 @@
 """``ddpstate inspect``/``verify``/``convert`` on torch.distributed.checkpoint folders.
 
-DCP needs torch, so ``convert.py`` imports this module only when a folder
+DCP needs torch, so :mod:`ddpstate._convert` imports this module only when a folder
 (or ``to="dcp"``) is involved; the streaming paths for files stay torch-free.
 ``inspect`` and ``verify`` work from the ``.metadata`` alone (read with the
 safe unpickler) and the files' sizes; ``convert`` consolidates a folder into
