@@ -430,13 +430,13 @@ def detect_format(
 
 
 def _is_index(name: str, head: bytes) -> bool:
-    from ddpstate._hf.read import is_index_name
+    from ddpstate._hf.index import is_index_name
 
     return is_index_name(name) and head.lstrip().startswith(b"{")
 
 
 def _hf_index(name: str, storage_options: Optional[dict[str, Any]]) -> bool:
-    from ddpstate._hf.read import find_index
+    from ddpstate._hf.index import find_index
 
     return find_index(name, storage_options) is not None
 

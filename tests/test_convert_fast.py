@@ -16,13 +16,13 @@ import torch._dynamo  # registers safe globals now, not inside a test (conftest'
 import torch.distributed.tensor
 from torch import nn
 
-import ddpstate.convert as convert_mod
+import ddpstate._convert.rewrite as convert_mod
 from ddpstate._streaming.pickle_rewrite import rename_keys, walk
 from ddpstate._streaming.pickle_scan import check_memo_indexes
 from ddpstate.convert import convert_file
 from tests.test_convert import _checkpoints, _trained
 
-_COPIED_PICKLE = convert_mod._copied_pickle
+_COPIED_PICKLE = convert_mod.copied_pickle
 
 
 def _both(
@@ -36,10 +36,10 @@ def _both(
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(convert_mod, "_copied_pickle", spy)
+    monkeypatch.setattr(convert_mod, "copied_pickle", spy)
     fast = tmp_path / "fast.pt"
     convert_file(src, fast, overwrite=True, **options)
-    monkeypatch.setattr(convert_mod, "_copied_pickle", lambda *args: None)
+    monkeypatch.setattr(convert_mod, "copied_pickle", lambda *args: None)
     slow = tmp_path / "slow.pt"
     convert_file(src, slow, overwrite=True, **options)
     return fast.read_bytes(), slow.read_bytes(), any(calls)

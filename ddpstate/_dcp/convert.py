@@ -1,6 +1,6 @@
 """``ddpstate inspect``/``verify``/``convert`` on torch.distributed.checkpoint folders.
 
-DCP needs torch, so ``convert.py`` imports this module only when a folder
+DCP needs torch, so :mod:`ddpstate._convert` imports this module only when a folder
 (or ``to="dcp"``) is involved; the streaming paths for files stay torch-free.
 ``inspect`` and ``verify`` work from the ``.metadata`` alone (read with the
 safe unpickler) and the files' sizes; ``convert`` consolidates a folder into
@@ -18,22 +18,17 @@ from typing import Any, Optional
 import torch
 
 from ddpstate import _fs, formats, storage
+from ddpstate._convert.common import (
+    destination,
+    dotted,
+    drop_optimizer_state,
+    find_state_dict,
+    format_from_name,
+    rename,
+)
+from ddpstate._convert.results import ConvertResult, InspectResult, TensorInfo, VerifyResult
 from ddpstate._dcp import read as _dcp_read
 from ddpstate._streaming.progress import human_bytes
-from ddpstate.convert import (
-    PT,
-    SAFETENSORS,
-    ConvertResult,
-    InspectResult,
-    TensorInfo,
-    VerifyResult,
-    _destination,
-    _dotted,
-    _drop_optimizer,
-    _find_state_dict,
-    _format_from_name,
-    _rename,
-)
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -42,6 +37,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
     StateDictNotFoundError,
 )
+from ddpstate.formats import PT, SAFETENSORS
 
 __all__ = ["convert_from_dcp", "convert_to_dcp", "inspect_dcp", "verify_dcp"]
 
@@ -127,7 +123,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
     sd_path: Optional[tuple[Any, ...]] = None
     sd: Any = None
     try:
-        sd_path, sd = _find_state_dict(tree, None)
+        sd_path, sd = find_state_dict(tree, None)
     except StateDictNotFoundError as exc:
         notes.append(f"no model state dict found: {exc}")
     dtype_bytes: dict[str, int] = collections.Counter()
@@ -160,7 +156,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
                 role = (
                     "model state dict"
                     if len(sd_path) == 1
-                    else f"holds the model at {_dotted(sd_path)}"
+                    else f"holds the model at {dotted(sd_path)}"
                 )
             structure.append((str(k), _describe(v, role)))
     return InspectResult(
@@ -172,7 +168,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
         dtype_bytes=dict(dtype_bytes),
         devices={},
         prefixes=tuple(keys.detect_prefixes(sd)) if sd is not None else (),
-        state_dict_path=_dotted(sd_path),
+        state_dict_path=dotted(sd_path),
         structure=tuple(structure),
         tensors=tuple(rows),
         notes=tuple(notes),
@@ -295,15 +291,15 @@ def _apply_rules(
     renamed = 0
     root = state
     if renaming or key is not None or not whole:
-        sd_path, sd = _find_state_dict(state, key)
-        new_sd = _rename(sd, strip, add, normalize)
+        sd_path, sd = find_state_dict(state, key)
+        new_sd = rename(sd, strip, add, normalize)
         renamed = sum(1 for a, b in zip(sd, new_sd, strict=False) if a != b)
         if new_sd is not sd:
             root = new_sd if not sd_path else keys.replace_state_dict(state, sd_path, new_sd)
         sd = new_sd
     dropped: tuple[str, ...] = ()
     if drop_optimizer and whole:
-        root, dropped = _drop_optimizer(root, sd_path)
+        root, dropped = drop_optimizer_state(root, sd_path)
     return root, sd, sd_path, renamed, dropped
 
 
@@ -343,12 +339,12 @@ def convert_from_dcp(
             f"{src} is already a torch.distributed.checkpoint folder; convert it to 'pt' or "
             f"'safetensors'"
         )
-    dst_format = to or _format_from_name(dst) or PT
+    dst_format = to or format_from_name(dst) or PT
     if dst is None:
         # Next to the folder, named after it: ckpt_dcp/ -> ckpt_dcp.pt (never inside it).
         folder = src.rstrip("/\\") or src
         dst = folder + (".safetensors" if dst_format == SAFETENSORS else ".pt")
-    dst_text = _destination(src, dst, dst_format, overwrite, storage_options)
+    dst_text = destination(src, dst, dst_format, overwrite, storage_options)
     state = _torch_io.load_dcp(
         src if _fs.is_remote(src) else _fs.local_path(src),
         name=src,
@@ -386,7 +382,7 @@ def convert_from_dcp(
         dst=dst_text,
         src_format=formats.DCP,
         dst_format=dst_format,
-        state_dict_path=_dotted(sd_path) if sd is not None else None,
+        state_dict_path=dotted(sd_path) if sd is not None else None,
         renamed=renamed,
         tensors=count,
         bytes_copied=nbytes,
@@ -496,7 +492,7 @@ def convert_to_dcp(
         dst=dst,
         src_format=formats.detect_format(src, storage_options=storage_options),
         dst_format=formats.DCP,
-        state_dict_path=_dotted(sd_path) if sd is not None else None,
+        state_dict_path=dotted(sd_path) if sd is not None else None,
         renamed=renamed,
         tensors=count,
         bytes_copied=nbytes,

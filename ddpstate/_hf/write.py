@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, Optional, Union
 
 from ddpstate import _fs
-from ddpstate._hf.read import SAFETENSORS_INDEX, find_index, read_index
+from ddpstate._hf.index import SAFETENSORS_INDEX, find_index, read_index
 from ddpstate.errors import CheckpointExistsError, DDPStateError, InvalidArgumentError
 
 if TYPE_CHECKING:

@@ -1,0 +1,233 @@
+"""``diff_files``: compare two checkpoints' model state dicts tensor by tensor."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Optional
+
+from ddpstate._convert.common import (
+    check_rules,
+    describe,
+    dotted,
+    find_state_dict,
+    raise_problems,
+    rename,
+)
+from ddpstate._convert.results import DiffResult
+from ddpstate._convert.tensor_data import load_tensor
+from ddpstate._fs import PathLike
+from ddpstate._streaming.pickle_scan import (
+    TensorRecord,
+    is_pickled_module,
+    iter_tensors,
+    module_state_dict,
+    opaque_name,
+)
+from ddpstate._streaming.progress import Progress
+from ddpstate._streaming.reader import Checkpoint, read_checkpoint
+from ddpstate.errors import AmbiguousStateDictError, StateDictNotFoundError
+
+if TYPE_CHECKING:
+    import torch
+
+
+_DIFF_CHUNK = 1 << 22
+
+
+def _model_tensors(
+    ckpt: Checkpoint, key: Optional[str] = None
+) -> tuple[str, Mapping[Any, Any], Optional[str]]:
+    """``(where, state dict, note)``: the model tensors diff compares in one file.
+
+    ``key`` picks the state dict where the file has that entry; a file that is
+    a bare state dict itself is taken whole (so ``--key state_dict`` compares a
+    Lightning checkpoint with a plain one). Several state dicts and no ``key``
+    is refused, as :func:`ddpstate.load_model_state` refuses it.
+    """
+    from ddpstate._collectives import with_message
+
+    root = ckpt.obj
+    if is_pickled_module(root):
+        return f"the parameters of the pickled {opaque_name(root)}", module_state_dict(root), None
+    if key is not None:
+        try:
+            path, sd = find_state_dict(root, key)
+        except StateDictNotFoundError as exc:
+            try:
+                bare, sd = find_state_dict(root, None)
+            except StateDictNotFoundError:
+                bare = None
+            if bare != ():
+                raise with_message(exc, f"{ckpt.path}: {exc}") from exc
+            note = f"{ckpt.path} is a bare state dict without {key!r}; compared whole"
+            return "the whole file", sd, note
+        return (f"'{dotted(path)}'" if path else "the whole file"), sd, None
+    try:
+        path, sd = find_state_dict(root, None)
+    except AmbiguousStateDictError as exc:
+        raise with_message(exc, f"{ckpt.path}: {exc}") from exc
+    except StateDictNotFoundError:
+        every = collections.OrderedDict(
+            (dotted(p) or "", r) for p, r in iter_tensors(root) if isinstance(r, TensorRecord)
+        )
+        return "every tensor (no model state dict found)", every, None
+    return (f"'{dotted(path)}'" if path else "the whole file"), sd, None
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    import torch
+
+    flat_a = a.reshape(-1)
+    flat_b = b.reshape(-1)
+    worst = 0.0
+    for start in range(0, flat_a.numel(), _DIFF_CHUNK):
+        x = flat_a[start : start + _DIFF_CHUNK]
+        y = flat_b[start : start + _DIFF_CHUNK]
+        if x.is_complex():
+            delta = (x.to(torch.complex128) - y.to(torch.complex128)).abs()
+        elif x.is_floating_point():
+            x64, y64 = x.to(torch.float64), y.to(torch.float64)
+            delta = (x64 - y64).abs()
+            both_nan = torch.isnan(x64) & torch.isnan(y64)
+            delta = torch.where(both_nan, torch.zeros_like(delta), delta)
+            delta = torch.where(torch.isnan(delta), torch.full_like(delta, float("inf")), delta)
+        elif x.dtype == torch.bool:
+            delta = (x != y).to(torch.float64)
+        else:
+            try:
+                delta = (x.to(torch.float64) - y.to(torch.float64)).abs()
+            except (RuntimeError, TypeError):
+                delta = (x.view(torch.uint8) != y.view(torch.uint8)).to(torch.float64)
+        if delta.numel():
+            worst = max(worst, float(delta.max()))
+    return worst
+
+
+def diff_files(
+    a: PathLike,
+    b: PathLike,
+    *,
+    raw_keys: bool = False,
+    key: Optional[str] = None,
+    strip_prefix: Optional[str] = None,
+    add_prefix: Optional[str] = None,
+    normalize: bool = False,
+    atol: float = 0.0,
+    unsafe: bool = False,
+    progress: bool = False,
+    storage_options: Optional[dict[str, Any]] = None,
+) -> DiffResult:
+    """Compare the model state dicts of two checkpoint files, tensor by tensor.
+
+    The state dicts are located as :func:`convert_file` locates them (``key``
+    names one; a file holding several is refused without it), the key rule
+    (``strip_prefix``, ``add_prefix`` or ``normalize``, as for
+    :func:`convert_file`) is applied to both, and keys are then compared after
+    removing wrapper prefixes (``module.``, ``_orig_mod.``) unless
+    ``raw_keys``; shapes and dtypes must match; the largest absolute
+    difference of each shared tensor is reported. Tensors are read one pair at
+    a time (a sharded checkpoint: one tensor of one shard at a time).
+
+    Args:
+        a: First checkpoint (any format ddpstate reads, a sharded one included).
+        b: Second checkpoint.
+        raw_keys: Compare keys exactly as stored (after the key rule, if any).
+        key: Dotted path of the model state dict in each file that has it; a
+            file that is a bare state dict is compared whole.
+        strip_prefix: Remove this prefix from both files' model keys.
+        add_prefix: Add this prefix to both files' model keys.
+        normalize: Remove every wrapper prefix from both (the default unless
+            ``raw_keys``; with ``raw_keys`` it still applies).
+        atol: Differences up to this count as equal.
+        unsafe: Also read pickles naming unsafe globals (never run).
+        progress: Draw a progress bar on stderr (only on a terminal).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        A :class:`DiffResult`; ``.equal`` tells the verdict.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointFormatError, CheckpointCorruptError,
+        UnsafeCheckpointError: as for :func:`convert_file`.
+        KeyCollisionError: Normalizing a file's keys makes two of them equal
+            (compare with ``raw_keys=True``).
+        AmbiguousStateDictError: A file holds several state dicts and no
+            ``key`` names one (the message names them).
+        StateDictNotFoundError: ``key`` is in neither place it could be.
+        InvalidArgumentError: More than one key rule.
+
+    Example:
+        >>> import torch, tempfile, os
+        >>> from ddpstate.convert import diff_files
+        >>> d = tempfile.mkdtemp()
+        >>> torch.save({"module.w": torch.ones(2)}, os.path.join(d, "a.pt"))
+        >>> torch.save({"w": torch.ones(2) + 1e-7}, os.path.join(d, "b.pt"))
+        >>> diff_files(os.path.join(d, "a.pt"), os.path.join(d, "b.pt"), atol=1e-6).equal
+        True
+    """
+    from ddpstate import keys
+
+    check_rules(strip_prefix, add_prefix, normalize)
+    with contextlib.ExitStack() as stack:
+        ca = stack.enter_context(
+            read_checkpoint(os.fspath(a), unsafe=unsafe, storage_options=storage_options)
+        )
+        cb = stack.enter_context(
+            read_checkpoint(os.fspath(b), unsafe=unsafe, storage_options=storage_options)
+        )
+        raise_problems(ca)
+        raise_problems(cb)
+        where_a, sd_a, note_a = _model_tensors(ca, key)
+        where_b, sd_b, note_b = _model_tensors(cb, key)
+        sd_a = rename(sd_a, strip_prefix, add_prefix, normalize)
+        sd_b = rename(sd_b, strip_prefix, add_prefix, normalize)
+        if not raw_keys:
+            sd_a = keys.normalize_keys(sd_a)
+            sd_b = keys.normalize_keys(sd_b)
+        only_a = tuple(str(k) for k in sd_a if k not in sd_b)
+        only_b = tuple(str(k) for k in sd_b if k not in sd_a)
+        mismatched: list[tuple[str, str, str]] = []
+        diffs: dict[str, float] = {}
+        shared = [k for k in sd_a if k in sd_b]
+        total = sum(
+            v.nbytes for k in shared for v in (sd_a[k], sd_b[k]) if isinstance(v, TensorRecord)
+        )
+        bar = Progress(total, "diff", enabled=None if progress else False)
+        try:
+            for k in shared:
+                va, vb = sd_a[k], sd_b[k]
+                if not (isinstance(va, TensorRecord) and isinstance(vb, TensorRecord)):
+                    if (
+                        isinstance(va, TensorRecord)
+                        or isinstance(vb, TensorRecord)
+                        or (describe(va) != describe(vb))
+                    ):
+                        mismatched.append((str(k), describe(va), describe(vb)))
+                    continue
+                if va.shape != vb.shape or va.dtype != vb.dtype:
+                    mismatched.append((str(k), describe(va), describe(vb)))
+                    continue
+                diffs[str(k)] = _max_abs_diff(load_tensor(ca, va), load_tensor(cb, vb))
+                bar.update(va.nbytes + vb.nbytes)
+        finally:
+            bar.close()
+        notes = [f"compared {where_a} of {ca.path} with {where_b} of {cb.path}"]
+        notes += [n for n in (note_a, note_b) if n]
+        if not raw_keys:
+            notes.append(
+                "keys compared without wrapper prefixes (--raw-keys compares them as stored)"
+            )
+        return DiffResult(
+            a=ca.path,
+            b=cb.path,
+            only_a=only_a,
+            only_b=only_b,
+            mismatched=tuple(mismatched),
+            max_abs_diff=diffs,
+            atol=atol,
+            different_values=tuple(k for k, v in diffs.items() if not v <= atol),
+            notes=tuple(notes),
+        )

@@ -1,0 +1,158 @@
+"""``inspect_file``: describe a checkpoint from its headers and pickle, never its tensor data."""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from ddpstate._convert.common import (
+    describe,
+    dotted,
+    find_state_dict,
+    is_dcp_folder,
+    is_optimizer_state,
+)
+from ddpstate._convert.results import InspectResult, TensorInfo
+from ddpstate._fs import PathLike
+from ddpstate._streaming.pickle_scan import (
+    TensorRecord,
+    is_pickled_module,
+    iter_tensors,
+    module_state_dict,
+    opaque_name,
+)
+from ddpstate._streaming.progress import human_bytes
+from ddpstate._streaming.reader import read_checkpoint
+from ddpstate.errors import StateDictNotFoundError
+
+
+def _summary(value: Any, role: Optional[str]) -> str:
+    tensors = [r for _, r in iter_tensors(value) if isinstance(r, TensorRecord)]
+    size = sum(r.nbytes for r in tensors)
+    if role is not None:
+        return f"{role}: {len(tensors)} tensors, {human_bytes(size)}"
+    if is_optimizer_state(value):
+        if isinstance(value, Mapping) and "param_groups" in value:
+            groups = value.get("param_groups")
+            state = value.get("state")
+            n_groups = len(groups) if isinstance(groups, (list, tuple)) else "?"
+            n_state = len(state) if isinstance(state, Mapping) else "?"
+            return (
+                f"optimizer state: {n_state} parameter states, {n_groups} param group(s), "
+                f"{len(tensors)} tensors, {human_bytes(size)}"
+            )
+        return f"optimizer states: {len(tensors)} tensors, {human_bytes(size)}"
+    text = describe(value)
+    if tensors and not isinstance(value, TensorRecord):
+        text += f" ({len(tensors)} tensors, {human_bytes(size)})"
+    return text
+
+
+def inspect_file(
+    src: PathLike,
+    *,
+    unsafe: bool = False,
+    storage_options: Optional[dict[str, Any]] = None,
+) -> InspectResult:
+    """Describe a checkpoint from its headers and pickle structure, never its tensor data.
+
+    A ``torch.distributed.checkpoint`` folder is described from its ``.metadata``
+    (read with an unpickler that allows only DCP's metadata classes): keys, whole
+    shapes, dtypes and sizes, whatever the sharding.
+
+    Args:
+        src: The checkpoint file or DCP folder.
+        unsafe: Also read pickles that name unsafe globals (still never run).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        An :class:`InspectResult`: format, sizes, dtypes, devices, wrapper
+        prefixes, the top-level structure and the model's keys.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointFormatError, CheckpointCorruptError,
+        UnsafeCheckpointError: as for :func:`convert_file`.
+
+    Example:
+        >>> import torch, tempfile, os
+        >>> from ddpstate.convert import inspect_file
+        >>> p = os.path.join(tempfile.mkdtemp(), "m.pt")
+        >>> torch.save({"epoch": 1, "state_dict": {"module.w": torch.ones(2)}}, p)
+        >>> info = inspect_file(p)
+        >>> info.state_dict_path, info.prefixes, info.tensors[0].name
+        ('state_dict', ('module.',), 'module.w')
+    """
+    from ddpstate import keys
+
+    if is_dcp_folder(os.fspath(src), storage_options):
+        from ddpstate._dcp.convert import inspect_dcp
+
+        return inspect_dcp(os.fspath(src), storage_options=storage_options)
+    with read_checkpoint(os.fspath(src), unsafe=unsafe, storage_options=storage_options) as ckpt:
+        root = ckpt.obj
+        notes: list[str] = []
+        path: Optional[tuple[Any, ...]] = None
+        sd: Any = None
+        if is_pickled_module(root):
+            sd = module_state_dict(root)
+            notes.append(
+                f"a pickled whole nn.Module ({opaque_name(root)}), not a state dict; "
+                f"the table lists its parameters and buffers"
+            )
+        else:
+            try:
+                path, sd = find_state_dict(root, None)
+            except StateDictNotFoundError as exc:
+                notes.append(f"no model state dict found: {exc}")
+        all_tensors = [r for _, r in iter_tensors(root) if isinstance(r, TensorRecord)]
+        dtype_of: dict[int, str] = {}
+        for rec in all_tensors:
+            dtype_of.setdefault(id(rec.storage), rec.dtype)
+        dtype_bytes: dict[str, int] = collections.Counter()
+        devices: dict[str, int] = collections.Counter()
+        for storage in ckpt.storages:
+            dtype_bytes[dtype_of.get(id(storage), storage.dtype)] += storage.nbytes
+            devices[storage.location] += 1
+        rows: list[TensorInfo] = []
+        if sd is not None:
+            items = list(sd.items())
+        else:
+            items = [(dotted(p) or "", r) for p, r in iter_tensors(root)]
+        for name, value in items:
+            if isinstance(value, TensorRecord):
+                rows.append(
+                    TensorInfo(str(name), value.dtype, value.shape, value.nbytes,
+                               value.storage.location)
+                )  # fmt: skip
+            else:
+                rows.append(TensorInfo(str(name), describe(value), (), 0, ""))
+        structure: list[tuple[str, str]] = []
+        if isinstance(root, Mapping) and path:
+            for k, v in root.items():
+                role = None
+                if k == path[0]:
+                    role = (
+                        "model state dict"
+                        if len(path) == 1
+                        else f"holds the model at {dotted(path)}"
+                    )
+                structure.append((str(k), _summary(v, role)))
+        prefixes = tuple(keys.detect_prefixes(sd)) if sd is not None else ()
+        return InspectResult(
+            path=ckpt.path,
+            format=ckpt.format,
+            file_size=ckpt.size,
+            tensor_count=len(all_tensors),
+            tensor_bytes=sum(s.nbytes for s in ckpt.storages),
+            dtype_bytes=dict(dtype_bytes),
+            devices=dict(devices),
+            prefixes=prefixes,
+            state_dict_path=dotted(path),
+            structure=tuple(structure),
+            tensors=tuple(rows),
+            unsafe_globals=ckpt.unsafe_globals,
+            problems=tuple(ckpt.problems),
+            notes=tuple(notes),
+        )

@@ -1,0 +1,241 @@
+"""``verify_file``: check that a checkpoint file, sharded folder or checkpoint folder is intact."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from typing import Any, Optional
+
+from ddpstate import formats
+from ddpstate._convert.common import extent_problems
+from ddpstate._convert.results import VerifyResult
+from ddpstate._fs import PathLike
+from ddpstate._hf.index import find_index, key_problems, read_index
+from ddpstate._streaming.pickle_scan import TensorRecord, iter_tensors
+from ddpstate._streaming.progress import Progress
+from ddpstate._streaming.reader import Checkpoint, read_checkpoint, zip_entry_bytes
+from ddpstate.errors import CheckpointCorruptError, DDPStateError
+
+
+def verify_file(
+    src: PathLike,
+    *,
+    unsafe: bool = False,
+    progress: bool = False,
+    storage_options: Optional[dict[str, Any]] = None,
+) -> VerifyResult:
+    """Check that a checkpoint file is readable end to end and every tensor record is whole.
+
+    torch.save files: every zip record is read and its CRC-32 compared with
+    the directory's; every storage the pickle refers to must have a record of
+    the right size, and every tensor must lie inside its storage. Legacy and
+    safetensors files: every tensor's data must be present (and is read).
+
+    A folder is checked as a CheckpointManager step folder or directory by
+    :func:`ddpstate.manager.verify_checkpoint` (manifest, sizes, CRC-32s,
+    commit marker, ``latest`` pointer); the result's format is ``"manager"``.
+    A ``torch.distributed.checkpoint`` folder: its ``.metadata`` must parse, and
+    every file it names must exist and reach its largest offset + length (DCP
+    records no checksums); a ddpstate ``manifest.json`` in it adds its CRC-32s.
+
+    Args:
+        src: The checkpoint file, or a CheckpointManager folder.
+        unsafe: Also read pickles naming unsafe globals (never run).
+        progress: Draw a progress bar on stderr (only on a terminal).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        A :class:`VerifyResult`; ``.ok`` is the verdict, ``.problems`` says what is wrong.
+
+    Raises:
+        CheckpointNotFoundError: No such file.
+        CheckpointFormatError: Not a checkpoint file at all, or a folder that
+            is not a CheckpointManager folder.
+        UnsafeCheckpointError: Unsafe globals and ``unsafe`` is False.
+
+    Example:
+        >>> import torch, tempfile, os
+        >>> from ddpstate.convert import verify_file
+        >>> p = os.path.join(tempfile.mkdtemp(), "m.pt")
+        >>> torch.save({"w": torch.ones(2)}, p)
+        >>> verify_file(p).ok
+        True
+    """
+    text = os.fspath(src)
+    from ddpstate import storage
+
+    if find_index(text, storage_options) is not None:
+        return verify_sharded(
+            text, unsafe=unsafe, progress=progress, storage_options=storage_options
+        )
+    if storage.isdir(text, storage_options=storage_options):
+        if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
+            from ddpstate._dcp.convert import verify_dcp
+
+            return verify_dcp(text, storage_options=storage_options)
+        return _verify_folder(text, storage_options)
+    try:
+        ckpt = read_checkpoint(text, unsafe=unsafe, storage_options=storage_options)
+    except CheckpointCorruptError as exc:
+        return VerifyResult(path=text, format=None, problems=(str(exc),))
+    with ckpt:
+        problems = [*ckpt.problems, *extent_problems(ckpt)]
+        notes: list[str] = []
+        tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
+        if ckpt.format == formats.TORCH_ZIP:
+            total = sum(r.compressed_size for r in ckpt.zip_records.values())
+        else:
+            total = sum(s.stored_size for s in ckpt.storages if s.data_offset >= 0)
+        bar = Progress(total, "verify", enabled=None if progress else False)
+        read = 0
+        try:
+            if ckpt.format == formats.TORCH_ZIP:
+                read = _verify_zip_records(ckpt, problems, notes, bar)
+            else:
+                for s in ckpt.storages:
+                    if s.data_offset >= 0 and s.data_offset + s.stored_size <= ckpt.size:
+                        ckpt.source.crc32(s.data_offset, s.stored_size, bar)
+                        read += s.stored_size
+        finally:
+            bar.close()
+        return VerifyResult(
+            path=ckpt.path,
+            format=ckpt.format,
+            problems=tuple(problems),
+            tensors=len(tensors),
+            bytes_read=read,
+            notes=tuple(notes),
+        )
+
+
+def _verify_zip_records(
+    ckpt: Checkpoint, problems: list[str], notes: list[str], bar: Progress
+) -> int:
+    read = 0
+    unchecked = 0
+    for record in ckpt.zip_records.values():
+        end = record.data_offset + record.compressed_size
+        if end > ckpt.size:
+            continue  # already reported by the reader
+        if record.method != zipfile.ZIP_STORED:
+            try:
+                zip_entry_bytes(ckpt.source, record, ckpt.path)  # inflating checks the CRC
+            except CheckpointCorruptError as exc:
+                problems.append(f"zip entry {record.name}: {exc.__cause__ or exc}")
+            read += record.compressed_size
+            bar.update(record.compressed_size)
+            continue
+        crc = ckpt.source.crc32(record.data_offset, record.size, bar)
+        read += record.size
+        if record.crc32 == 0 and record.size and crc != 0:
+            unchecked += 1  # written with torch's CRC computation turned off
+        elif crc != record.crc32:
+            problems.append(
+                f"zip entry {record.name}: CRC-32 {crc:08x} does not match the recorded "
+                f"{record.crc32:08x}; its bytes are damaged"
+            )
+    if unchecked:
+        notes.append(
+            f"{unchecked} record(s) carry no CRC (saved with CRC turned off): read, not checked"
+        )
+    return read
+
+
+def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> VerifyResult:
+    # One implementation: the manager's restore() accepts exactly what this passes.
+    from ddpstate.manager import verify_checkpoint
+
+    found = verify_checkpoint(path, storage_options=storage_options)
+    steps = ", ".join(str(s) for s in found.steps) or "none"
+    return VerifyResult(
+        path=found.path,
+        format=formats.MANAGER,
+        problems=found.problems,
+        bytes_read=found.bytes_read,
+        notes=(
+            f"{found.files} file(s) of committed step(s) {steps} checked against their manifest",
+            *found.notes,
+        ),
+    )
+
+
+def verify_sharded(
+    path: str,
+    *,
+    unsafe: bool = False,
+    progress: bool = False,
+    storage_options: Optional[dict[str, Any]] = None,
+) -> VerifyResult:
+    """Check a sharded checkpoint: the index, every shard, and that they agree.
+
+    Every shard the index names must exist and pass :func:`ddpstate.convert.verify_file`
+    (CRC-32s, sizes); every key must be in exactly the shard the index names
+    and in no other; ``metadata.total_size``, when given, must equal the bytes
+    of the tensors the index lists.
+
+    Args:
+        path: The index file or the folder holding it.
+        unsafe: As for :func:`ddpstate.convert.verify_file`.
+        progress: Draw a progress bar per shard on stderr (only on a terminal).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        A :class:`~ddpstate.convert.VerifyResult` for the index; each problem
+        names the shard file or key.
+
+    Raises:
+        CheckpointFormatError: A folder holding two indexes.
+    """
+    from ddpstate import storage
+
+    index_path = find_index(path, storage_options) or path
+    try:
+        index = read_index(index_path, storage_options)
+    except DDPStateError as exc:
+        return VerifyResult(path=index_path, format=None, problems=(str(exc),))
+    problems: list[str] = []
+    tensors = read = 0
+    listed_bytes = 0
+    for shard in index.shards:
+        where = index.shard_path(shard)
+        if not storage.exists(where, storage_options=storage_options):
+            problems.append(f"shard {shard} is missing (the index names it)")
+            continue
+        try:
+            found = verify_file(
+                where, unsafe=unsafe, progress=progress, storage_options=storage_options
+            )
+        except DDPStateError as exc:
+            problems.append(f"shard {shard}: {exc}")
+            continue
+        problems += [f"shard {shard}: {p}" for p in found.problems]
+        tensors += found.tensors
+        read += found.bytes_read
+        if found.problems:
+            continue
+        with read_checkpoint(where, unsafe=unsafe, storage_options=storage_options) as ckpt:
+            obj = ckpt.obj
+            if not isinstance(obj, dict):
+                problems.append(f"shard {shard} is not a flat map of names to tensors")
+                continue
+            problems += key_problems(index, shard, [str(k) for k in obj])
+            # Tied entries (aliases of one stored tensor) count once, as they are stored.
+            stored = {
+                id(v): v.nbytes
+                for k, v in obj.items()
+                if isinstance(v, TensorRecord) and index.weight_map.get(k) == shard
+            }
+            listed_bytes += sum(stored.values())
+    if index.total_size is not None and not problems and listed_bytes != index.total_size:
+        problems.append(
+            f"metadata.total_size is {index.total_size} but the tensors the index lists hold "
+            f"{listed_bytes} bytes"
+        )
+    return VerifyResult(
+        path=index.path,
+        format=formats.HF_SHARDED,
+        problems=tuple(problems),
+        tensors=tensors,
+        bytes_read=read,
+        notes=(f"{len(index.shards)} shard(s), {len(index.weight_map)} key(s) in the index",),
+    )

@@ -1,0 +1,215 @@
+"""Hugging Face sharded checkpoints' index: find, read and check ``*.safetensors.index.json``.
+
+The layout (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
+next to ``model-00001-of-00003.safetensors``...) is ``{"metadata": {"total_size":
+N}, "weight_map": {key: shard file name}}``. This module knows the index alone, so
+format detection (:mod:`ddpstate.formats`) and the writers can use it without the
+shard readers; it imports nothing of ddpstate but ``_fs``, ``storage`` and ``errors``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from ddpstate import _fs
+from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
+
+#: How the index files of the layout end (transformers writes these two).
+INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+#: The index name ``transformers`` and :mod:`ddpstate._hf.write` give safetensors shards.
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# An index is a few MB at most even for 100,000 keys; a larger one is not an index.
+_MAX_INDEX_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardIndex:
+    """A parsed index file.
+
+    Attributes:
+        path: The index file.
+        folder: The folder the shard names are relative to.
+        weight_map: Key -> shard file name, in the index's order.
+        shards: The shard file names, each once, sorted (the layout numbers them).
+        total_size: ``metadata.total_size``, or None when absent.
+        keys_of: Shard file name -> the keys the index puts in it.
+    """
+
+    path: str
+    folder: str
+    weight_map: dict[str, str]
+    shards: tuple[str, ...]
+    total_size: Optional[int]
+    keys_of: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+
+    def shard_path(self, shard: str) -> str:
+        """The full path or URL of one shard."""
+        return _join(self.folder, shard)
+
+
+def _join(folder: str, name: str) -> str:
+    from ddpstate import storage
+
+    return storage.join(folder, name)
+
+
+def folder_of(index: str) -> str:
+    """The folder holding an index file (a URL stays a URL)."""
+    if _fs.is_remote(index):
+        return index.rsplit("/", 1)[0] if "/" in index.split("://", 1)[-1] else index
+    return os.path.dirname(_fs.local_path(index)) or "."
+
+
+def is_index_name(name: str) -> bool:
+    """True when a file name ends the way the layout's index files do."""
+    return name.lower().endswith(INDEX_SUFFIXES)
+
+
+def find_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> Optional[str]:
+    """The index file of a sharded checkpoint named by ``path``, or None when it is not one.
+
+    Args:
+        path: An index file, or a folder holding one.
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        The index file's path, or None (``path`` is a plain file, or a folder
+        without an index).
+
+    Raises:
+        CheckpointFormatError: The folder holds more than one index, so which
+            checkpoint is meant is unclear.
+    """
+    from ddpstate import storage
+
+    if not storage.isdir(path, storage_options=storage_options):
+        return path if is_index_name(path) else None
+    try:
+        names = [
+            n for n in storage.listdir(path, storage_options=storage_options) if is_index_name(n)
+        ]
+    except CheckpointNotFoundError:
+        return None
+    if len(names) > 1:
+        raise CheckpointFormatError(
+            f"{path}: holds {len(names)} sharded-checkpoint indexes ({', '.join(names)}), so "
+            f"which checkpoint to read is unclear; pass the index file itself, e.g. "
+            f"{_join(path, names[0])}"
+        )
+    return _join(path, names[0]) if names else None
+
+
+def _bad_index(path: str, detail: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{path}: not a valid sharded-checkpoint index ({detail}); re-download it, or pass a "
+        f"single checkpoint file"
+    )
+
+
+def _check_shard_name(index: str, key: str, shard: Any) -> str:
+    if not isinstance(shard, str) or not shard:
+        raise _bad_index(index, f"weight_map[{key!r}] is {shard!r}, not a file name")
+    parts = shard.replace("\\", "/").split("/")
+    # The names come from a downloaded file: never let one reach outside the folder.
+    if shard.startswith(("/", "\\")) or ".." in parts or ":" in shard:
+        raise _bad_index(index, f"weight_map[{key!r}] names {shard!r}, outside the index's folder")
+    return shard
+
+
+def read_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> ShardIndex:
+    """Read and check an index file.
+
+    Args:
+        path: The index file (``*.safetensors.index.json`` / ``*.bin.index.json``).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        The :class:`ShardIndex`.
+
+    Raises:
+        CheckpointNotFoundError: No such file.
+        CheckpointCorruptError: Not JSON, or not shaped like an index (the
+            message says what is wrong).
+    """
+    from ddpstate import storage
+
+    try:
+        with storage.open_read(path, storage_options=storage_options) as f:
+            raw = f.read(_MAX_INDEX_BYTES + 1)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{path}: no such file; check the path") from exc
+    if len(raw) > _MAX_INDEX_BYTES:
+        raise _bad_index(path, f"larger than {_MAX_INDEX_BYTES} bytes")
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad_index(path, f"not JSON: {exc}") from exc
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("weight_map"), dict):
+        raise _bad_index(path, "no 'weight_map' object")
+    weight_map: dict[str, str] = {}
+    by_shard: dict[str, list[str]] = {}
+    for k, v in parsed["weight_map"].items():
+        key = str(k)
+        keys = by_shard.get(v) if isinstance(v, str) else None
+        if keys is None:
+            _check_shard_name(path, key, v)  # once per shard name, not per key
+            keys = by_shard[v] = []
+        keys.append(key)
+        weight_map[key] = v
+    if not weight_map:
+        raise _bad_index(path, "an empty 'weight_map'")
+    metadata = parsed.get("metadata")
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise _bad_index(path, f"metadata.total_size is {total!r}, not a byte count")
+    return ShardIndex(
+        path=path,
+        folder=folder_of(path),
+        weight_map=weight_map,
+        shards=tuple(sorted(by_shard)),
+        total_size=total,
+        keys_of={shard: frozenset(keys) for shard, keys in by_shard.items()},
+    )
+
+
+def _mismatch(index: ShardIndex, detail: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{index.path}: the index and its shards disagree: {detail}; re-download the "
+        f"checkpoint (`ddpstate verify` lists every problem)"
+    )
+
+
+def check_keys(index: ShardIndex, shard: str, keys: Sequence[str]) -> None:
+    """Raise unless ``shard`` holds exactly the keys the index assigns to it.
+
+    Raises:
+        CheckpointCorruptError: A key is missing from its shard, or the shard
+            holds a key the index lists elsewhere or not at all.
+    """
+    problems = key_problems(index, shard, keys)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise _mismatch(index, problems[0] + more)
+
+
+def key_problems(index: ShardIndex, shard: str, keys: Sequence[str]) -> list[str]:
+    """What is wrong between the keys ``shard`` holds and those the index gives it."""
+    held = set(keys)
+    if held == index.keys_of.get(shard, frozenset()) and len(held) == len(keys):
+        return []
+    problems = [
+        f"key {k!r} is listed in {shard} but that shard does not hold it"
+        for k, s in index.weight_map.items()
+        if s == shard and k not in held
+    ]
+    for k in keys:
+        owner = index.weight_map.get(k)
+        if owner is None:
+            problems.append(f"{shard} holds key {k!r}, which the index does not list")
+        elif owner != shard:
+            problems.append(f"key {k!r} is in {shard} too, but the index puts it in {owner}")
+    return problems
