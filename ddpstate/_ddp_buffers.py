@@ -233,6 +233,7 @@ class TwoForwardGuard:
         self.warned = False
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: warn when a forward starts while another awaits its backward."""
         if self.pending and not self.warned and torch.is_grad_enabled():
             self.warned = True
             opening = (
@@ -243,6 +244,7 @@ class TwoForwardGuard:
             warnings.warn(_explanation(self.layer_names, opening), UserWarning, stacklevel=3)
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: mark a backward pending until it reaches this forward's outputs."""
         if not torch.is_grad_enabled():
             return
         outputs = [t for t in _output_tensors(output) if t.requires_grad]

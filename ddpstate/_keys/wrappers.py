@@ -74,6 +74,21 @@ def is_module(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.nn.Module)
 
 
+def _wrapped_attributes() -> list[tuple[type, str]]:
+    # Each wrapper class with the attribute that holds the module it wraps:
+    # DataParallel and DDP keep it as `.module`, torch.compile as `._orig_mod`.
+    from torch import nn
+
+    pairs: list[tuple[type, str]] = [
+        (nn.DataParallel, "module"),
+        (nn.parallel.DistributedDataParallel, "module"),
+    ]
+    compiled = optimized_module_type()
+    if compiled is not None:
+        pairs.append((compiled, "_orig_mod"))
+    return pairs
+
+
 def wrapper_types() -> tuple[type, ...]:
     """The wrapper classes that can exist in this process (DataParallel, DDP, compile).
 
@@ -86,11 +101,7 @@ def wrapper_types() -> tuple[type, ...]:
         >>> torch.nn.DataParallel in wrapper_types()
         True
     """
-    from torch import nn
-
-    compiled = optimized_module_type()
-    base: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
-    return base if compiled is None else (*base, compiled)
+    return tuple(kind for kind, _ in _wrapped_attributes())
 
 
 def wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
@@ -114,17 +125,11 @@ def wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
     """
     from torch import nn
 
-    compiled = optimized_module_type()
-    parallel: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    pairs = _wrapped_attributes()
     while True:
         yield model
-        inner: object
-        if isinstance(model, parallel):
-            inner = model.module
-        elif compiled is not None and isinstance(model, compiled):
-            inner = model._orig_mod
-        else:
-            return
+        attribute = next((name for kind, name in pairs if isinstance(model, kind)), None)
+        inner = None if attribute is None else getattr(model, attribute, None)
         if not isinstance(inner, nn.Module):
             return
         model = inner
