@@ -1,4 +1,10 @@
-"""Bytes to durable places: atomic, fsynced writes to local paths and fsspec URLs."""
+"""Bytes to durable places: atomic, fsynced writes to local paths and fsspec URLs.
+
+This module chooses the writer and holds the folder swap and the fsspec read/list/remove
+calls; the writers live in :mod:`ddpstate._storage` (``local.py``: locked temp file, fsync,
+rename; ``remote.py``: object-store commit or temp name and rename; ``temps.py``: the
+temporary names every writer and listing agrees on).
+"""
 
 from __future__ import annotations
 
