@@ -170,7 +170,7 @@ def settle() -> None:
     """
     from ddpstate import storage
 
-    storage._wait_for_freed()
+    storage.wait_for_freed()
     os.sync()
 
 

@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
-import inspect
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterator
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.utils.parametrize
-from packaging.version import Version
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpstate import _ddp_buffers
+from ddpstate._ddp_buffers import (
+    BUFFER_SYNC_KWARG,
+    BUFFER_SYNC_NAMES,
+    DDP_PARAMS,
+    TwoForwardGuard,
+    ddp_syncs_buffers,
+    explain_ddp_errors,
+    find_ddp,
+    plain_bn_names,
+)
 from ddpstate.dist import (
     compare_across_ranks,
     get_local_rank,
@@ -29,7 +36,6 @@ from ddpstate.dist import (
 from ddpstate.errors import (
     BatchNormBufferSyncError,
     BatchNormPolicyError,
-    DDPStateError,
 )
 from ddpstate.keys import unwrap_model
 
@@ -61,42 +67,8 @@ _SYNC_ONLY_ATTRS = frozenset({"process_group", "ddp_gpu_size", _ORIGINAL_CLASS})
 # Module registries get their own shallow copies so the old and new layer are
 # independent objects; hook dicts stay shared so existing hook handles still work.
 _REGISTRIES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
-# The in-place autograd error text, stable since torch 1.x.
-_INPLACE_TEXT = "modified by an inplace operation"
 # Device types SyncBatchNorm synchronises on (torch raises for the others).
 _SYNC_DEVICE_TYPES = frozenset({"cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name()})
-
-
-def _ddp_init_params() -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
-    except (TypeError, ValueError):  # pragma: no cover - a C-implemented or wrapped __init__
-        # torch 2.13 added forward_sync_buffers and deprecated broadcast_buffers.
-        if Version(torch.__version__).release >= (2, 13):
-            return frozenset({"broadcast_buffers", "forward_sync_buffers"})
-        return frozenset({"broadcast_buffers"})
-
-
-def _ddp_sync_keeps_versions() -> bool:
-    # torch 2.6-2.12's DDP copies buffers in place and bumps their version
-    # counters (pytorch#175024); the fix (pytorch#175851, torch 2.13) wraps the
-    # copy in _unsafe_preserve_version_counter. Read the source where it is
-    # available, since a patched older build may carry the fix too.
-    try:
-        return "_unsafe_preserve_version_counter" in inspect.getsource(
-            DistributedDataParallel._sync_buffers
-        )
-    except (AttributeError, OSError, TypeError):  # pragma: no cover - no source shipped
-        return Version(torch.__version__).release >= (2, 13)
-
-
-_DDP_PARAMS = _ddp_init_params()
-#: The name DDP prefers for "sync buffers before each forward" on this torch.
-_BUFFER_SYNC_KWARG = (
-    "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers"
-)
-_BUFFER_SYNC_NAMES = ("broadcast_buffers", "forward_sync_buffers")
-_DDP_SYNC_KEEPS_VERSIONS = _ddp_sync_keeps_versions()
 
 
 class BatchNormNd(_BatchNorm):
@@ -438,8 +410,8 @@ def stats_checksums(model: nn.Module) -> Optional[list[int]]:
     """
     if not is_distributed():
         return None
-    ddp = _find_ddp(model)
-    if ddp is not None and _ddp_syncs_buffers(ddp):
+    ddp = find_ddp(model)
+    if ddp is not None and ddp_syncs_buffers(ddp):
         # DDP copies rank 0's buffers to every rank at each forward: rank 0's are the
         # model's statistics, and the others differ only until the next forward.
         return None
@@ -490,172 +462,23 @@ def warn_if_checksums_differ(model: nn.Module, gathered: list[Any], *, where: st
     )
 
 
-def _wrapped_unsynced(model: nn.Module) -> bool:
-    """True for a model ``wrap_ddp`` prepared with unsynced BatchNorm under DDP."""
-    return bool(getattr(model, _UNSYNCED_MARK, False))
-
-
-# --------------------------------------------------------------------------- the in-place error
-
-
-def _find_ddp(model: nn.Module) -> Optional[DistributedDataParallel]:
-    compiled: Optional[type] = None
-    with contextlib.suppress(Exception):
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        compiled = OptimizedModule
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            return model
-        inner: object
-        if isinstance(model, nn.DataParallel):
-            inner = model.module
-        elif compiled is not None and isinstance(model, compiled):
-            inner = model._orig_mod
-        else:
-            return None
-        if not isinstance(inner, nn.Module):
-            return None
-        model = inner
-
-
-def _ddp_syncs_buffers(ddp: DistributedDataParallel) -> bool:
-    value = ddp.__dict__.get("forward_sync_buffers")
-    if value is None:
-        value = getattr(ddp, "broadcast_buffers", True)
-    return bool(value)
-
-
-def _plain_bn_names(model: nn.Module) -> list[str]:
-    return [
-        name or "<root>"
-        for name, m in model.named_modules()
-        if isinstance(m, _BatchNorm)
-        and not isinstance(m, nn.SyncBatchNorm)
-        and m.running_mean is not None
-    ]
-
-
-def _explanation(layer_names: list[str], opening: str) -> str:
-    shown = ", ".join(map(repr, layer_names[:3])) + (
-        f" and {len(layer_names) - 3} more" if len(layer_names) > 3 else ""
-    )
-    torch_note = ""
-    if _DDP_SYNC_KEEPS_VERSIONS:
-        torch_note = (
-            f" (this torch, {torch.__version__}, keeps DDP's own copy from tripping autograd, "
-            "so look also for code that writes BatchNorm buffers in place between forward "
-            "and backward)"
-        )
-    return (
-        f"ddpstate: {opening} This DDP model has BatchNorm layers ({shown}) and buffer "
-        "broadcasting on (broadcast_buffers=True, DDP's default): at the start of every "
-        "forward DDP copies rank 0's running_mean/running_var into each replica in place, so "
-        "when the model runs forward twice before one backward (GANs, siamese nets, two-view "
-        f"losses) the first forward's saved buffers are overwritten{torch_note}. Fix it either "
-        "way: (1) SyncBatchNorm (GPU only): ddpstate.wrap_ddp(model, batchnorm='sync'), or "
-        "ddpstate.convert_sync_batchnorm(model) before wrapping in DDP; or "
-        "(2) no buffer broadcast: ddpstate.wrap_ddp(model, batchnorm='unsynced') or "
-        f"DDP(model, {_BUFFER_SYNC_KWARG}=False), then call ddpstate.sync_batchnorm_stats(model) "
-        "on every rank before evaluating and saving."
-    )
-
-
-def _needs_explanation(model: nn.Module) -> Optional[list[str]]:
-    ddp = _find_ddp(model)
-    if ddp is None or not _ddp_syncs_buffers(ddp):
-        return None
-    names = _plain_bn_names(ddp.module)
-    return names or None
-
-
-@contextlib.contextmanager
-def explain_ddp_errors(model: nn.Module) -> Iterator[None]:
-    """Explain the "modified by an inplace operation" error of DDP with BatchNorm.
-
-    Wrap the backward (or the whole training step) of a DDP model. If torch
-    raises its ``RuntimeError`` "one of the variables needed for gradient
-    computation has been modified by an inplace operation" and ``model`` is
-    DDP (possibly inside DataParallel or ``torch.compile``) with plain
-    BatchNorm layers and buffer broadcasting on, it is re-raised as
-    :class:`BatchNormBufferSyncError` (also a ``RuntimeError``), chained from
-    torch's error, with a message naming the cause, the BatchNorm layers and
-    both fixes: SyncBatchNorm, or ``broadcast_buffers=False`` plus
-    :func:`sync_batchnorm_stats`. Any other exception, or this one on a model
-    where that is not the cause, passes through untouched.
+def wrapped_unsynced(model: nn.Module) -> bool:
+    """True for a model ``wrap_ddp`` prepared with unsynced BatchNorm under DDP.
 
     Args:
-        model: The DDP-wrapped model that ran the forward passes.
+        model: Any module (wrapped or not).
 
-    Raises:
-        BatchNormBufferSyncError: The explained error, from torch's ``RuntimeError``.
+    Returns:
+        Whether :func:`wrap_ddp` left its BatchNorm statistics unsynced on purpose,
+        so a checkpoint must sync them before saving.
 
     Example:
-        >>> import torch, ddpstate
-        >>> net = torch.nn.Linear(2, 1)
-        >>> with ddpstate.explain_ddp_errors(net):
-        ...     net(torch.ones(1, 2)).sum().backward()
+        >>> import torch
+        >>> from ddpstate.batchnorm import wrapped_unsynced
+        >>> wrapped_unsynced(torch.nn.BatchNorm1d(2))
+        False
     """
-    try:
-        yield
-    except RuntimeError as err:
-        if isinstance(err, DDPStateError) or _INPLACE_TEXT not in str(err):
-            raise
-        names = _needs_explanation(model)
-        if names is None:
-            raise
-        first_line = str(err).strip().splitlines()[0]
-        raise BatchNormBufferSyncError(
-            _explanation(names, f"the backward failed with {first_line!r}.")
-        ) from err
-
-
-def _output_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _output_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _output_tensors(item)
-
-
-class _TwoForwardGuard:
-    """Warn once when a DDP model that would hit the in-place error starts a second forward.
-
-    Installed by :func:`wrap_ddp` only where the error can happen: buffer
-    broadcasting on, plain BatchNorm layers, and a torch whose DDP bumps the
-    buffers' version counters. "Pending" means a grad-enabled forward produced
-    outputs that no backward has reached yet.
-    """
-
-    def __init__(self, layer_names: list[str]) -> None:
-        self.layer_names = layer_names
-        self.pending = False
-        self.warned = False
-
-    def before_forward(self, module: nn.Module, args: Any) -> None:
-        if self.pending and not self.warned and torch.is_grad_enabled():
-            self.warned = True
-            opening = (
-                "a forward started before the previous forward's backward; a backward through "
-                "both will fail with 'one of the variables needed for gradient computation has "
-                "been modified by an inplace operation'."
-            )
-            warnings.warn(_explanation(self.layer_names, opening), UserWarning, stacklevel=3)
-
-    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        outputs = [t for t in _output_tensors(output) if t.requires_grad]
-        if not outputs:
-            return
-        self.pending = True
-        torch.autograd.graph.register_multi_grad_hook(outputs, self._reached, mode="any")
-
-    def _reached(self, grad: Any) -> None:
-        self.pending = False
+    return bool(getattr(model, _UNSYNCED_MARK, False))
 
 
 # --------------------------------------------------------------------------- wrap_ddp
@@ -675,7 +498,7 @@ def _resolve_device(device: Union[str, int, torch.device, None]) -> torch.device
 
 
 def _explicit_buffer_sync(kwargs: dict[str, Any]) -> tuple[Optional[bool], list[str]]:
-    given = {k: kwargs[k] for k in _BUFFER_SYNC_NAMES if kwargs.get(k) is not None}
+    given = {k: kwargs[k] for k in BUFFER_SYNC_NAMES if kwargs.get(k) is not None}
     values = {bool(v) for v in given.values()}
     if len(values) > 1:
         raise BatchNormPolicyError(
@@ -689,9 +512,9 @@ def _sync_kwarg_name(names_given: list[str]) -> str:
     # Keep the caller's own spelling where this torch takes it: on torch 2.13
     # broadcast_buffers=False also skips the init-time buffer sync, which
     # forward_sync_buffers=False does not.
-    if len(names_given) == 1 and names_given[0] in _DDP_PARAMS:
+    if len(names_given) == 1 and names_given[0] in DDP_PARAMS:
         return names_given[0]
-    return _BUFFER_SYNC_KWARG
+    return BUFFER_SYNC_KWARG
 
 
 def _resolve_policy(batchnorm: str, device: torch.device, has_bn: bool) -> str:
@@ -789,7 +612,7 @@ def wrap_ddp(
             "operation' error when the model runs forward twice before one backward)"
         )
 
-    for name in _BUFFER_SYNC_NAMES:
+    for name in BUFFER_SYNC_NAMES:
         kwargs.pop(name, None)
     buffer_sync = False if policy == "unsynced" else explicit
     if buffer_sync is not None:
@@ -819,9 +642,9 @@ def wrap_ddp(
     if policy == "unsynced" and _stat_layers(model):
         setattr(ddp, _UNSYNCED_MARK, True)
 
-    layer_names = _plain_bn_names(model)
-    if not _DDP_SYNC_KEEPS_VERSIONS and layer_names and _ddp_syncs_buffers(ddp):
-        guard = _TwoForwardGuard(layer_names)
+    layer_names = plain_bn_names(model)
+    if not _ddp_buffers.DDP_SYNC_KEEPS_VERSIONS and layer_names and ddp_syncs_buffers(ddp):
+        guard = TwoForwardGuard(layer_names)
         ddp.register_forward_pre_hook(guard.before_forward)
         ddp.register_forward_hook(guard.after_forward)
     return ddp

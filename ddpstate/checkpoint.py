@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import os
 import posixpath
 import shutil
-import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as torch_dist
 
 from ddpstate import _fs, storage
 from ddpstate._collectives import MAX_MESSAGE, with_message
@@ -22,6 +18,8 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
+from ddpstate._io.model_state import IncompatibleKeys, load_fitting
+from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate.dist import (
     broadcast_object,
     compare_across_ranks,
@@ -38,7 +36,6 @@ from ddpstate.errors import (
     CheckpointWriteError,
     DDPStateError,
     InvalidArgumentError,
-    ShapeMismatchError,
 )
 from ddpstate.formats import (
     DCP,
@@ -55,10 +52,8 @@ from ddpstate.formats import (
 from ddpstate.location import (
     MapLocation,
     ResolvedMapLocation,
-    _map_nested,
-    _place,
-    _place_all,
-    _require_reachable,
+    place_all,
+    require_reachable,
     resolve_map_location,
 )
 
@@ -394,7 +389,7 @@ def _read(
     storage_options: Optional[dict[str, Any]],
     safe_globals: Sequence[Any] = (),
 ) -> Any:
-    _require_reachable(resolved, text)
+    require_reachable(resolved, text)
     kind = _detect(text, storage_options)
     remote = _fs.is_remote(text)
     local = _fs.local_path(text)
@@ -424,7 +419,7 @@ def _read(
             remote=remote,
             safe_globals=safe_globals,
         )
-        return _place_all(state, "cpu", resolved)
+        return place_all(state, "cpu", resolved)
     if kind == SAFETENSORS:
         if mmap and remote:
             raise _mmap_refused(text, "the file is remote")
@@ -433,7 +428,7 @@ def _read(
                 tensors = read_safetensors(f, mmap=False)
         else:
             tensors = read_safetensors(local, mmap=mmap is None or mmap)
-        return _place_all(tensors, "cpu", resolved)
+        return place_all(tensors, "cpu", resolved)
     # torch.save's zip or legacy format
     if mmap and (remote or kind == LEGACY):
         raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
@@ -460,56 +455,6 @@ def _read(
         mmap=use_mmap,
         safe_globals=safe_globals,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class _TensorRef:
-    """Stands in for a tensor in the structure ``src_rank`` broadcasts."""
-
-    index: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    location: str
-
-
-def _split(obj: Any, locations: dict[int, str]) -> tuple[Any, list[torch.Tensor]]:
-    """Replace tensors by references; identical views of one tensor share a reference."""
-    tensors: list[torch.Tensor] = []
-    seen: dict[Any, _TensorRef] = {}
-
-    def leaf(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        ptr = value.untyped_storage().data_ptr()
-        key = (ptr, value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
-        if value.numel() and key in seen:
-            return seen[key]
-        ref = _TensorRef(len(tensors), value.dtype, tuple(value.shape), locations.get(ptr, "cpu"))
-        tensors.append(value)
-        if value.numel():  # empty tensors all have data pointer 0; never tie them
-            seen[key] = ref
-        return ref
-
-    return _map_nested(obj, leaf), tensors
-
-
-def _refs(skeleton: Any) -> list[_TensorRef]:
-    found: dict[int, _TensorRef] = {}
-
-    def leaf(value: Any) -> Any:
-        if isinstance(value, _TensorRef):
-            found[value.index] = value
-        return value
-
-    _map_nested(skeleton, leaf)
-    return [found[i] for i in sorted(found)]
-
-
-def _comm_device() -> torch.device:
-    backend = str(torch_dist.get_backend()).lower()
-    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _load_and_broadcast(
@@ -554,25 +499,7 @@ def _load_and_broadcast(
         if cause is not None:
             raise shared from cause
         raise
-    if rank == src_rank:
-        skeleton, local_tensors = _split(obj, locations)
-    else:
-        skeleton, local_tensors = None, []
-    skeleton = broadcast_object(skeleton, src=src_rank, timeout=timeout)
-    device = _comm_device()
-    placed: dict[int, torch.Tensor] = {}
-    for ref in _refs(skeleton):
-        if rank == src_rank:
-            tensor = local_tensors[ref.index].detach()
-        else:
-            tensor = torch.empty(ref.shape, dtype=ref.dtype, device=device)
-        if tensor.numel():
-            # Bytes, not values: every dtype (float8, bool, complex...) travels alike.
-            flat = tensor.to(device).contiguous().reshape(-1).view(torch.uint8)
-            torch_dist.broadcast(flat, src=src_rank)
-            tensor = flat.view(ref.dtype).reshape(ref.shape)
-        placed[ref.index] = _place(tensor, ref.location, resolved)
-    return _map_nested(skeleton, lambda v: placed[v.index] if isinstance(v, _TensorRef) else v)
+    return broadcast_with_tensors(obj, locations, src_rank, resolved, timeout)
 
 
 def load(
@@ -659,18 +586,6 @@ def load(
 
 
 # ------------------------------------------------------------------------------- model state
-
-
-class IncompatibleKeys(NamedTuple):
-    """What :func:`load_model_state` could not match (empty when strict).
-
-    Attributes:
-        missing_keys: Keys the model expects that the checkpoint lacks.
-        unexpected_keys: Keys the checkpoint has that the model does not expect.
-    """
-
-    missing_keys: list[str]
-    unexpected_keys: list[str]
 
 
 def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any) -> None:
@@ -815,7 +730,7 @@ def load_model_state(
             model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
         )
     adapted = adapt_state_dict(state_dict, model, strict=strict)
-    skipped = _load_fitting(
+    skipped = load_fitting(
         model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
     )
     if strict:
@@ -850,86 +765,3 @@ def _load_sharded(
         model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
         storage_options=storage_options, timeout=timeout,
     )  # fmt: skip
-
-
-def _load_fitting(
-    model: torch.nn.Module,
-    state_dict: Mapping[str, Any],
-    *,
-    name: str,
-    strict: bool,
-    ignore_mismatched: bool,
-) -> list[str]:
-    """``model.load_state_dict`` with shape mismatches named, or skipped and returned.
-
-    ``state_dict``'s keys are already the model's (see ``adapt_state_dict``).
-    Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
-    through here, so a wrong shape is always :class:`ShapeMismatchError`.
-    """
-    mismatched = _shape_mismatches(
-        state_dict,
-        model.state_dict(),
-        name=name,
-        target=type(model).__name__,
-        ignore_mismatched=ignore_mismatched,
-    )
-    if mismatched:
-        skip = {k for k, _, _ in mismatched}
-        kept: Any = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in skip)
-        metadata = getattr(state_dict, "_metadata", None)
-        if metadata is not None:
-            kept._metadata = metadata
-        state_dict = kept
-    try:
-        model.load_state_dict(state_dict, strict=strict and not mismatched)
-    except RuntimeError as exc:
-        raise ShapeMismatchError(
-            f"{name} does not fit {type(model).__name__}: {exc}; check that the checkpoint "
-            f"was saved from the same architecture"
-        ) from exc
-    return [k for k, _, _ in mismatched]
-
-
-def _shape_mismatches(
-    state_dict: Mapping[str, Any],
-    own: Mapping[str, Any],
-    *,
-    name: str,
-    target: str,
-    ignore_mismatched: bool,
-    stacklevel: int = 4,
-) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    """``(key, saved shape, model shape)`` of each tensor that does not fit ``own``'s.
-
-    Raises :class:`ShapeMismatchError` listing them, or with ``ignore_mismatched``
-    warns and returns them for the caller to skip. ``state_dict``'s keys are
-    already the model's; ``own`` is the model's state dict (DTensors compare by
-    their global shape, so sharded models are checked the same way).
-    ``stacklevel`` points the warning at the caller of the public function.
-    """
-    mismatched = [
-        (k, tuple(v.shape), tuple(own[k].shape))
-        for k, v in state_dict.items()
-        if isinstance(v, torch.Tensor)
-        and isinstance(own.get(k), torch.Tensor)
-        and v.shape != own[k].shape
-    ]
-    listing = ", ".join(f"{k!r} (saved {list(a)}, model {list(b)})" for k, a, b in mismatched[:8])
-    if len(mismatched) > 8:
-        listing += f" and {len(mismatched) - 8} more"
-    if mismatched and not ignore_mismatched:
-        raise ShapeMismatchError(
-            f"{name} does not fit {target}: size mismatch for {len(mismatched)} "
-            f"tensor(s): {listing}. Check that it was saved from the same architecture; to "
-            f"fine-tune with a resized layer (e.g. a new classifier head), pass "
-            f"ignore_mismatched=True to skip these entries and keep the model's own values"
-        )
-    if mismatched:
-        warnings.warn(
-            f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
-            f"{target}'s (ignore_mismatched=True); the model keeps its own values "
-            f"there: {listing}",
-            UserWarning,
-            stacklevel=stacklevel,
-        )
-    return mismatched

@@ -22,11 +22,8 @@ the backend (gloo or NCCL); a lost store connection raises
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import os
 import pickle
-import re
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -35,9 +32,21 @@ from typing import Any, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpstate import _collectives, _elastic
+from ddpstate import _collectives
 from ddpstate._collectives import REMINDER as _REMINDER
 from ddpstate._collectives import TIMEOUT_ENV, WARN_AFTER_ENV
+from ddpstate._dist.launch import DistContext, device_for, init_distributed
+from ddpstate._dist.ranks import (
+    DEFAULT_TIMEOUT,
+    default_timeout,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_local_main_process,
+    is_main_process,
+    resolve_timeout,
+)
 from ddpstate.errors import (
     DDPStateError,
     InvalidArgumentError,
@@ -67,147 +76,11 @@ __all__ = [
     "is_main_process",
     "main_process_first",
     "rank_zero_only",
+    "resolve_timeout",
     "share_outcome",
 ]
 
-#: Default collective timeout in seconds: torch's own default process-group
-#: timeout, long enough for a multi-GB save to object storage.
-DEFAULT_TIMEOUT = 1800.0
-
 _R = TypeVar("_R")
-
-
-# --------------------------------------------------------------------------- rank queries
-
-
-def _env_int(*names: str) -> Optional[int]:
-    for name in names:
-        value = os.environ.get(name)
-        if value is not None and value.strip() != "":
-            try:
-                return int(value)
-            except ValueError:
-                raise InvalidArgumentError(
-                    f"environment variable {name}={value!r} is not an integer; "
-                    f"unset it or set it to this process's {name.lower()}"
-                ) from None
-    return None
-
-
-def _pg_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_rank() -> int:
-    """Return this process's global rank.
-
-    Returns:
-        The rank from the process group when one is initialised, else from
-        ``RANK`` (torchrun), else ``SLURM_PROCID``, else 0.
-
-    Example:
-        >>> import ddpstate
-        >>> ddpstate.get_rank()  # a plain single process
-        0
-    """
-    if _pg_ready():
-        return dist.get_rank()
-    value = _env_int("RANK", "SLURM_PROCID")
-    return 0 if value is None else value
-
-
-def get_local_rank() -> int:
-    """Return this process's rank on its own node (its GPU index).
-
-    Returns:
-        ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID``, else 0.
-
-    Example:
-        >>> import ddpstate
-        >>> ddpstate.get_local_rank()
-        0
-    """
-    value = _env_int("LOCAL_RANK", "SLURM_LOCALID")
-    return 0 if value is None else value
-
-
-def get_world_size() -> int:
-    """Return the number of processes in the job.
-
-    Returns:
-        The process group's size when one is initialised, else ``WORLD_SIZE``
-        (torchrun), else ``SLURM_NTASKS``, else 1.
-
-    Example:
-        >>> import ddpstate
-        >>> ddpstate.get_world_size()
-        1
-    """
-    if _pg_ready():
-        return dist.get_world_size()
-    value = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    return 1 if value is None else value
-
-
-def is_main_process() -> bool:
-    """Return True on global rank 0 (the one that writes and prints).
-
-    Example:
-        >>> import ddpstate
-        >>> ddpstate.is_main_process()
-        True
-    """
-    return get_rank() == 0
-
-
-def is_local_main_process() -> bool:
-    """Return True on local rank 0 of each node (e.g. for per-node downloads).
-
-    Example:
-        >>> import ddpstate
-        >>> ddpstate.is_local_main_process()
-        True
-    """
-    return get_local_rank() == 0
-
-
-def is_distributed() -> bool:
-    """Return True when a process group is initialised with more than one rank.
-
-    Collectives are no-ops when this is False.
-
-    Example:
-        >>> import ddpstate
-        >>> ddpstate.is_distributed()
-        False
-    """
-    return _pg_ready() and dist.get_world_size() > 1
-
-
-def default_timeout() -> float:
-    """Return the collective timeout in seconds used when none is passed.
-
-    Returns:
-        ``DDPSTATE_TIMEOUT`` when set, else :data:`DEFAULT_TIMEOUT` (1800 s).
-
-    Raises:
-        DDPStateError: ``DDPSTATE_TIMEOUT`` is not a positive number.
-
-    Example:
-        >>> import ddpstate
-        >>> ddpstate.default_timeout() > 0
-        True
-    """
-    return _collectives.seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT)
-
-
-def _resolve_timeout(timeout: float | timedelta | None) -> float:
-    if timeout is None:
-        return default_timeout()
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not seconds > 0:
-        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return seconds
 
 
 # --------------------------------------------------------------------------- store collectives
@@ -269,7 +142,7 @@ def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") 
     """
     if not is_distributed():
         return
-    _collectives.barrier(_group(), name, _resolve_timeout(timeout))
+    _collectives.barrier(_group(), name, resolve_timeout(timeout))
 
 
 def share_outcome(
@@ -308,7 +181,7 @@ def share_outcome(
             raise error
         return
     group = _group()
-    shared = _collectives.share_outcome(group, error, name, _resolve_timeout(timeout))
+    shared = _collectives.share_outcome(group, error, name, resolve_timeout(timeout))
     if shared is not None:
         raise shared from error
 
@@ -338,7 +211,7 @@ def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> 
     if not is_distributed():
         return [obj]
     gathered = _collectives.gather(
-        _group(), pickle.dumps(obj), None, "all_gather_object", _resolve_timeout(timeout)
+        _group(), pickle.dumps(obj), None, "all_gather_object", resolve_timeout(timeout)
     )
     assert gathered is not None
     # Trusted input: these bytes come from this job's own ranks, never from a file.
@@ -379,9 +252,7 @@ def gather_object(
     world = dist.get_world_size()
     if not 0 <= dst < world:
         raise InvalidArgumentError(f"gather_object: dst={dst} is not a rank of a {world}-rank job")
-    gathered = _collectives.gather(
-        _group(), pickle.dumps(obj), dst, name, _resolve_timeout(timeout)
-    )
+    gathered = _collectives.gather(_group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout))
     if gathered is None:
         return None
     # Trusted input: these bytes come from this job's own ranks, never from a file.
@@ -435,7 +306,7 @@ def gather_and_decide(
 
     group = _group()
     shared = _collectives.gather_and_decide(
-        group, pickle.dumps(obj), dst, name, _resolve_timeout(timeout), on_dst
+        group, pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_dst
     )
     if shared is not None:
         raise shared
@@ -490,7 +361,7 @@ def gather_to_receivers(
         return pickle.dumps(decide([pickle.loads(b) for b in payloads]))
 
     raw = _collectives.gather_to_receivers(
-        _group(), pickle.dumps(obj), dst, name, _resolve_timeout(timeout), on_receiver
+        _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_receiver
     )
     # Trusted input: the answer of this job's own receiver rank.
     return pickle.loads(raw)
@@ -522,7 +393,7 @@ def compare_across_ranks(
     """
     if not is_distributed():
         return None
-    return _collectives.agree(_group(), value, name, _resolve_timeout(timeout))
+    return _collectives.agree(_group(), value, name, resolve_timeout(timeout))
 
 
 def broadcast_object(
@@ -559,7 +430,7 @@ def broadcast_object(
         )
     group = _group()
     payload = pickle.dumps(obj) if group.rank == src else None
-    raw = _collectives.broadcast(group, payload, src, "broadcast_object", _resolve_timeout(timeout))
+    raw = _collectives.broadcast(group, payload, src, "broadcast_object", resolve_timeout(timeout))
     if group.rank == src:
         return obj
     # Trusted input: these bytes come from this job's own rank src, never from a file.
@@ -599,7 +470,7 @@ def all_reduce_flag(flag: bool) -> bool:
     else:
         if not is_distributed():
             return flag
-        device = _device_for(str(dist.get_backend()), get_local_rank())
+        device = device_for(str(dist.get_backend()), get_local_rank())
         tensor = torch.zeros(1, dtype=torch.int32, device=device)
         _flag_buffer[:] = [(world, tensor)]
     tensor.fill_(1 if flag else 0)
@@ -681,151 +552,3 @@ def main_process_first(
             share_outcome(told, name=name, timeout=timeout)
         raise
     share_outcome(None, name=name, timeout=timeout)
-
-
-# --------------------------------------------------------------------------- initialisation
-
-
-@dataclasses.dataclass(frozen=True)
-class DistContext:
-    """Where this process stands in the job, as returned by :func:`init_distributed`.
-
-    Attributes:
-        rank: Global rank.
-        local_rank: Rank on this node.
-        world_size: Number of processes.
-        device: This rank's device (``cuda:LOCAL_RANK`` or ``cpu``).
-        backend: The process group's backend, or None when not distributed.
-    """
-
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    backend: Optional[str]
-
-    @property
-    def is_distributed(self) -> bool:
-        """True when a process group with more than one rank is running."""
-        return self.backend is not None and self.world_size > 1
-
-    @property
-    def is_main_process(self) -> bool:
-        """True on global rank 0."""
-        return self.rank == 0
-
-
-def _first_slurm_host(nodelist: str) -> str:
-    # "node[01-04,07],gpu3" -> "node01"; a plain "host" -> "host".
-    match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise InvalidArgumentError(f"cannot read the first host of SLURM nodelist {nodelist!r}")
-    base, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return base
-    first = ranges.split(",")[0].split("-")[0]
-    return base + first
-
-
-def _launched_env() -> Optional[str]:
-    """Return 'torchrun', 'slurm' or None, and fill torchrun-style variables for SLURM."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return "torchrun"
-    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
-        # An interactive salloc shell has one task: that is a single process.
-        if _env_int("SLURM_NTASKS") == 1 and "SLURM_STEP_ID" not in os.environ:
-            return None
-        return "slurm"
-    return None
-
-
-def _slurm_to_env() -> None:
-    os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
-    os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-    if "MASTER_ADDR" not in os.environ:
-        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-        if not nodelist:
-            raise InvalidArgumentError(
-                "launched by srun but neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; "
-                "export MASTER_ADDR=<first node's hostname> in the job script"
-            )
-        os.environ["MASTER_ADDR"] = _first_slurm_host(nodelist)
-    if "MASTER_PORT" not in os.environ:
-        # A port derived from the job id: the same on every task, different per job.
-        job = _env_int("SLURM_JOB_ID") or 0
-        os.environ["MASTER_PORT"] = str(15000 + job % 20000)
-
-
-def _device_for(backend: Optional[str], local_rank: int) -> torch.device:
-    if torch.cuda.is_available() and (backend in (None, "nccl") or backend.startswith("cuda")):
-        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
-
-
-def init_distributed(
-    *, backend: str = "auto", timeout: float | timedelta | None = None
-) -> DistContext:
-    """Initialise the process group when launched by torchrun or srun.
-
-    Under torchrun (``RANK``/``WORLD_SIZE`` set) or srun (``SLURM_*`` set),
-    initialises ``torch.distributed`` with ``env://`` (NCCL when CUDA is
-    available, else gloo), and on CUDA sets this process's device to
-    ``cuda:LOCAL_RANK``. Otherwise initialises nothing and returns the
-    single-process context. Calling it again returns the same context.
-
-    Args:
-        backend: ``"auto"``, ``"nccl"``, ``"gloo"`` or any backend string torch takes.
-        timeout: Process-group timeout (seconds or ``timedelta``); default as
-            :func:`default_timeout`.
-
-    Returns:
-        A frozen :class:`DistContext` with rank, local rank, world size, device
-        and backend.
-
-    Raises:
-        DDPStateError: The launch environment is inconsistent (e.g. srun with no
-            way to find the first node).
-
-    Example:
-        >>> import ddpstate
-        >>> ctx = ddpstate.init_distributed()  # plain `python script.py`
-        >>> (ctx.rank, ctx.world_size, ctx.is_distributed)
-        (0, 1, False)
-    """
-    local_rank = get_local_rank()
-    if _pg_ready():
-        used = str(dist.get_backend())
-        return DistContext(
-            get_rank(), local_rank, get_world_size(), _device_for(used, local_rank), used
-        )
-    launcher = _launched_env() if dist.is_available() else None
-    if launcher is None:
-        return DistContext(0, local_rank, 1, _device_for(None, local_rank), None)
-    if launcher == "slurm":
-        _slurm_to_env()
-        local_rank = get_local_rank()
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if "nccl" in backend and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    pg_timeout = timedelta(seconds=_resolve_timeout(timeout))
-    # Under torchrun's shared agent store, each restart attempt gets keys of its own.
-    store = _elastic.attempt_store(pg_timeout)
-    if store is not None:
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=get_rank(),
-            world_size=get_world_size(),
-            timeout=pg_timeout,
-        )
-    else:
-        dist.init_process_group(backend=backend, init_method="env://", timeout=pg_timeout)
-    return DistContext(
-        dist.get_rank(),
-        local_rank,
-        dist.get_world_size(),
-        _device_for(backend, local_rank),
-        backend,
-    )

@@ -25,6 +25,7 @@ __all__ = [
     "BatchNormPolicyError",
     "BatchNormBufferSyncError",
     "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "DeviceMapError",
     "ShapeMismatchError",
     "CheckpointAccessError",
@@ -159,6 +160,10 @@ class BatchNormBufferSyncError(BatchNormPolicyError, RuntimeError):
 
 class InvalidArgumentError(DDPStateError, ValueError):
     """An argument or environment variable given to ddpstate has a value it cannot use."""
+
+
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument given to ddpstate has a type it cannot use (also a ``TypeError``)."""
 
 
 class DeviceMapError(DDPStateError, ValueError):

@@ -102,8 +102,21 @@ def resolve_map_location(map_location: MapLocation = "auto") -> ResolvedMapLocat
     )
 
 
-def _require_reachable(resolved: ResolvedMapLocation, name: str) -> None:
-    """Refuse a CUDA ``map_location`` where there is no CUDA, before reading anything."""
+def require_reachable(resolved: ResolvedMapLocation, name: str) -> None:
+    """Refuse a CUDA ``map_location`` where there is no CUDA, before reading anything.
+
+    Args:
+        resolved: What :func:`resolve_map_location` returned.
+        name: The file, for the message.
+
+    Raises:
+        DeviceMapError: ``resolved`` is a CUDA device and CUDA is not available.
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.location import require_reachable
+        >>> require_reachable(torch.device("cpu"), "ckpt.pt")
+    """
     cuda = isinstance(resolved, torch.device) and resolved.type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise DeviceMapError(
@@ -124,15 +137,33 @@ def _target_device(saved: str, resolved: ResolvedMapLocation) -> Optional[torch.
     return None
 
 
-def _place(tensor: torch.Tensor, saved: str, resolved: ResolvedMapLocation) -> torch.Tensor:
-    """Move one tensor as ``torch.load(map_location=resolved)`` would have."""
+def place(tensor: torch.Tensor, saved: str, resolved: ResolvedMapLocation) -> torch.Tensor:
+    """Move one tensor as ``torch.load(map_location=resolved)`` would have.
+
+    Args:
+        tensor: The tensor as read.
+        saved: The device it was saved from (``"cuda:1"``, ``"cpu"``...).
+        resolved: What :func:`resolve_map_location` returned.
+
+    Returns:
+        The tensor on its device (the same object when it is already there).
+
+    Raises:
+        DeviceMapError: A ``map_location`` callable returned no storage.
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.location import place
+        >>> place(torch.zeros(1), "cuda:0", torch.device("cpu")).device
+        device(type='cpu')
+    """
     device = _target_device(saved, resolved)
     if device is not None:
         return tensor if tensor.device == device else tensor.to(device)
     assert callable(resolved)
     storage = resolved(tensor.untyped_storage(), saved)
     if storage is None:  # torch.load's rule: None means "where it was saved"
-        return _place(tensor, saved, None)
+        return place(tensor, saved, None)
     if isinstance(storage, torch.TypedStorage):
         storage = storage.untyped()  # type: ignore[no-untyped-call]
     if not isinstance(storage, torch.UntypedStorage):
@@ -144,11 +175,23 @@ def _place(tensor: torch.Tensor, saved: str, resolved: ResolvedMapLocation) -> t
     return placed.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
-def _map_nested(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+def map_nested(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     """Rebuild nested dicts, lists and tuples with ``leaf`` applied to everything else.
 
     OrderedDicts stay OrderedDicts and keep ``_metadata`` (module versions that
     ``load_state_dict`` reads); namedtuples keep their type. Inputs are not modified.
+
+    Args:
+        obj: The nested containers.
+        leaf: Applied to every value that is not a dict, list or tuple.
+
+    Returns:
+        The rebuilt containers.
+
+    Example:
+        >>> from ddpstate.location import map_nested
+        >>> map_nested({"a": [1, (2, 3)]}, lambda v: v * 10)
+        {'a': [10, (20, 30)]}
     """
 
     def visit(value: Any) -> Any:
@@ -172,8 +215,28 @@ def _map_nested(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     return visit(obj)
 
 
-def _place_all(obj: Any, saved: str, resolved: ResolvedMapLocation) -> Any:
-    """Place every tensor in nested containers; tensors shared by object stay shared."""
+def place_all(obj: Any, saved: str, resolved: ResolvedMapLocation) -> Any:
+    """Place every tensor in nested containers; tensors shared by object stay shared.
+
+    Args:
+        obj: Nested containers holding tensors.
+        saved: The device they were read to.
+        resolved: What :func:`resolve_map_location` returned.
+
+    Returns:
+        ``obj`` rebuilt with every tensor placed (``obj`` itself when nothing moves).
+
+    Raises:
+        DeviceMapError: As for :func:`place`.
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.location import place_all
+        >>> w = torch.zeros(1)
+        >>> out = place_all({"a": w, "b": w}, "cuda:0", torch.device("cpu"))
+        >>> out["a"] is out["b"]
+        True
+    """
     if saved == "cpu" and (
         resolved is None or (isinstance(resolved, torch.device) and resolved.type == "cpu")
     ):
@@ -184,7 +247,7 @@ def _place_all(obj: Any, saved: str, resolved: ResolvedMapLocation) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         if id(value) not in memo:
-            memo[id(value)] = _place(value, saved, resolved)
+            memo[id(value)] = place(value, saved, resolved)
         return memo[id(value)]
 
-    return _map_nested(obj, leaf)
+    return map_nested(obj, leaf)

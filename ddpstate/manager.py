@@ -50,6 +50,7 @@ from ddpstate import _fs, checkpoint, storage
 from ddpstate._collectives import with_message
 from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
+from ddpstate._io import model_state
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._manager import local_tier as _local_tier
 from ddpstate._manager import verify_split as _verify_split
@@ -76,7 +77,7 @@ from ddpstate.errors import (
 )
 from ddpstate.formats import PT, SAFETENSORS, parse_format, write_safetensors
 from ddpstate.keys import adapt_state_dict, normalize_keys, unwrap_model
-from ddpstate.rng import _derived_seed, _seed_all, capture_rng_state, restore_rng_state
+from ddpstate.rng import capture_rng_state, derived_seed, restore_rng_state, seed_all
 
 __all__ = ["CheckpointManager", "CheckpointVerification", "verify_checkpoint"]
 
@@ -1812,10 +1813,10 @@ class CheckpointManager:
         :func:`~ddpstate.batchnorm.stats_checksums` (None: nothing to compare).
         Not a collective.
         """
-        from ddpstate.batchnorm import _wrapped_unsynced, stats_checksums
+        from ddpstate.batchnorm import stats_checksums, wrapped_unsynced
 
         return {
-            name: "sync" if _wrapped_unsynced(obj) else stats_checksums(obj)
+            name: "sync" if wrapped_unsynced(obj) else stats_checksums(obj)
             for name, obj in state.items()
             if isinstance(obj, nn.Module)
         }
@@ -1847,12 +1848,12 @@ class CheckpointManager:
 
     def _sync_batchnorm(self, state: Mapping[str, Any]) -> None:
         """Every rank, after save's round: average the statistics of unsynced wrap_ddp models."""
-        from ddpstate.batchnorm import _wrapped_unsynced, sync_batchnorm_stats
+        from ddpstate.batchnorm import sync_batchnorm_stats, wrapped_unsynced
 
         given = self.timeout
         timeout = given.total_seconds() if isinstance(given, timedelta) else given
         for obj in state.values():
-            if isinstance(obj, nn.Module) and _wrapped_unsynced(obj):
+            if isinstance(obj, nn.Module) and wrapped_unsynced(obj):
                 sync_batchnorm_stats(obj, timeout=timeout)
 
     def _uncommit(self, step: int, newest: int) -> None:
@@ -2153,7 +2154,7 @@ class CheckpointManager:
                         f"dict, so it cannot be loaded into {type(target).__name__}"
                     )
                 adapted = adapt_state_dict(value, target)
-                keys = checkpoint._load_fitting(
+                keys = model_state.load_fitting(
                     target,
                     adapted,
                     name=f"{file} (entry {name!r})",
@@ -2200,4 +2201,4 @@ class CheckpointManager:
         base = states[rank % saved_world]
         restore_rng_state(base)
         if rank >= saved_world:
-            _seed_all(_derived_seed(base, rank))
+            seed_all(derived_seed(base, rank))

@@ -1,4 +1,10 @@
-"""Bytes to durable places: atomic, fsynced writes to local paths and fsspec URLs."""
+"""Bytes to durable places: atomic, fsynced writes to local paths and fsspec URLs.
+
+This module chooses the writer and holds the folder swap and the fsspec read/list/remove
+calls; the writers live in :mod:`ddpstate._storage` (``local.py``: locked temp file, fsync,
+rename; ``remote.py``: object-store commit or temp name and rename; ``temps.py``: the
+temporary names every writer and listing agrees on).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +12,29 @@ import contextlib
 import errno
 import os
 import posixpath
-import re
 import shutil
-import stat
 import sys
-import threading
-import warnings
 import zlib
 from collections.abc import Iterator
 from typing import IO, Any, Optional
 
 from ddpstate import _fs
 from ddpstate._fs import PathLike
+from ddpstate._storage.local import atomic_write_local, wait_for_freed, write_by_name
+from ddpstate._storage.remote import (
+    OBJECT_STORE_PROTOCOLS,
+    atomic_write_object_store,
+    atomic_write_rename,
+    protocol_of,
+)
+from ddpstate._storage.temps import (
+    TEMP_MARKER,
+    fsync_dir,
+    is_temp_name,
+    retired_name_for,
+    retired_original,
+    temp_path_for,
+)
 from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
 
 __all__ = [
@@ -25,6 +42,7 @@ __all__ = [
     "TEMP_MARKER",
     "atomic_write",
     "exists",
+    "fsync_dir",
     "is_temp_name",
     "isdir",
     "join",
@@ -35,79 +53,9 @@ __all__ = [
     "replace_folder",
     "retired_original",
     "temp_path_for",
+    "wait_for_freed",
     "write_by_name",
 ]
-
-
-#: Marker in every temporary file name: ``.<target name>.ddpstate-tmp-<16 hex digits>``.
-#: The leading dot hides it from ``ls`` and glob patterns such as ``*.pt``.
-TEMP_MARKER = ".ddpstate-tmp-"
-# A replaced checkpoint, renamed aside while its blocks are freed in the background.
-_RETIRED_MARKER = ".ddpstate-old-"
-_TEMP_RE = re.compile(r"^\..+\.ddpstate-(?:tmp|old)-[0-9a-f]{16}$")
-# Freeing a large file's blocks is slow on some filesystems (ext4 mounted with
-# `discard` spends ~0.5 s per GiB); below this size it is not worth a thread.
-_RETIRE_MIN_BYTES = 32 << 20
-_retiring: list[threading.Thread] = []
-_retiring_lock = threading.Lock()
-
-#: fsspec protocols whose files are single objects that appear only when the
-#: upload completes; writing the target name directly is already atomic there,
-#: and their "rename" is a copy, so no temporary name is used.
-OBJECT_STORE_PROTOCOLS = frozenset(
-    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "tos", "cos", "obs"}
-)
-
-# Big enough that torch.save's many small zip-header writes do not each become a
-# system call, small enough to be irrelevant next to a checkpoint.
-_WRITE_BUFFER = 1 << 20
-
-
-def is_temp_name(name: str) -> bool:
-    """Tell whether a file name is one of ddpstate's in-progress temporary files.
-
-    Such files are left behind only when a writer is killed mid-write (or just
-    after replacing a large checkpoint, whose old copy is freed in the
-    background as ``.<target>.ddpstate-old-<random>``); they are never a
-    checkpoint and are safe to delete once no save is running.
-
-    Args:
-        name: A file name or path (only the last component is looked at).
-
-    Returns:
-        True for ``.<target>.ddpstate-tmp-<16 hex digits>`` (and ``-old-``) names.
-
-    Example:
-        >>> from ddpstate.storage import is_temp_name
-        >>> is_temp_name(".model.pt.ddpstate-tmp-0123456789abcdef")
-        True
-        >>> is_temp_name("model.pt")
-        False
-    """
-    base = posixpath.basename(os.fspath(name).replace(os.sep, "/").rstrip("/"))
-    return bool(_TEMP_RE.match(base))
-
-
-# os.urandom is what secrets.token_hex draws from; importing secrets (random,
-# hmac, base64) would add to every command's start-up.
-def _temp_name_for(base: str) -> str:
-    return f".{base}{TEMP_MARKER}{os.urandom(8).hex()}"
-
-
-def _retired_name_for(base: str) -> str:
-    return f".{base}{_RETIRED_MARKER}{os.urandom(8).hex()}"
-
-
-def _protocol(fs: Any) -> str:
-    proto = fs.protocol
-    return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    # BaseException.add_note exists from Python 3.11 on; older versions lose the note.
-    adder = getattr(exc, "add_note", None)
-    if adder is not None:
-        adder(note)
 
 
 def join(base: PathLike, *names: str) -> str:
@@ -129,121 +77,6 @@ def join(base: PathLike, *names: str) -> str:
     if _fs.is_remote(text):
         return posixpath.join(text, *names)
     return os.path.join(text, *names)
-
-
-def _fsync_dir(folder: str) -> None:
-    if os.name == "nt":  # Windows cannot open a directory to fsync it.
-        return
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        # Some filesystems (certain network and FUSE mounts) refuse fsync on a
-        # directory; the rename is then as durable as that filesystem makes it.
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _cleanup(exc: BaseException, what: str, *steps: Any) -> None:
-    # Runs the clean-up steps of a failed write; the original error is what the
-    # caller must see, so a failing step is only recorded as a note on it.
-    for step in steps:
-        try:
-            step()
-        except Exception as cleanup_exc:
-            _add_note(exc, f"cleaning up {what} also failed: {cleanup_exc!r}")
-
-
-def _retire(target: str) -> Optional[str]:
-    """Give a large previous file a second, hidden name, so replacing it frees nothing.
-
-    The blocks are then freed by :func:`_free_later` after the new file is
-    committed, off the caller's critical path. Returns None (plain replace) for
-    small or missing targets, symlinks, and filesystems without hard links.
-    """
-    try:
-        info = os.lstat(target)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(info.st_mode) or info.st_size < _RETIRE_MIN_BYTES or info.st_nlink != 1:
-        return None
-    folder, base = os.path.split(target)
-    retired = os.path.join(folder, _retired_name_for(base))
-    try:
-        os.link(target, retired)
-    except OSError:
-        return None
-    return retired
-
-
-def _free_later(retired: str) -> None:
-    def unlink() -> None:
-        try:
-            os.unlink(retired)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            warnings.warn(
-                f"could not delete the replaced checkpoint {retired} ({exc}); it is safe to "
-                f"delete by hand",
-                RuntimeWarning,
-                stacklevel=1,
-            )
-
-    # Not a daemon: the interpreter waits for it at exit, so no copy is left behind.
-    thread = threading.Thread(target=unlink, name="ddpstate-free-replaced", daemon=False)
-    with _retiring_lock:
-        _retiring[:] = [t for t in _retiring if t.is_alive()]
-        _retiring.append(thread)
-    thread.start()
-
-
-def _wait_for_freed() -> None:
-    """Block until replaced checkpoints being freed in the background are gone."""
-    with _retiring_lock:
-        pending = list(_retiring)
-    for thread in pending:
-        thread.join()
-
-
-def temp_path_for(target: PathLike) -> str:
-    """A fresh hidden temporary name next to a local ``target`` (see :func:`is_temp_name`).
-
-    Args:
-        target: Local path whose folder gets the temporary name.
-
-    Returns:
-        ``<folder>/.<name>.ddpstate-tmp-<16 hex digits>``.
-
-    Example:
-        >>> from ddpstate.storage import is_temp_name, temp_path_for
-        >>> is_temp_name(temp_path_for("/runs/step_0000000010"))
-        True
-    """
-    folder, base = os.path.split(os.path.abspath(_fs.local_path(os.fspath(target))))
-    return os.path.join(folder, _temp_name_for(base))
-
-
-def retired_original(name: str) -> Optional[str]:
-    """The target name a retired copy (``.<name>.ddpstate-old-<hex>``) was taken from.
-
-    Args:
-        name: A file or folder name.
-
-    Returns:
-        ``<name>``, or None when ``name`` is not a retired copy.
-
-    Example:
-        >>> from ddpstate.storage import retired_original
-        >>> retired_original(".step_0000000010.ddpstate-old-0123456789abcdef")
-        'step_0000000010'
-    """
-    base = posixpath.basename(name.replace(os.sep, "/").rstrip("/"))
-    if not is_temp_name(base) or _RETIRED_MARKER not in base:
-        return None
-    return base[1 : base.rindex(_RETIRED_MARKER)]
 
 
 # renameat2(2) flag: swap two existing paths in one step (Linux >= 3.15, most
@@ -305,311 +138,25 @@ def replace_folder(staging: PathLike, target: PathLike) -> None:
     try:
         if not os.path.lexists(old):
             os.rename(new, old)
-            _fsync_dir(parent)
+            fsync_dir(parent)
             return
         if _rename_exchange(new, old):
             leftover = new
         else:
-            leftover = os.path.join(parent, _retired_name_for(os.path.basename(old)))
+            leftover = os.path.join(parent, retired_name_for(os.path.basename(old)))
             os.rename(old, leftover)
             try:
                 os.rename(new, old)
             except OSError:
                 os.rename(leftover, old)
                 raise
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except OSError as exc:
         raise CheckpointWriteError(
             f"putting the new {old} in place failed ({type(exc).__name__}: {exc}); the previous "
             f"folder is untouched; check permissions and free space"
         ) from exc
     shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _unlink_missing_ok(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _flock(fd: int, *, wait: bool) -> bool:
-    """Take an exclusive ``flock`` on ``fd``; False where another process holds it.
-
-    Also False where locks are unavailable (Windows, filesystems without
-    ``flock``), so a temp file is then never judged stale.
-    """
-    try:
-        import fcntl
-    except ImportError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except OSError:
-        return False
-    return True
-
-
-def _remove_stale_temps(target: str, own: str) -> None:
-    """Delete temp files of ``target`` left by writers that were killed mid-write.
-
-    A writer holds an exclusive ``flock`` on its temp file from creation until
-    it closes it just before the rename, and the kernel drops the lock when the
-    process dies; a temp file of this target that nobody holds locked is stale.
-    Best effort: a failure here never fails the save that just succeeded.
-    """
-    folder, base = os.path.split(target)
-    prefix = f".{base}{TEMP_MARKER}"
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(folder, name)
-        if not name.startswith(prefix) or not _TEMP_RE.match(name) or path == own:
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
-            continue
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISREG(mode) and _flock(fd, wait=False):
-                os.unlink(path)
-            elif stat.S_ISDIR(mode) and _flock(fd, wait=False):
-                # A write_by_name staging folder (a library's own temp file inside).
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def _create_locked_temp(
-    folder: str, base: str, path: str, *, as_folder: bool = False
-) -> tuple[str, int]:
-    """Create a fresh temp file (or folder) for ``base`` and hold its ``flock``; (name, fd)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    while True:
-        temp = os.path.join(folder, _temp_name_for(base))
-        try:
-            # 0o666 lets the umask decide, as for any new file; O_EXCL refuses to
-            # follow a planted symlink or reuse someone else's file.
-            if as_folder:
-                os.mkdir(temp, 0o700)
-                fd = os.open(temp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-            else:
-                fd = os.open(temp, flags, 0o666)
-        except OSError as exc:
-            raise CheckpointWriteError(
-                f"cannot create a file in {folder} to write {path} ({type(exc).__name__}: "
-                f"{exc}); check that the folder exists and is writable"
-            ) from exc
-        # Held until the file is closed: tells later saves this temp file is not stale.
-        _flock(fd, wait=True)
-        if os.fstat(fd).st_nlink:
-            return temp, fd
-        # Another process's save took the new file for a dead writer's in the moment
-        # before the lock and deleted it: start again under a new name.
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
-    target = os.path.abspath(path)
-    folder = os.path.dirname(target)
-    temp, fd = _create_locked_temp(folder, os.path.basename(target), path)
-    try:
-        if hasattr(os, "fchmod"):  # not on Windows before Python 3.13
-            with contextlib.suppress(FileNotFoundError):
-                # Keep a restrictive mode the user gave the previous checkpoint.
-                os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
-        fileobj = os.fdopen(fd, "wb", buffering=_WRITE_BUFFER)
-        # Named like a file opened by path (no second open), so that writers that
-        # take a path (safetensors' save_file) can write the temp file.
-        setattr(getattr(fileobj, "raw", fileobj), "name", temp)  # noqa: B010
-    except BaseException as exc:
-        _cleanup(exc, temp, lambda: os.close(fd), lambda: _unlink_missing_ok(temp))
-        raise
-    try:
-        yield fileobj
-    except BaseException as exc:
-        _cleanup(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
-        raise
-    retired: Optional[str] = None
-    try:
-        fileobj.flush()
-        if fsync:
-            os.fsync(fileobj.fileno())
-        fileobj.close()
-        retired = _retire(target)
-        os.replace(temp, target)
-    except BaseException as exc:
-        _cleanup(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
-        if retired is not None:
-            # The target still has its own name; drop only the second one.
-            _cleanup(exc, retired, lambda: _unlink_missing_ok(retired))
-        if isinstance(exc, OSError):
-            raise CheckpointWriteError(
-                f"writing {path} failed ({type(exc).__name__}: {exc}); the previous file is "
-                f"untouched; check free space and permissions"
-            ) from exc
-        raise
-    try:
-        if fsync:
-            _fsync_dir(folder)
-    except OSError as exc:
-        raise CheckpointWriteError(
-            f"{path} was written and renamed into place, but syncing its folder failed "
-            f"({type(exc).__name__}: {exc}); the new file may not survive a power loss"
-        ) from exc
-    finally:
-        if retired is not None and os.path.exists(retired):
-            _free_later(retired)
-    _remove_stale_temps(target, temp)
-
-
-@contextlib.contextmanager
-def write_by_name(fileobj: IO[bytes]) -> Iterator[str]:
-    """A path for a library that writes files by name, committed through ``fileobj``.
-
-    Some writers (``safetensors.torch.save_file``) take a path, write a temp
-    file of their own next to it and rename it there, without an fsync. This
-    yields a path inside a hidden, locked folder named like ddpstate's temp
-    files (so a writer killed mid-write leaves nothing that is listed as a
-    checkpoint, and the next save of the target deletes it); afterwards the
-    file written there replaces the temp file of ``fileobj`` and ``fileobj``
-    is re-bound to it (descriptor, lock and mode), so the fsync and rename
-    that :func:`atomic_write` does next commit what the library wrote.
-
-    Args:
-        fileobj: The file object from :func:`atomic_write` for a local path,
-            with nothing written through it.
-
-    Returns:
-        A context manager yielding the path to write.
-
-    Raises:
-        CheckpointWriteError: The staging folder cannot be made, or what was
-            written there vanished (e.g. another save took it for a dead
-            writer's); the target is untouched.
-
-    Example:
-        >>> import os, tempfile
-        >>> from ddpstate.storage import atomic_write, write_by_name
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
-        >>> with atomic_write(path) as f, write_by_name(f) as name:
-        ...     with open(name, "wb") as other:
-        ...         _ = other.write(b"written by name")
-        >>> open(path, "rb").read(), os.listdir(os.path.dirname(path))
-        (b'written by name', ['x.bin'])
-    """
-    temp = str(fileobj.name)
-    folder, temp_base = os.path.split(temp)
-    base = temp_base[1 : temp_base.rindex(TEMP_MARKER)]
-    stage, fd = _create_locked_temp(folder, base, temp, as_folder=True)
-    try:
-        written = os.path.join(stage, base)
-        yield written
-        try:
-            os.replace(written, temp)
-        except OSError as exc:
-            raise CheckpointWriteError(
-                f"the file written at {written} cannot replace {temp} ({type(exc).__name__}: "
-                f"{exc}); nothing was replaced; save again"
-            ) from exc
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-        os.close(fd)
-    _adopt_renamed_file(fileobj)
-
-
-def _adopt_renamed_file(fileobj: IO[bytes]) -> None:
-    """Point an :func:`atomic_write` file object at the file now at its temp path."""
-    name = str(fileobj.name)
-    held = os.fstat(fileobj.fileno())
-    try:
-        # Read-only is enough for fsync, flock and fchmod, and nothing is written after.
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    except OSError as exc:
-        raise CheckpointWriteError(
-            f"the file written at {name} is gone ({type(exc).__name__}: {exc}); nothing was "
-            f"replaced; save again"
-        ) from exc
-    try:
-        now = os.fstat(fd)
-        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-            return
-        # The same lock as the temp file had, so later saves never take it for stale.
-        _flock(fd, wait=True)
-        if not os.fstat(fd).st_nlink:
-            raise CheckpointWriteError(
-                f"the file written at {name} was deleted by another save before it was "
-                f"committed; nothing was replaced; save again"
-            )
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, stat.S_IMODE(held.st_mode))  # the mode atomic_write chose, not 0600
-        fileobj.flush()
-        os.dup2(fd, fileobj.fileno(), inheritable=False)
-    finally:
-        os.close(fd)
-    fileobj.seek(0, os.SEEK_END)
-
-
-@contextlib.contextmanager
-def _atomic_write_object_store(fs: Any, url: str, path: str) -> Iterator[IO[bytes]]:
-    # autocommit=False is fsspec's transaction protocol: the upload becomes the
-    # object only on commit(), and discard() aborts it (e.g. the S3 multipart upload).
-    try:
-        fileobj = fs.open(path, "wb", autocommit=False)
-    except Exception as exc:
-        raise CheckpointWriteError(
-            f"cannot start writing {url} ({type(exc).__name__}: {exc}); check the bucket, "
-            f"credentials and storage_options"
-        ) from exc
-    try:
-        yield fileobj
-    except BaseException as exc:
-        _cleanup(exc, f"the partial upload of {url}", fileobj.close, fileobj.discard)
-        raise
-    try:
-        fileobj.close()
-        fileobj.commit()
-    except Exception as exc:
-        _cleanup(exc, f"the partial upload of {url}", fileobj.discard)
-        raise CheckpointWriteError(
-            f"uploading {url} failed ({type(exc).__name__}: {exc}); the previous object is "
-            f"untouched"
-        ) from exc
-
-
-@contextlib.contextmanager
-def _atomic_write_rename(fs: Any, url: str, path: str) -> Iterator[IO[bytes]]:
-    parent, base = posixpath.split(path.rstrip("/"))
-    temp = posixpath.join(parent, _temp_name_for(base))
-
-    def remove_temp() -> None:
-        if fs.exists(temp):
-            fs.rm(temp)
-
-    try:
-        fileobj = fs.open(temp, "wb")
-    except Exception as exc:
-        raise CheckpointWriteError(
-            f"cannot create a temporary file next to {url} ({type(exc).__name__}: {exc}); "
-            f"check the folder and storage_options"
-        ) from exc
-    try:
-        yield fileobj
-    except BaseException as exc:
-        _cleanup(exc, f"the temporary file {temp}", fileobj.close, remove_temp)
-        raise
-    try:
-        fileobj.close()
-        fs.mv(temp, path)
-    except Exception as exc:
-        _cleanup(exc, f"the temporary file {temp}", remove_temp)
-        raise CheckpointWriteError(
-            f"finishing {url} failed ({type(exc).__name__}: {exc}); the previous file is untouched"
-        ) from exc
 
 
 @contextlib.contextmanager
@@ -659,14 +206,14 @@ def atomic_write(
     """
     text = os.fspath(path)
     if not _fs.is_remote(text):
-        with _atomic_write_local(_fs.local_path(text), fsync) as local_file:
+        with atomic_write_local(_fs.local_path(text), fsync) as local_file:
             yield local_file
         return
     fs, inner = _fs.url_to_fs(text, storage_options)
-    if _protocol(fs) in OBJECT_STORE_PROTOCOLS:
-        manager = _atomic_write_object_store(fs, text, inner)
+    if protocol_of(fs) in OBJECT_STORE_PROTOCOLS:
+        manager = atomic_write_object_store(fs, text, inner)
     else:
-        manager = _atomic_write_rename(fs, text, inner)
+        manager = atomic_write_rename(fs, text, inner)
     with manager as remote_file:
         yield remote_file
 
@@ -855,7 +402,7 @@ def makedirs(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None
             os.makedirs(_fs.local_path(text), exist_ok=True)
             return
         fs, inner = _fs.url_to_fs(text, storage_options)
-        if _protocol(fs) not in OBJECT_STORE_PROTOCOLS:
+        if protocol_of(fs) not in OBJECT_STORE_PROTOCOLS:
             fs.makedirs(inner, exist_ok=True)
     except OSError as exc:
         raise CheckpointWriteError(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import ddpstate.batchnorm as bnmod
+import ddpstate._ddp_buffers as bnmod
 from ddpstate.batchnorm import (
     BatchNormBufferSyncError,
     explain_ddp_errors,
@@ -139,7 +139,7 @@ def _emulated_pre_2_13_sync(ddp: DistributedDataParallel) -> None:
 
 
 def _inplace_rank(rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"ddp_fixed_upstream": bnmod._DDP_SYNC_KEEPS_VERSIONS}
+    out: dict[str, Any] = {"ddp_fixed_upstream": bnmod.DDP_SYNC_KEEPS_VERSIONS}
     device = f"cuda:{rank}"
     torch.manual_seed(20 + rank)
     x1, x2 = torch.randn(8, 3, 16, 16, device=device), torch.randn(8, 3, 16, 16, device=device)
@@ -147,7 +147,7 @@ def _inplace_rank(rank: int, world: int) -> dict[str, Any]:
     # Plain DDP with the default broadcast_buffers=True: two forwards, one backward.
     ddp = DistributedDataParallel(_net().to(device), device_ids=[rank])
     y1 = ddp(x1)
-    if bnmod._DDP_SYNC_KEEPS_VERSIONS:
+    if bnmod.DDP_SYNC_KEEPS_VERSIONS:
         _emulated_pre_2_13_sync(ddp)  # this torch's DDP no longer trips autograd by itself
     y2 = ddp(x2)
     try:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import ddpstate.batchnorm as bnmod
+import ddpstate._ddp_buffers as bnmod
 from ddpstate.batchnorm import (
     BatchNormBufferSyncError,
     explain_ddp_errors,
@@ -239,7 +239,7 @@ def _explain_rank(rank: int, world: int) -> dict[str, Any]:
         out["unexplained"] = (type(exc).__name__, str(exc))
 
     # wrap_ddp's own guard, as installed on a torch whose DDP still trips autograd.
-    bnmod._DDP_SYNC_KEEPS_VERSIONS = False
+    bnmod.DDP_SYNC_KEEPS_VERSIONS = False
     guarded = wrap_ddp(_net(), batchnorm="keep")
     with warnings.catch_warnings(record=True) as one_by_one:
         warnings.simplefilter("always")
@@ -283,4 +283,4 @@ def test_inplace_error_is_explained_and_chained() -> None:
 def test_buffer_sync_keyword_matches_this_torch() -> None:
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     expected = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    assert expected == bnmod._BUFFER_SYNC_KWARG
+    assert expected == bnmod.BUFFER_SYNC_KWARG

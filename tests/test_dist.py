@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import ddpstate
-from ddpstate.dist import _first_slurm_host
+from ddpstate._dist.launch import _first_slurm_host
 from tests.multiproc import run_ranks
 
 # --------------------------------------------------------------------------- one process

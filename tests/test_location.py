@@ -11,7 +11,7 @@ import torch
 
 from ddpstate.checkpoint import load
 from ddpstate.errors import DDPStateError
-from ddpstate.location import _place_all, resolve_map_location
+from ddpstate.location import place_all, resolve_map_location
 from tests.samples import RESNET20
 
 SAMPLE = RESNET20
@@ -121,7 +121,7 @@ def test_place_all_keeps_sharing_and_metadata() -> None:
         seen.append(location)
         return storage
 
-    out = _place_all(sd, "cpu", spy)
+    out = place_all(sd, "cpu", spy)
     assert out["a"] is out["b"] is out["c"][0]
     assert out._metadata == {"": {"version": 1}}
     assert seen == ["cpu", "cpu"]  # one call per distinct tensor

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ddpstate import storage
+from ddpstate._storage import local as local_write
 from ddpstate.checkpoint import load
 from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
 
@@ -226,7 +227,7 @@ def test_sigkill_mid_write_leaves_old_bytes_and_no_mistakable_temp(tmp_path: Pat
 
 def test_large_replaced_file_is_freed_after_commit(tmp_path: Path) -> None:
     target = tmp_path / "big.bin"
-    old = b"o" * (storage._RETIRE_MIN_BYTES + 1)
+    old = b"o" * (local_write._RETIRE_MIN_BYTES + 1)
     target.write_bytes(old)
     inode = target.stat().st_ino
     with storage.atomic_write(target) as f:
@@ -234,7 +235,7 @@ def test_large_replaced_file_is_freed_after_commit(tmp_path: Path) -> None:
     assert target.read_bytes() == b"new"
     # The old copy may still exist under a hidden temp name while it is freed...
     assert storage.listdir(tmp_path) == ["big.bin"]
-    storage._wait_for_freed()
+    storage.wait_for_freed()
     # ...and is gone once the background thread is done.
     assert os.listdir(tmp_path) == ["big.bin"]
     assert target.stat().st_ino != inode
@@ -242,12 +243,12 @@ def test_large_replaced_file_is_freed_after_commit(tmp_path: Path) -> None:
 
 def test_failed_write_over_large_file_leaves_it_alone(tmp_path: Path) -> None:
     target = tmp_path / "big.bin"
-    target.write_bytes(b"o" * (storage._RETIRE_MIN_BYTES + 1))
+    target.write_bytes(b"o" * (local_write._RETIRE_MIN_BYTES + 1))
     before = _sha(target)
     with pytest.raises(ValueError), storage.atomic_write(target) as f:
         f.write(b"partial")
         raise ValueError("stop")
-    storage._wait_for_freed()
+    storage.wait_for_freed()
     assert _sha(target) == before and os.listdir(tmp_path) == ["big.bin"]
     assert target.stat().st_nlink == 1
 
@@ -257,7 +258,7 @@ def test_a_temp_file_taken_for_stale_before_its_lock_is_replaced(
 ) -> None:
     # Another process's save may take a just-created temp file for a dead writer's and
     # delete it in the instant before the writer locks it; the writer starts again.
-    real_flock = storage._flock
+    real_flock = local_write._flock
     calls: list[str] = []
 
     def flock_after_a_rival_deleted_it(fd: int, *, wait: bool) -> bool:
@@ -267,7 +268,7 @@ def test_a_temp_file_taken_for_stale_before_its_lock_is_replaced(
             victim.unlink()
         return real_flock(fd, wait=wait)
 
-    monkeypatch.setattr(storage, "_flock", flock_after_a_rival_deleted_it)
+    monkeypatch.setattr(local_write, "_flock", flock_after_a_rival_deleted_it)
     with storage.atomic_write(tmp_path / "x.pt") as f:
         f.write(b"saved")
     assert calls and (tmp_path / "x.pt").read_bytes() == b"saved"

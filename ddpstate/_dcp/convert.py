@@ -530,6 +530,6 @@ def _write_dcp(state: dict[Any, Any], folder: str, *, fsync: bool) -> None:
         warnings.simplefilter("ignore", UserWarning)
         dcp_save(state, storage_writer=FileSystemWriter(folder, sync_files=fsync), no_dist=True)
     if fsync:
-        storage._fsync_dir(folder)
+        storage.fsync_dir(folder)
     if not os.path.exists(os.path.join(folder, _dcp_read.METADATA_FILE)):
         raise CheckpointFormatError(f"{folder}: torch wrote no .metadata")

@@ -11,16 +11,14 @@ import itertools
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
 from ddpstate import storage
 from ddpstate._io import torch_io as _torch_io
-from ddpstate.errors import CheckpointCorruptError, DDPStateError
-
-if TYPE_CHECKING:
-    from ddpstate.checkpoint import IncompatibleKeys
+from ddpstate._io.model_state import IncompatibleKeys, shape_mismatches
+from ddpstate.errors import CheckpointCorruptError
 
 __all__ = [
     "BytesEntry",
@@ -67,7 +65,7 @@ def read_metadata(path: str, *, name: str, storage_options: Optional[dict[str, A
     """
     with storage.open_read(storage.join(path, METADATA_FILE), storage_options=storage_options) as f:
         data = f.read()
-    return _torch_io._check_dcp_metadata(data, name)
+    return _torch_io.check_dcp_metadata(data, name)
 
 
 def flat_names(metadata: Any) -> dict[tuple[Any, ...], str]:
@@ -155,7 +153,6 @@ def _plan(
     """Match the folder's keys and shapes with the model's, from the metadata alone."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from ddpstate.checkpoint import _shape_mismatches
     from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
 
     metadata = read_metadata(path, name=path, storage_options=storage_options)
@@ -164,7 +161,7 @@ def _plan(
     adapted = adapt_state_dict(saved, own, strict=strict)
     skipped = [
         k
-        for k, _, _ in _shape_mismatches(
+        for k, _, _ in shape_mismatches(
             adapted, own, name=path, target=type(model).__name__,
             ignore_mismatched=ignore_mismatched,
             # _plan <- load_sharded_model_state <- checkpoint._load_sharded <- load_model_state
@@ -226,7 +223,6 @@ def load_sharded_model_state(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from ddpstate.checkpoint import IncompatibleKeys
     from ddpstate.dist import share_outcome
 
     plan: Optional[_Plan] = None
@@ -241,25 +237,15 @@ def load_sharded_model_state(
     share_outcome(error, name="ddpstate.load_model_state", timeout=timeout)
     if plan is None:  # pragma: no cover - share_outcome raised this rank's error
         raise CheckpointCorruptError(f"{path}: could not be matched with the model")
-    try:
+    with _torch_io.dcp_read_errors(
+        path, into=f" into {type(model).__name__}'s shards", advice=f"run `ddpstate verify {path}`"
+    ):
         if _is_remote(path):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             dcp_load(plan.into, storage_reader=FsspecReader(path, **(storage_options or {})))
         else:
             dcp_load(plan.into, checkpoint_id=path)
-    except BaseException as exc:
-        inner = _torch_io._dcp_failure(exc) or exc
-        if isinstance(inner, DDPStateError):
-            raise inner from exc
-        if isinstance(inner, (KeyboardInterrupt, SystemExit, MemoryError)):
-            raise
-        raise CheckpointCorruptError(
-            f"{path}: reading this torch.distributed.checkpoint folder into "
-            f"{type(model).__name__}'s shards failed ({type(inner).__name__}: "
-            f"{_torch_io._first_line(inner)}); a shard file may be missing or damaged: run "
-            f"`ddpstate verify {path}`"
-        ) from exc
     set_model_state_dict(model, plan.loaded, options=StateDictOptions(strict=False))
     if strict:
         return IncompatibleKeys(plan.skipped, [])
@@ -299,14 +285,13 @@ def load_full_into_sharded(
         set_model_state_dict,
     )
 
-    from ddpstate.checkpoint import IncompatibleKeys, _shape_mismatches
     from ddpstate.keys import adapt_state_dict, match_keys
 
     own = get_model_state_dict(model)
     adapted = adapt_state_dict(state_dict, own, strict=strict)
     skipped = [
         k
-        for k, _, _ in _shape_mismatches(
+        for k, _, _ in shape_mismatches(
             adapted, own, name=name, target=type(model).__name__,
             ignore_mismatched=ignore_mismatched,
             stacklevel=5,  # load_full_into_sharded <- load_model_state <- the caller

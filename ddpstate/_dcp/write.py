@@ -89,7 +89,7 @@ def holds_sharded(obj: Any) -> bool:
     sharded = _savecheck.sharded_types()
     if not sharded:
         return False  # torch.distributed.tensor never imported: no DTensor can exist
-    return any(isinstance(v, sharded) for _, v in _savecheck._walk(obj, "obj", set()))
+    return any(isinstance(v, sharded) for _, v in _savecheck.walk(obj, "obj", set()))
 
 
 def _module_is_sharded(module: nn.Module) -> bool:
@@ -386,7 +386,7 @@ def failure_text(exc: BaseException) -> str:
 
 def fsync_folder(folder: str) -> None:
     """Make the folder's entries (the files every rank created) durable."""
-    storage._fsync_dir(_fs.local_path(folder))
+    storage.fsync_dir(_fs.local_path(folder))
 
 
 # ------------------------------------------------------------------------- save() on sharded state
@@ -394,7 +394,7 @@ def fsync_folder(folder: str) -> None:
 
 def _first_sharded(obj: Any) -> str:
     sharded = _savecheck.sharded_types()
-    for where, value in _savecheck._walk(obj, "obj", set()):
+    for where, value in _savecheck.walk(obj, "obj", set()):
         if isinstance(value, sharded):
             return f"{where} is a {type(value).__name__}"
     return "it holds sharded tensors"
@@ -443,7 +443,7 @@ def check_sharded_types(obj: Any, path: str) -> None:
     Raises:
         ShardedStateError: ``obj`` holds a legacy ``ShardedTensor``.
     """
-    for where, value in _savecheck._walk(obj, "obj", set()):
+    for where, value in _savecheck.walk(obj, "obj", set()):
         if type(value).__name__ == "ShardedTensor":
             raise ShardedStateError(
                 f"cannot save {path}: {where} is a legacy ShardedTensor (FSDP1 / "
@@ -635,12 +635,12 @@ def async_group(manager: Any) -> Any:
     """
     import torch.distributed as dist
 
-    from ddpstate.dist import _resolve_timeout
+    from ddpstate.dist import resolve_timeout
 
     if not dist.is_available() or not dist.is_initialized():
         return None
     if getattr(manager, "_dcp_group", None) is None:
-        seconds = _resolve_timeout(manager.timeout)
+        seconds = resolve_timeout(manager.timeout)
         manager._dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
     return manager._dcp_group
 

@@ -216,7 +216,7 @@ def load_sharded(
     """
     from ddpstate import formats, storage
     from ddpstate._io.torch_io import load_torch_file
-    from ddpstate.location import _place_all
+    from ddpstate.location import place_all
 
     index_path = find_index(path, storage_options)
     if index_path is None:
@@ -243,7 +243,7 @@ def load_sharded(
                     tensors = formats.read_safetensors(f, mmap=False)
             else:
                 tensors = formats.read_safetensors(_fs.local_path(where), mmap=mmap is None or mmap)
-            part = _place_all(tensors, "cpu", resolved)
+            part = place_all(tensors, "cpu", resolved)
         elif kind in (formats.TORCH_ZIP, formats.LEGACY):
             local = not remote and kind == formats.TORCH_ZIP
             if mmap and not local:

@@ -25,7 +25,14 @@ from ddpstate.errors import (
 )
 from ddpstate.formats import LEGACY, TORCH_ZIP
 
-__all__ = ["load_dcp", "load_torch_file", "module_globals", "unsafe_globals"]
+__all__ = [
+    "check_dcp_metadata",
+    "dcp_read_errors",
+    "load_dcp",
+    "load_torch_file",
+    "module_globals",
+    "unsafe_globals",
+]
 
 Source = Union[str, IO[bytes]]
 
@@ -399,7 +406,7 @@ class _UnsafeGlobal(Exception):
     pass
 
 
-def _check_dcp_metadata(data: bytes, name: str) -> Any:
+def check_dcp_metadata(data: bytes, name: str) -> Any:
     """Unpickle a DCP ``.metadata`` file's bytes, allowing only DCP's metadata classes.
 
     Returns the ``Metadata`` object, so callers read the folder's layout without
@@ -427,6 +434,49 @@ def _check_dcp_metadata(data: bytes, name: str) -> Any:
             f"{type(metadata).__name__}, not DCP's Metadata; re-save the checkpoint"
         )
     return metadata
+
+
+@contextlib.contextmanager
+def dcp_read_errors(
+    name: str, *, into: str = "", advice: str = "re-save the checkpoint"
+) -> Iterator[None]:
+    """Turn a failure of torch's DCP reader inside the block into the error it stands for.
+
+    DCP wraps each rank's exception in a ``CheckpointException``; the first one inside is
+    what went wrong. A ddpstate error found there (an unsafe item...) is raised as is,
+    an interrupt or ``MemoryError`` passes through, anything else becomes
+    :class:`CheckpointCorruptError` naming the folder.
+
+    Args:
+        name: The folder, for the message.
+        into: Says what was being read into (``" into Net's shards"``), or nothing.
+        advice: What the message tells the user to do.
+
+    Raises:
+        CheckpointCorruptError: The reader failed (the original is chained).
+        DDPStateError: The reader failed with one of ddpstate's own errors.
+
+    Example:
+        >>> from ddpstate._io.torch_io import dcp_read_errors
+        >>> with dcp_read_errors("ckpt/"):  # doctest: +ELLIPSIS
+        ...     raise OSError("gone")
+        Traceback (most recent call last):
+        ...
+        ddpstate.errors.CheckpointCorruptError: ckpt/: reading ... failed (OSError: gone); ...
+    """
+    try:
+        yield
+    except BaseException as exc:
+        inner = _dcp_failure(exc) or exc
+        if isinstance(inner, DDPStateError):
+            raise inner from exc
+        if isinstance(inner, (KeyboardInterrupt, SystemExit, MemoryError)):
+            raise
+        raise CheckpointCorruptError(
+            f"{name}: reading this torch.distributed.checkpoint folder{into} failed "
+            f"({type(inner).__name__}: {_first_line(inner)}); a shard file may be missing or "
+            f"damaged: {advice}"
+        ) from exc
 
 
 def _dcp_failure(exc: BaseException) -> Optional[BaseException]:
@@ -502,7 +552,7 @@ def load_dcp(
         with storage.open_read(
             storage.join(path, ".metadata"), storage_options=storage_options
         ) as f:
-            _check_dcp_metadata(f.read(), name)
+            check_dcp_metadata(f.read(), name)
 
     class _Planner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -528,17 +578,6 @@ def load_dcp(
     else:
         reader = FileSystemReader(path)
     state: dict[str, Any] = {}
-    try:
+    with dcp_read_errors(name):
         _load_state_dict(state, storage_reader=reader, planner=_Planner(), no_dist=True)  # type: ignore[no-untyped-call]
-    except BaseException as exc:
-        inner = _dcp_failure(exc) or exc
-        if isinstance(inner, DDPStateError):
-            raise inner from exc
-        if isinstance(inner, (KeyboardInterrupt, SystemExit, MemoryError)):
-            raise
-        raise CheckpointCorruptError(
-            f"{name}: reading this torch.distributed.checkpoint folder failed "
-            f"({type(inner).__name__}: {_first_line(inner)}); a shard file may be missing or "
-            f"damaged: re-save the checkpoint"
-        ) from exc
     return state

@@ -1,0 +1,1 @@
+"""The process side of :mod:`ddpstate.dist`: rank queries and starting the process group."""

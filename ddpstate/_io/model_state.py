@@ -1,0 +1,113 @@
+"""Fitting a state dict into a model: shape checks, skipped entries, what did not match.
+
+Shared by every load path (``checkpoint.load_model_state``, ``CheckpointManager.restore``
+and the DCP reader's sharded loads), so a wrong shape is always :class:`ShapeMismatchError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from ddpstate.errors import ShapeMismatchError
+
+__all__ = ["IncompatibleKeys", "load_fitting", "shape_mismatches"]
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :func:`load_model_state` could not match (empty when strict).
+
+    Attributes:
+        missing_keys: Keys the model expects that the checkpoint lacks.
+        unexpected_keys: Keys the checkpoint has that the model does not expect.
+    """
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_fitting(
+    model: torch.nn.Module,
+    state_dict: Mapping[str, Any],
+    *,
+    name: str,
+    strict: bool,
+    ignore_mismatched: bool,
+) -> list[str]:
+    """``model.load_state_dict`` with shape mismatches named, or skipped and returned.
+
+    ``state_dict``'s keys are already the model's (see ``adapt_state_dict``).
+    Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
+    through here, so a wrong shape is always :class:`ShapeMismatchError`.
+    """
+    mismatched = shape_mismatches(
+        state_dict,
+        model.state_dict(),
+        name=name,
+        target=type(model).__name__,
+        ignore_mismatched=ignore_mismatched,
+    )
+    if mismatched:
+        skip = {k for k, _, _ in mismatched}
+        kept: Any = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in skip)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            kept._metadata = metadata
+        state_dict = kept
+    try:
+        model.load_state_dict(state_dict, strict=strict and not mismatched)
+    except RuntimeError as exc:
+        raise ShapeMismatchError(
+            f"{name} does not fit {type(model).__name__}: {exc}; check that the checkpoint "
+            f"was saved from the same architecture"
+        ) from exc
+    return [k for k, _, _ in mismatched]
+
+
+def shape_mismatches(
+    state_dict: Mapping[str, Any],
+    own: Mapping[str, Any],
+    *,
+    name: str,
+    target: str,
+    ignore_mismatched: bool,
+    stacklevel: int = 4,
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """``(key, saved shape, model shape)`` of each tensor that does not fit ``own``'s.
+
+    Raises :class:`ShapeMismatchError` listing them, or with ``ignore_mismatched``
+    warns and returns them for the caller to skip. ``state_dict``'s keys are
+    already the model's; ``own`` is the model's state dict (DTensors compare by
+    their global shape, so sharded models are checked the same way).
+    ``stacklevel`` points the warning at the caller of the public function.
+    """
+    mismatched = [
+        (k, tuple(v.shape), tuple(own[k].shape))
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor)
+        and isinstance(own.get(k), torch.Tensor)
+        and v.shape != own[k].shape
+    ]
+    listing = ", ".join(f"{k!r} (saved {list(a)}, model {list(b)})" for k, a, b in mismatched[:8])
+    if len(mismatched) > 8:
+        listing += f" and {len(mismatched) - 8} more"
+    if mismatched and not ignore_mismatched:
+        raise ShapeMismatchError(
+            f"{name} does not fit {target}: size mismatch for {len(mismatched)} "
+            f"tensor(s): {listing}. Check that it was saved from the same architecture; to "
+            f"fine-tune with a resized layer (e.g. a new classifier head), pass "
+            f"ignore_mismatched=True to skip these entries and keep the model's own values"
+        )
+    if mismatched:
+        warnings.warn(
+            f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
+            f"{target}'s (ignore_mismatched=True); the model keeps its own values "
+            f"there: {listing}",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    return mismatched

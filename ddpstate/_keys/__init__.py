@@ -1,0 +1,1 @@
+"""The engine behind :mod:`ddpstate.keys`: wrapper detection, key renaming, matching, lookup."""

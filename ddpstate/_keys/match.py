@@ -1,0 +1,431 @@
+"""Pairing a state dict's keys with a model's, whatever wrappers either side had."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from ddpstate._keys.rename import (
+    _REPORT_LIMIT,
+    _WRAPPER_SEGMENTS,
+    _metadata_of,
+    _normalize_key,
+    _normalize_path,
+)
+from ddpstate._keys.wrappers import is_module, wrapper_types
+from ddpstate.errors import InvalidArgumentTypeError, KeyMismatchError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["KeyMatch", "adapt_state_dict", "match_keys"]
+
+
+@dataclass(frozen=True)
+class KeyMatch:
+    """How a source state dict's keys map onto a target's.
+
+    Attributes:
+        mapping: Target key -> source key, in the target's key order, for
+            every key that matched.
+        missing: Target keys no source key matched, in target order.
+        unexpected: Source keys that matched no target key, in source order.
+        rule: How the keys were matched, in words (for messages and ``inspect``).
+    """
+
+    mapping: dict[str, Any]
+    missing: tuple[str, ...]
+    unexpected: tuple[Any, ...]
+    rule: str
+
+    @property
+    def complete(self) -> bool:
+        """True when every target key matched and no source key was left over."""
+        return not self.missing and not self.unexpected
+
+
+@dataclass(frozen=True)
+class _Side:
+    keys: list[str]
+    paths: list[str]
+    canon_key: Callable[[int, str], str]
+    canon_path: Callable[[int, str], tuple[str, int]]
+
+
+def _aggressive_key(key: str) -> str:
+    segments = key.split(".")
+    kept = [s for s in segments[:-1] if s not in _WRAPPER_SEGMENTS]
+    return ".".join([*kept, segments[-1]])
+
+
+def _aggressive_path(path: str) -> tuple[str, int]:
+    if path == "":
+        return "", 0
+    segments = path.split(".")
+    kept = [s for s in segments if s not in _WRAPPER_SEGMENTS]
+    return ".".join(kept), len(segments) - len(kept)
+
+
+def _paths_from_keys(keys: Iterable[str]) -> list[str]:
+    paths: dict[str, None] = {"": None}
+    for key in keys:
+        segments = key.split(".")
+        for i in range(1, len(segments)):
+            paths.setdefault(".".join(segments[:i]), None)
+    return list(paths)
+
+
+_LEVEL_NAMES = (
+    "keys as they are",
+    "wrapper segments (module./_orig_mod.) removed",
+    "every 'module'/'_orig_mod' segment ignored",
+)
+
+
+def _generic_canon_key(level: int, key: str) -> str:
+    if level == 0:
+        return key
+    return _normalize_key(key)[0] if level == 1 else _aggressive_key(key)
+
+
+def _generic_canon_path(level: int, path: str) -> tuple[str, int]:
+    if level == 0:
+        return path, 0
+    return _normalize_path(path) if level == 1 else _aggressive_path(path)
+
+
+def _source_side(state_dict: Mapping[Any, Any] | Iterable[Any]) -> tuple[_Side, list[Any]]:
+    keys = list(state_dict)
+    names = [k for k in keys if isinstance(k, str)]
+    metadata = _metadata_of(state_dict)
+    paths = [p for p in metadata if isinstance(p, str)] if metadata is not None else []
+    return _Side(names, paths, _generic_canon_key, _generic_canon_path), [
+        k for k in keys if not isinstance(k, str)
+    ]
+
+
+def _model_side(model: nn.Module) -> _Side:
+    wrappers = wrapper_types()
+    wrapper_paths = {
+        path
+        for path, module in model.named_modules(remove_duplicate=False)
+        if isinstance(module, wrappers)
+    }
+
+    def structural(segments: list[str], keep_last: bool) -> tuple[str, int]:
+        kept: list[str] = []
+        limit = len(segments) - 1 if keep_last else len(segments)
+        for i, segment in enumerate(segments):
+            if (
+                i < limit
+                and segment in _WRAPPER_SEGMENTS
+                and ".".join(segments[:i]) in wrapper_paths
+            ):
+                continue
+            kept.append(segment)
+        return ".".join(kept), len(segments) - len(kept)
+
+    def canon_key(level: int, key: str) -> str:
+        if level == 1:
+            return structural(key.split("."), keep_last=True)[0]
+        return _generic_canon_key(level, key)
+
+    def canon_path(level: int, path: str) -> tuple[str, int]:
+        if level == 1:
+            return structural(path.split("."), keep_last=False) if path else ("", 0)
+        return _generic_canon_path(level, path)
+
+    state = model.state_dict()
+    metadata = _metadata_of(state)
+    keys = list(state)
+    paths = list(metadata) if metadata is not None else _paths_from_keys(keys)
+    return _Side(keys, paths, canon_key, canon_path)
+
+
+def _target_side(target: Any) -> _Side:
+    if is_module(target):
+        return _model_side(target)
+    if isinstance(target, (str, bytes)) or not isinstance(target, Iterable):
+        raise InvalidArgumentTypeError(
+            f"target must be a model, a state dict or a collection of keys, "
+            f"not {type(target).__name__}"
+        )
+    keys = [k for k in target if isinstance(k, str)]
+    metadata = _metadata_of(target)
+    paths = list(metadata) if metadata is not None else _paths_from_keys(keys)
+    return _Side(keys, paths, _generic_canon_key, _generic_canon_path)
+
+
+def _common_path(canon: Iterable[str]) -> list[str]:
+    common: Optional[list[str]] = None
+    for key in canon:
+        segments = key.split(".")[:-1]
+        if common is None:
+            common = segments
+            continue
+        n = 0
+        while n < min(len(common), len(segments)) and common[n] == segments[n]:
+            n += 1
+        common = common[:n]
+        if not common:
+            break
+    return common or []
+
+
+def _strip_path(path: str, lead: str) -> Optional[tuple[str, int]]:
+    if path == lead:
+        return "", 1
+    if path.startswith(lead + "."):
+        return path[len(lead) + 1 :], 0
+    return None
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    level: int
+    side: str  # "" (no alignment), "source" or "target": which side loses `lead`
+    lead: str
+
+    def describe(self) -> str:
+        text = _LEVEL_NAMES[self.level]
+        if self.side == "source":
+            text += f", leading {self.lead + '.'!r} removed from the source"
+        elif self.side == "target":
+            text += f", leading {self.lead + '.'!r} added to the source"
+        return text
+
+    def key(self, side: _Side, is_source: bool, key: str) -> Optional[str]:
+        canon = side.canon_key(self.level, key)
+        if self.side == ("source" if is_source else "target"):
+            stripped = _strip_path(canon, self.lead)
+            return None if stripped is None or stripped[1] else stripped[0]
+        return canon
+
+    def path(self, side: _Side, is_source: bool, path: str) -> Optional[tuple[str, int]]:
+        canon, depth = side.canon_path(self.level, path)
+        if self.side == ("source" if is_source else "target"):
+            stripped = _strip_path(canon, self.lead) if canon else None
+            return None if stripped is None else (stripped[0], depth + stripped[1])
+        return canon, depth
+
+
+def _images(side: _Side, attempt: _Attempt, is_source: bool) -> dict[str, Optional[str]]:
+    return {k: attempt.key(side, is_source, k) for k in side.keys}
+
+
+def _pair(source: dict[str, Optional[str]], target: dict[str, Optional[str]]) -> dict[str, str]:
+    src_by_canon: dict[str, list[str]] = {}
+    for key, canon in source.items():
+        if canon is not None:
+            src_by_canon.setdefault(canon, []).append(key)
+    tgt_count: dict[str, int] = {}
+    for canon in target.values():
+        if canon is not None:
+            tgt_count[canon] = tgt_count.get(canon, 0) + 1
+    mapping: dict[str, str] = {}
+    for key, canon in target.items():
+        if canon is None or tgt_count[canon] != 1:
+            continue
+        found = src_by_canon.get(canon, [])
+        if len(found) == 1:
+            mapping[key] = found[0]
+    return mapping
+
+
+def _attempts(src: _Side, tgt: _Side) -> Iterable[_Attempt]:
+    for level in range(len(_LEVEL_NAMES)):
+        plain = _Attempt(level, "", "")
+        yield plain
+        # A common leading path on one side only (a framework's `model.`, or a
+        # wrapper whose name is also a real submodule's) is tried segment by
+        # segment; a match still has to pair every key one to one.
+        for side_name, side in (("source", src), ("target", tgt)):
+            canon = [plain.key(side, side is src, k) or "" for k in side.keys]
+            common = _common_path(canon)
+            for n in range(1, len(common) + 1):
+                yield _Attempt(level, side_name, ".".join(common[:n]))
+
+
+def _match(src: _Side, tgt: _Side) -> tuple[KeyMatch, _Attempt]:
+    best: Optional[tuple[int, KeyMatch, _Attempt]] = None
+    for attempt in _attempts(src, tgt):
+        mapping = _pair(_images(src, attempt, True), _images(tgt, attempt, False))
+        used = set(mapping.values())
+        match = KeyMatch(
+            mapping=mapping,
+            missing=tuple(k for k in tgt.keys if k not in mapping),
+            unexpected=tuple(k for k in src.keys if k not in used),
+            rule=attempt.describe(),
+        )
+        if match.complete:
+            return match, attempt
+        if best is None or len(mapping) > best[0]:
+            best = (len(mapping), match, attempt)
+    assert best is not None  # _attempts always yields the identity attempt
+    return best[1], best[2]
+
+
+def match_keys(
+    state_dict: Mapping[Any, Any] | Iterable[Any], target: nn.Module | Iterable[Any]
+) -> KeyMatch:
+    """Pair a state dict's keys with a target's, whatever wrappers either side had.
+
+    Both sides are reduced to wrapper-free names and paired one to one; see
+    :func:`adapt_state_dict` for the rules. When no rule pairs every key, the
+    result of the rule that paired the most is returned.
+
+    Args:
+        state_dict: The source state dict, or just its keys.
+        target: A model (plain or wrapped in any way), a state dict, or keys.
+
+    Returns:
+        A :class:`KeyMatch`; ``.complete`` tells whether every key paired.
+
+    Raises:
+        InvalidArgumentTypeError: ``target`` is not a model, mapping or collection of
+            keys (a ``TypeError``).
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.keys import match_keys
+        >>> net = torch.nn.Linear(2, 2)
+        >>> m = match_keys(["module.weight", "module.bias", "module.extra"], net)
+        >>> m.mapping, m.unexpected
+        ({'weight': 'module.weight', 'bias': 'module.bias'}, ('module.extra',))
+    """
+    src, non_str = _source_side(state_dict)
+    match, _ = _match(src, _target_side(target))
+    if non_str:
+        match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
+    return match
+
+
+def _nearest(name: str, candidates: Sequence[str]) -> str:
+    import difflib  # here: only error messages need it (convert's start-up does not)
+
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f" (nearest: {close[0]!r})" if close else ""
+
+
+def _mismatch_message(match: KeyMatch) -> str:
+    lines = [
+        f"the state dict does not fit the target: {len(match.missing)} missing and "
+        f"{len(match.unexpected)} unexpected key(s) (best match: {match.rule})"
+    ]
+    unexpected_names = [k for k in match.unexpected if isinstance(k, str)]
+    for title, keys, pool in (
+        ("missing (target expects, source lacks)", match.missing, unexpected_names),
+        ("unexpected (source has, target lacks)", match.unexpected, list(match.missing)),
+    ):
+        if not keys:
+            continue
+        shown = ", ".join(
+            f"{k!r}{_nearest(k, pool) if isinstance(k, str) else ''}" for k in keys[:_REPORT_LIMIT]
+        )
+        more = f" and {len(keys) - _REPORT_LIMIT} more" if len(keys) > _REPORT_LIMIT else ""
+        lines.append(f"  {title}: {shown}{more}")
+    lines.append(
+        "Check that the checkpoint belongs to this model; rename keys with "
+        "ddpstate.strip_prefix/add_prefix, or pass strict=False to take the keys that match."
+    )
+    return "\n".join(lines)
+
+
+def _adapted_metadata(
+    src: _Side, tgt: _Side, attempt: _Attempt, metadata: Mapping[str, Any]
+) -> OrderedDict[str, Any]:
+    innermost_src: dict[str, tuple[int, Any]] = {}
+    for path in src.paths:
+        canon = attempt.path(src, True, path)
+        if canon is None:
+            continue
+        previous = innermost_src.get(canon[0])
+        if previous is None or canon[1] > previous[0]:
+            innermost_src[canon[0]] = (canon[1], metadata[path])
+    innermost_tgt: dict[str, tuple[int, str]] = {}
+    for path in tgt.paths:
+        canon = attempt.path(tgt, False, path)
+        if canon is None:
+            continue
+        previous = innermost_tgt.get(canon[0])
+        if previous is None or canon[1] > previous[0]:
+            innermost_tgt[canon[0]] = (canon[1], path)
+    owner = {path: canon for canon, (_, path) in innermost_tgt.items()}
+    result: OrderedDict[str, Any] = OrderedDict()
+    for path in tgt.paths:
+        canon_name = owner.get(path)
+        if canon_name is not None and canon_name in innermost_src:
+            entry = innermost_src[canon_name][1]
+            result[path] = dict(entry) if isinstance(entry, Mapping) else entry
+    return result
+
+
+def adapt_state_dict(
+    state_dict: Mapping[Any, Any],
+    target: nn.Module | Iterable[Any],
+    *,
+    strict: bool = True,
+) -> OrderedDict[str, Any]:
+    """Rename a state dict's keys to exactly the ones ``target`` expects.
+
+    Works between any wrappings: plain, DataParallel, DDP, torch.compile, any
+    nesting of them, an inner DataParallel (``0.module.weight``) or a compiled
+    submodule (``encoder._orig_mod.w``). Keys are matched by structure, one to
+    one, trying in turn: the keys as they are; with wrapper segments removed
+    (for a model target, exactly the segments its wrappers add); with every
+    ``module``/``_orig_mod`` segment ignored. At each step a leading path on one
+    side only (``model.`` from Lightning) may be dropped if that pairs every
+    key. A rule that would pair two keys with one is never used.
+
+    Values are not copied. ``_metadata`` (module versions that some modules,
+    like BatchNorm, read while loading) comes from the source, renamed to the
+    target's module paths.
+
+    Args:
+        state_dict: The source state dict; not modified.
+        target: A model (wrapped or not), a state dict, or a collection of keys.
+        strict: When False, return only the entries that matched instead of
+            raising; call :func:`match_keys` (or read
+            ``model.load_state_dict(...)``'s result) to learn what was missing.
+
+    Returns:
+        An OrderedDict whose keys are the target's, in the target's order
+        (a subset of them when ``strict=False``).
+
+    Raises:
+        KeyMismatchError: Some keys do not pair up and ``strict`` is True; the
+            message shows the first few missing and unexpected keys with the
+            nearest name on the other side, and ``.missing``/``.unexpected``
+            hold them all.
+        InvalidArgumentTypeError: ``target`` is not a model, mapping or collection of
+            keys (a ``TypeError``).
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.keys import adapt_state_dict
+        >>> net = torch.nn.Linear(2, 2)
+        >>> saved = torch.nn.DataParallel(torch.nn.Linear(2, 2)).state_dict()
+        >>> compiled = torch.compile(net, backend="eager")
+        >>> list(adapt_state_dict(saved, compiled))
+        ['_orig_mod.weight', '_orig_mod.bias']
+    """
+    src, non_str = _source_side(state_dict)
+    tgt = _target_side(target)
+    match, attempt = _match(src, tgt)
+    if non_str:
+        match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
+    if strict and not match.complete:
+        raise KeyMismatchError(
+            _mismatch_message(match),
+            missing=match.missing,
+            unexpected=tuple(k if isinstance(k, str) else repr(k) for k in match.unexpected),
+        )
+    result: OrderedDict[str, Any] = OrderedDict(
+        (key, state_dict[source_key]) for key, source_key in match.mapping.items()
+    )
+    metadata = _metadata_of(state_dict)
+    if metadata is not None:
+        result._metadata = _adapted_metadata(src, tgt, attempt, metadata)  # type: ignore[attr-defined]
+    return result

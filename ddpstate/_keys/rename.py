@@ -1,0 +1,347 @@
+"""Renaming state-dict keys and their ``_metadata`` module paths: strip, add, normalize."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Optional, TypeVar, cast, overload
+
+from ddpstate.errors import InvalidArgumentError, KeyCollisionError
+
+__all__ = ["OnCollision", "add_prefix", "normalize_keys", "strip_prefix"]
+
+OnCollision = Literal["error", "keep_prefixed", "keep_existing"]
+
+# The submodule names torch's wrappers give the module they wrap.
+_DP_SEGMENT = "module"
+_COMPILE_SEGMENT = "_orig_mod"
+_WRAPPER_SEGMENTS = frozenset({_DP_SEGMENT, _COMPILE_SEGMENT})
+# nn.Module._version for DataParallel, DDP and OptimizedModule alike; the
+# metadata entry a wrapper contributes when its own state_dict() is taken.
+_WRAPPER_METADATA: dict[str, Any] = {"version": 1}
+_COLLISION_CHOICES = ("error", "keep_prefixed", "keep_existing")
+# How many keys a message lists before "and N more".
+_REPORT_LIMIT = 5
+
+_D = TypeVar("_D", bound="dict[Any, Any]")
+_V = TypeVar("_V")
+
+# A key or module-path renamer: the new name and how many wrapper segments it
+# lost (deeper = closer to the real module), or None to drop the entry.
+_Renamer = Callable[[str], tuple[str, int]]
+_PathRenamer = Callable[[str], Optional[tuple[str, int]]]
+
+
+def _check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not prefix.endswith(".") or prefix == ".":
+        raise InvalidArgumentError(
+            f"prefix must be a non-empty module path ending in '.', like 'module.' (got {prefix!r})"
+        )
+    return prefix
+
+
+def _check_on_collision(on_collision: str) -> None:
+    if on_collision not in _COLLISION_CHOICES:
+        raise InvalidArgumentError(
+            f"on_collision must be one of {', '.join(map(repr, _COLLISION_CHOICES))} "
+            f"(got {on_collision!r})"
+        )
+
+
+def _empty_like(state_dict: Mapping[Any, Any]) -> dict[Any, Any]:
+    if type(state_dict) in (dict, OrderedDict):
+        return cast("dict[Any, Any]", type(state_dict)())
+    if isinstance(state_dict, dict):
+        # copy.copy keeps a subclass's extra state (defaultdict's factory, ...)
+        # without calling an __init__ that may want arguments.
+        new = copy.copy(state_dict)
+        new.clear()
+        return new
+    return {}
+
+
+def _rename_metadata(metadata: Mapping[str, Any], rename: _PathRenamer) -> OrderedDict[str, Any]:
+    # Several paths may land on one (a wrapper's root and the wrapped module's
+    # root): the deepest one is the real module's, so it wins; the entry keeps
+    # the position of the first path that landed there.
+    chosen: dict[str, tuple[int, Any]] = {}
+    for path, entry in metadata.items():
+        renamed = rename(path) if isinstance(path, str) else (path, 0)
+        if renamed is None:
+            continue
+        new_path, depth = renamed
+        previous = chosen.get(new_path)
+        if previous is None or depth > previous[0]:
+            chosen[new_path] = (depth, entry)
+    return OrderedDict(
+        (path, dict(entry) if isinstance(entry, Mapping) else entry)
+        for path, (_, entry) in chosen.items()
+    )
+
+
+def _rename(
+    state_dict: Mapping[Any, Any],
+    rename: _Renamer,
+    on_collision: str,
+    what: str,
+) -> dict[Any, Any]:
+    # new key -> (source key, wrapper segments removed, value)
+    out: dict[Any, tuple[Any, int, Any]] = {}
+    for key, value in state_dict.items():
+        new_key, depth = rename(key) if isinstance(key, str) else (key, 0)
+        previous = out.get(new_key)
+        if previous is None:
+            out[new_key] = (key, depth, value)
+            continue
+        # Report the less-prefixed key as the existing one, whatever the order.
+        first, second = (previous, (key, depth, value))
+        existing, renamed = (second, first) if second[1] < first[1] else (first, second)
+        if on_collision == "error":
+            raise KeyCollisionError(
+                f"{what} would give two entries the key {new_key!r}: {existing[0]!r} and "
+                f"{renamed[0]!r}. Delete one of them first, or pass "
+                f"on_collision='keep_existing' to keep {existing[0]!r} or "
+                f"on_collision='keep_prefixed' to keep {renamed[0]!r}",
+                keys=(str(existing[0]), str(renamed[0])),
+            )
+        if on_collision == "keep_existing":
+            winner = first if first[1] <= second[1] else second
+        else:
+            winner = first if first[1] >= second[1] else second
+        out[new_key] = winner
+    new = _empty_like(state_dict)
+    for new_key, (_, _, value) in out.items():
+        new[new_key] = value
+    return new
+
+
+def _with_metadata(new: _D, metadata: Optional[OrderedDict[str, Any]]) -> _D:
+    if metadata is not None:
+        # Plain dicts cannot carry attributes, but neither can their inputs.
+        new._metadata = metadata  # type: ignore[attr-defined]
+    return new
+
+
+def _metadata_of(state_dict: Any) -> Optional[Mapping[str, Any]]:
+    metadata = getattr(state_dict, "_metadata", None)
+    return metadata if isinstance(metadata, Mapping) else None
+
+
+def _strip_leading(key: str, prefix: str) -> tuple[str, int]:
+    count = 0
+    # A key equal to the prefix plus nothing is left alone: it names no entry.
+    while key.startswith(prefix) and len(key) > len(prefix):
+        key = key[len(prefix) :]
+        count += 1
+    return key, count
+
+
+@overload
+def strip_prefix(state_dict: _D, prefix: str = ..., *, on_collision: OnCollision = ...) -> _D: ...
+@overload
+def strip_prefix(
+    state_dict: Mapping[Any, _V], prefix: str = ..., *, on_collision: OnCollision = ...
+) -> dict[Any, _V]: ...
+def strip_prefix(
+    state_dict: Mapping[Any, Any],
+    prefix: str = "module.",
+    *,
+    on_collision: OnCollision = "error",
+) -> dict[Any, Any]:
+    """Remove ``prefix`` from every key it leads, as often as it leads it.
+
+    ``module.module.x`` becomes ``x``; ``module``, ``Module.y``,
+    ``module_list.0.w`` and ``layer.module.w`` stay as they are. Non-string keys
+    are left alone and every value is kept, tensor or not. ``_metadata`` is
+    carried over with its module paths renamed the same way; when several
+    paths land on one (a wrapper's root entry and the wrapped model's), the
+    wrapped model's entry is kept.
+
+    Args:
+        state_dict: The state dict; not modified.
+        prefix: The prefix to remove, ending in ``.``.
+        on_collision: What to do when a renamed key already exists (``x`` and
+            ``module.x``): ``"error"`` raises, ``"keep_existing"`` keeps the
+            entry that had fewer prefixes, ``"keep_prefixed"`` the one that had
+            more. Between equally prefixed keys the earlier one wins.
+
+    Returns:
+        A new mapping of the same type (a plain dict for non-dict mappings)
+        with the keys in their original order.
+
+    Raises:
+        KeyCollisionError: Two entries would share a key and ``on_collision``
+            is ``"error"``; ``.keys`` holds both original keys.
+        InvalidArgumentError: ``prefix`` does not end in ``.`` or ``on_collision`` is
+            unknown (a ``ValueError``).
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.keys import strip_prefix
+        >>> sd = torch.nn.DataParallel(torch.nn.Linear(2, 2)).state_dict()
+        >>> list(strip_prefix(sd))
+        ['weight', 'bias']
+    """
+    _check_prefix(prefix)
+    _check_on_collision(on_collision)
+    stem = prefix[:-1]
+    new = _rename(
+        state_dict,
+        lambda key: _strip_leading(key, prefix),
+        on_collision,
+        f"stripping {prefix!r}",
+    )
+    metadata = _metadata_of(state_dict)
+    if metadata is None:
+        return new
+    paths = set(metadata)
+
+    def rename_path(path: str) -> tuple[str, int]:
+        rest, depth = _strip_leading(path, prefix)
+        if rest == stem:
+            return "", depth + 1
+        # A wrapper's own entry part-way down the prefix (``module`` when the
+        # prefix is ``module._orig_mod.``) is one whose path goes on into the
+        # rest of the prefix; otherwise it is a real submodule of that name.
+        if rest == "" or (stem.startswith(rest + ".") and path + stem[len(rest) :] in paths):
+            return "", depth
+        return rest, depth
+
+    return _with_metadata(new, _rename_metadata(metadata, rename_path))
+
+
+@overload
+def add_prefix(state_dict: _D, prefix: str = ..., *, on_collision: OnCollision = ...) -> _D: ...
+@overload
+def add_prefix(
+    state_dict: Mapping[Any, _V], prefix: str = ..., *, on_collision: OnCollision = ...
+) -> dict[Any, _V]: ...
+def add_prefix(
+    state_dict: Mapping[Any, Any],
+    prefix: str = "module.",
+    *,
+    on_collision: OnCollision = "error",
+) -> dict[Any, Any]:
+    """Put ``prefix`` in front of every string key, as a wrapper's state_dict() does.
+
+    Every string key gets the prefix, even one that already has it, so
+    ``add_prefix(sd_of_dp, "module.")`` is the ``DataParallel(DataParallel(m))``
+    layout. ``_metadata`` gets the layout the wrapper produces: the old root
+    entry moves to ``"module"``, every other path ``p`` to ``"module." + p``,
+    and new ``""`` entries (and ``"module"`` for a two-segment prefix like
+    ``"module._orig_mod."``) stand for the wrappers; they are only added when
+    the input had a root entry. ``strip_prefix(add_prefix(sd, p), p) == sd``
+    whenever no key of ``sd`` starts with ``p``.
+
+    Args:
+        state_dict: The state dict; not modified.
+        prefix: The prefix to add, ending in ``.``.
+        on_collision: Accepted for symmetry with :func:`strip_prefix`; adding
+            one prefix to every string key cannot make two keys equal.
+
+    Returns:
+        A new mapping of the same type (a plain dict for non-dict mappings)
+        with the keys in their original order.
+
+    Raises:
+        InvalidArgumentError: ``prefix`` does not end in ``.`` or ``on_collision`` is
+            unknown (a ``ValueError``).
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.keys import add_prefix
+        >>> list(add_prefix(torch.nn.Linear(2, 2).state_dict(), "_orig_mod."))
+        ['_orig_mod.weight', '_orig_mod.bias']
+    """
+    _check_prefix(prefix)
+    _check_on_collision(on_collision)
+    stem = prefix[:-1]
+    new = _rename(state_dict, lambda key: (prefix + key, 0), on_collision, f"adding {prefix!r}")
+    metadata = _metadata_of(state_dict)
+    if metadata is None:
+        return new
+    segments = stem.split(".")
+    wrapper_paths = ["", *(".".join(segments[:i]) for i in range(1, len(segments)))]
+    renamed: OrderedDict[str, Any] = OrderedDict()
+    for path, entry in metadata.items():
+        copied = dict(entry) if isinstance(entry, Mapping) else entry
+        if path == "":
+            for wrapper in wrapper_paths:
+                renamed[wrapper] = dict(_WRAPPER_METADATA)
+            renamed[stem] = copied
+        elif isinstance(path, str):
+            renamed[prefix + path] = copied
+        else:
+            renamed[path] = copied
+    return _with_metadata(new, renamed)
+
+
+def _normalize_key(key: str) -> tuple[str, int]:
+    segments = key.split(".")
+    removed = 0
+    while len(segments) > 1 and segments[0] in _WRAPPER_SEGMENTS:
+        segments.pop(0)
+        removed += 1
+    # `_orig_mod` is reserved by torch.compile, so inside a key it is always a
+    # wrapper; the last segment is the parameter's own name and stays.
+    kept = [s for s in segments[:-1] if s != _COMPILE_SEGMENT]
+    removed += len(segments) - 1 - len(kept)
+    return ".".join([*kept, segments[-1]]), removed
+
+
+def _normalize_path(path: str) -> tuple[str, int]:
+    if path == "":
+        return "", 0
+    segments = path.split(".")
+    removed = 0
+    while segments and segments[0] in _WRAPPER_SEGMENTS:
+        segments.pop(0)
+        removed += 1
+    kept = [s for s in segments if s != _COMPILE_SEGMENT]
+    removed += len(segments) - len(kept)
+    return ".".join(kept), removed
+
+
+@overload
+def normalize_keys(state_dict: _D, *, on_collision: OnCollision = ...) -> _D: ...
+@overload
+def normalize_keys(
+    state_dict: Mapping[Any, _V], *, on_collision: OnCollision = ...
+) -> dict[Any, _V]: ...
+def normalize_keys(
+    state_dict: Mapping[Any, Any], *, on_collision: OnCollision = "error"
+) -> dict[Any, Any]:
+    """Remove every segment torch's wrappers add, giving the plain model's keys.
+
+    Leading ``module.`` and ``_orig_mod.`` go in any order and number, and
+    ``_orig_mod`` goes wherever it appears inside a key (torch.compile reserves
+    that name). An inner ``.module.`` stays: without a target model it may be a
+    real submodule; :func:`adapt_state_dict` resolves it against a target.
+
+    Args:
+        state_dict: The state dict; not modified.
+        on_collision: As for :func:`strip_prefix`; "prefixed" counts the
+            wrapper segments a key lost.
+
+    Returns:
+        A new mapping of the same type with ``_metadata`` renamed alike.
+
+    Raises:
+        KeyCollisionError: Two entries would share a key and ``on_collision``
+            is ``"error"``.
+        InvalidArgumentError: ``on_collision`` is unknown (a ``ValueError``).
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.keys import normalize_keys
+        >>> sd = {"_orig_mod.module.w": torch.zeros(1), "enc._orig_mod.b": torch.zeros(1)}
+        >>> list(normalize_keys(sd))
+        ['w', 'enc.b']
+    """
+    _check_on_collision(on_collision)
+    new = _rename(state_dict, _normalize_key, on_collision, "removing wrapper prefixes")
+    metadata = _metadata_of(state_dict)
+    return _with_metadata(
+        new, None if metadata is None else _rename_metadata(metadata, _normalize_path)
+    )

@@ -1,0 +1,1 @@
+"""The engine behind :mod:`ddpstate.storage`: temp names, local and fsspec atomic writes."""

@@ -1,0 +1,345 @@
+"""Atomic, durable writes of one local file: a locked temp file, fsync, rename, fsync.
+
+A replaced large file is renamed aside and its blocks freed by a background thread,
+off the caller's critical path; temp files left by writers killed mid-write are found
+by their free ``flock`` and deleted after the next successful write of the same target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import IO, Optional
+
+from ddpstate._storage.temps import (
+    _TEMP_RE,
+    TEMP_MARKER,
+    cleanup_after,
+    fsync_dir,
+    retired_name_for,
+    temp_name_for,
+)
+from ddpstate.errors import CheckpointWriteError
+
+__all__ = ["atomic_write_local", "wait_for_freed", "write_by_name"]
+
+# Freeing a large file's blocks is slow on some filesystems (ext4 mounted with
+# `discard` spends ~0.5 s per GiB); below this size it is not worth a thread.
+_RETIRE_MIN_BYTES = 32 << 20
+_retiring: list[threading.Thread] = []
+_retiring_lock = threading.Lock()
+
+# Big enough that torch.save's many small zip-header writes do not each become a
+# system call, small enough to be irrelevant next to a checkpoint.
+_WRITE_BUFFER = 1 << 20
+
+
+def _retire(target: str) -> Optional[str]:
+    """Give a large previous file a second, hidden name, so replacing it frees nothing.
+
+    The blocks are then freed by :func:`_free_later` after the new file is
+    committed, off the caller's critical path. Returns None (plain replace) for
+    small or missing targets, symlinks, and filesystems without hard links.
+    """
+    try:
+        info = os.lstat(target)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size < _RETIRE_MIN_BYTES or info.st_nlink != 1:
+        return None
+    folder, base = os.path.split(target)
+    retired = os.path.join(folder, retired_name_for(base))
+    try:
+        os.link(target, retired)
+    except OSError:
+        return None
+    return retired
+
+
+def _free_later(retired: str) -> None:
+    def unlink() -> None:
+        try:
+            os.unlink(retired)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(
+                f"could not delete the replaced checkpoint {retired} ({exc}); it is safe to "
+                f"delete by hand",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+    # Not a daemon: the interpreter waits for it at exit, so no copy is left behind.
+    thread = threading.Thread(target=unlink, name="ddpstate-free-replaced", daemon=False)
+    with _retiring_lock:
+        _retiring[:] = [t for t in _retiring if t.is_alive()]
+        _retiring.append(thread)
+    thread.start()
+
+
+def wait_for_freed() -> None:
+    """Block until replaced checkpoints being freed in the background are gone.
+
+    Example:
+        >>> from ddpstate.storage import wait_for_freed
+        >>> wait_for_freed()
+    """
+    with _retiring_lock:
+        pending = list(_retiring)
+    for thread in pending:
+        thread.join()
+
+
+def _unlink_missing_ok(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _flock(fd: int, *, wait: bool) -> bool:
+    """Take an exclusive ``flock`` on ``fd``; False where another process holds it.
+
+    Also False where locks are unavailable (Windows, filesystems without
+    ``flock``), so a temp file is then never judged stale.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
+def _remove_stale_temps(target: str, own: str) -> None:
+    """Delete temp files of ``target`` left by writers that were killed mid-write.
+
+    A writer holds an exclusive ``flock`` on its temp file from creation until
+    it closes it just before the rename, and the kernel drops the lock when the
+    process dies; a temp file of this target that nobody holds locked is stale.
+    Best effort: a failure here never fails the save that just succeeded.
+    """
+    folder, base = os.path.split(target)
+    prefix = f".{base}{TEMP_MARKER}"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        if not name.startswith(prefix) or not _TEMP_RE.match(name) or path == own:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode) and _flock(fd, wait=False):
+                os.unlink(path)
+            elif stat.S_ISDIR(mode) and _flock(fd, wait=False):
+                # A write_by_name staging folder (a library's own temp file inside).
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _create_locked_temp(
+    folder: str, base: str, path: str, *, as_folder: bool = False
+) -> tuple[str, int]:
+    """Create a fresh temp file (or folder) for ``base`` and hold its ``flock``; (name, fd)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        temp = os.path.join(folder, temp_name_for(base))
+        try:
+            # 0o666 lets the umask decide, as for any new file; O_EXCL refuses to
+            # follow a planted symlink or reuse someone else's file.
+            if as_folder:
+                os.mkdir(temp, 0o700)
+                fd = os.open(temp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            else:
+                fd = os.open(temp, flags, 0o666)
+        except OSError as exc:
+            raise CheckpointWriteError(
+                f"cannot create a file in {folder} to write {path} ({type(exc).__name__}: "
+                f"{exc}); check that the folder exists and is writable"
+            ) from exc
+        # Held until the file is closed: tells later saves this temp file is not stale.
+        _flock(fd, wait=True)
+        if os.fstat(fd).st_nlink:
+            return temp, fd
+        # Another process's save took the new file for a dead writer's in the moment
+        # before the lock and deleted it: start again under a new name.
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
+    """:func:`ddpstate.storage.atomic_write` for a local path (see there).
+
+    Args:
+        path: The local target.
+        fsync: Sync the file and its folder (False: atomic, not durable).
+
+    Returns:
+        A context manager yielding the temp file, committed when the block succeeds.
+
+    Raises:
+        CheckpointWriteError: Creating, syncing or renaming the temp file failed.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate._storage.local import atomic_write_local
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
+        >>> with atomic_write_local(path, fsync=False) as f:
+        ...     _ = f.write(b"x")
+        >>> os.listdir(os.path.dirname(path))
+        ['x.bin']
+    """
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    temp, fd = _create_locked_temp(folder, os.path.basename(target), path)
+    try:
+        if hasattr(os, "fchmod"):  # not on Windows before Python 3.13
+            with contextlib.suppress(FileNotFoundError):
+                # Keep a restrictive mode the user gave the previous checkpoint.
+                os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+        fileobj = os.fdopen(fd, "wb", buffering=_WRITE_BUFFER)
+        # Named like a file opened by path (no second open), so that writers that
+        # take a path (safetensors' save_file) can write the temp file.
+        setattr(getattr(fileobj, "raw", fileobj), "name", temp)  # noqa: B010
+    except BaseException as exc:
+        cleanup_after(exc, temp, lambda: os.close(fd), lambda: _unlink_missing_ok(temp))
+        raise
+    try:
+        yield fileobj
+    except BaseException as exc:
+        cleanup_after(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
+        raise
+    retired: Optional[str] = None
+    try:
+        fileobj.flush()
+        if fsync:
+            os.fsync(fileobj.fileno())
+        fileobj.close()
+        retired = _retire(target)
+        os.replace(temp, target)
+    except BaseException as exc:
+        cleanup_after(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
+        if retired is not None:
+            # The target still has its own name; drop only the second one.
+            cleanup_after(exc, retired, lambda: _unlink_missing_ok(retired))
+        if isinstance(exc, OSError):
+            raise CheckpointWriteError(
+                f"writing {path} failed ({type(exc).__name__}: {exc}); the previous file is "
+                f"untouched; check free space and permissions"
+            ) from exc
+        raise
+    try:
+        if fsync:
+            fsync_dir(folder)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"{path} was written and renamed into place, but syncing its folder failed "
+            f"({type(exc).__name__}: {exc}); the new file may not survive a power loss"
+        ) from exc
+    finally:
+        if retired is not None and os.path.exists(retired):
+            _free_later(retired)
+    _remove_stale_temps(target, temp)
+
+
+@contextlib.contextmanager
+def write_by_name(fileobj: IO[bytes]) -> Iterator[str]:
+    """A path for a library that writes files by name, committed through ``fileobj``.
+
+    Some writers (``safetensors.torch.save_file``) take a path, write a temp
+    file of their own next to it and rename it there, without an fsync. This
+    yields a path inside a hidden, locked folder named like ddpstate's temp
+    files (so a writer killed mid-write leaves nothing that is listed as a
+    checkpoint, and the next save of the target deletes it); afterwards the
+    file written there replaces the temp file of ``fileobj`` and ``fileobj``
+    is re-bound to it (descriptor, lock and mode), so the fsync and rename
+    that :func:`atomic_write` does next commit what the library wrote.
+
+    Args:
+        fileobj: The file object from :func:`atomic_write` for a local path,
+            with nothing written through it.
+
+    Returns:
+        A context manager yielding the path to write.
+
+    Raises:
+        CheckpointWriteError: The staging folder cannot be made, or what was
+            written there vanished (e.g. another save took it for a dead
+            writer's); the target is untouched.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.storage import atomic_write, write_by_name
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
+        >>> with atomic_write(path) as f, write_by_name(f) as name:
+        ...     with open(name, "wb") as other:
+        ...         _ = other.write(b"written by name")
+        >>> open(path, "rb").read(), os.listdir(os.path.dirname(path))
+        (b'written by name', ['x.bin'])
+    """
+    temp = str(fileobj.name)
+    folder, temp_base = os.path.split(temp)
+    base = temp_base[1 : temp_base.rindex(TEMP_MARKER)]
+    stage, fd = _create_locked_temp(folder, base, temp, as_folder=True)
+    try:
+        written = os.path.join(stage, base)
+        yield written
+        try:
+            os.replace(written, temp)
+        except OSError as exc:
+            raise CheckpointWriteError(
+                f"the file written at {written} cannot replace {temp} ({type(exc).__name__}: "
+                f"{exc}); nothing was replaced; save again"
+            ) from exc
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        os.close(fd)
+    _adopt_renamed_file(fileobj)
+
+
+def _adopt_renamed_file(fileobj: IO[bytes]) -> None:
+    """Point an :func:`atomic_write` file object at the file now at its temp path."""
+    name = str(fileobj.name)
+    held = os.fstat(fileobj.fileno())
+    try:
+        # Read-only is enough for fsync, flock and fchmod, and nothing is written after.
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"the file written at {name} is gone ({type(exc).__name__}: {exc}); nothing was "
+            f"replaced; save again"
+        ) from exc
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return
+        # The same lock as the temp file had, so later saves never take it for stale.
+        _flock(fd, wait=True)
+        if not os.fstat(fd).st_nlink:
+            raise CheckpointWriteError(
+                f"the file written at {name} was deleted by another save before it was "
+                f"committed; nothing was replaced; save again"
+            )
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, stat.S_IMODE(held.st_mode))  # the mode atomic_write chose, not 0600
+        fileobj.flush()
+        os.dup2(fd, fileobj.fileno(), inheritable=False)
+    finally:
+        os.close(fd)
+    fileobj.seek(0, os.SEEK_END)
