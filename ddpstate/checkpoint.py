@@ -22,6 +22,7 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
+from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
 from ddpstate.dist import (
     broadcast_object,
     compare_across_ranks,
@@ -49,8 +50,6 @@ from ddpstate.formats import (
     TORCHSCRIPT,
     detect_format,
     parse_format,
-    read_safetensors,
-    write_safetensors,
 )
 from ddpstate.location import (
     MapLocation,

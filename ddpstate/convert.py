@@ -24,6 +24,7 @@ from ddpstate._layout.safetensors import (
     state_dict_metadata_json,
 )
 from ddpstate._streaming.cast import Casts, target_dtype
+from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_rewrite import rename_keys
 from ddpstate._streaming.pickle_scan import (
     GlobalRef,
@@ -36,7 +37,7 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
 )
 from ddpstate._streaming.progress import Progress, human_bytes
-from ddpstate._streaming.reader import Checkpoint, read_checkpoint, zip_entry_bytes
+from ddpstate._streaming.reader import Checkpoint, zip_entry_bytes
 from ddpstate._streaming.stream import Sink
 from ddpstate._streaming.zipwriter import CopyCandidate, ZipWriter
 from ddpstate.errors import (

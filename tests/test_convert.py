@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpstate import formats, keys
+from ddpstate._io.safetensors_io import read_safetensors
 from ddpstate._layout.safetensors import ALIASES_KEY, DTYPES, STATE_DICT_METADATA_KEY
+from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import scan_pickle
-from ddpstate._streaming.reader import read_checkpoint
 from ddpstate._streaming.stream import Sink
 from ddpstate._streaming.zipwriter import ZipWriter
 from ddpstate.convert import (
@@ -40,7 +41,6 @@ from ddpstate.errors import (
     StateDictNotFoundError,
     UnsafeCheckpointError,
 )
-from ddpstate.formats import read_safetensors
 from tests.payloads import RunsCommand
 from tests.samples import RESNET20, data_offset
 
@@ -511,7 +511,7 @@ def test_zip64_records_load_in_torch(tmp_path: Path) -> None:
 
 
 def test_format_tables_match_torch_and_safetensors() -> None:
-    from ddpstate import formats
+    from ddpstate._io import safetensors_io as formats
 
     assert formats.ALIASES_KEY == ALIASES_KEY
     assert formats.STATE_DICT_METADATA_KEY == STATE_DICT_METADATA_KEY

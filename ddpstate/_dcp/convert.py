@@ -19,6 +19,7 @@ import torch
 
 from ddpstate import _fs, formats, storage
 from ddpstate._dcp import read as _dcp_read
+from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._streaming.progress import human_bytes
 from ddpstate.convert import (
     PT,
@@ -380,7 +381,7 @@ def convert_from_dcp(
             else:
                 _savecheck.save_torch(written, out, what="state", where=dst_text, extra=extra)
         else:
-            formats.write_safetensors(out, written, {"format": "pt"}, name=dst_text)
+            write_safetensors(out, written, {"format": "pt"}, name=dst_text)
     return ConvertResult(
         src=src,
         dst=dst_text,

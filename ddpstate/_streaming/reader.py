@@ -13,6 +13,7 @@ from typing import IO, Any, Optional
 
 from ddpstate import formats
 from ddpstate._layout.safetensors import parse_header, restore_extras
+from ddpstate._layout.zip import LOCAL, LOCAL_SIGNATURE, directory_span
 from ddpstate._streaming.pickle_rewrite import PickleLayout, walk
 from ddpstate._streaming.pickle_scan import (
     DTYPE_ITEMSIZE,
@@ -21,8 +22,8 @@ from ddpstate._streaming.pickle_scan import (
     Opaque,
     StorageRecord,
     StorageTypeRef,
+    StorageView,
     TensorRecord,
-    _StorageView,
     is_pickled_module,
     opaque_name,
     scan_pickle,
@@ -35,9 +36,7 @@ from ddpstate.errors import (
 )
 from ddpstate.formats import FormatName
 
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -151,21 +150,22 @@ def _storage_type(value: Any, path: str) -> StorageTypeRef:
     return value
 
 
-def read_checkpoint(
+def read_file(
     path: str,
     *,
     unsafe: bool = False,
     storage_options: Optional[dict[str, Any]] = None,
 ) -> Checkpoint:
-    """Read a checkpoint's structure: the zip directory and pickle, or the safetensors header.
+    """Read a checkpoint file's structure: the zip directory and pickle, or the safetensors header.
 
     No tensor data is read and no code from the file runs: globals become
     placeholders. Structural problems (a missing tensor record, a size that
-    does not match) are collected in ``Checkpoint.problems``.
+    does not match) are collected in ``Checkpoint.problems``. The file is
+    opened once and its zip directory read once, by format detection.
+    :func:`ddpstate._streaming.opener.read_checkpoint` also takes folders.
 
     Args:
-        path: Local path or fsspec URL of a single checkpoint file, or of a
-            Hugging Face sharded checkpoint (its shards merged into one view).
+        path: Local path or fsspec URL of a single checkpoint file.
         unsafe: Read pickles that name globals ``torch.load(weights_only=True)``
             refuses (they stay placeholders; nothing runs either way).
         storage_options: fsspec options for URLs.
@@ -175,8 +175,7 @@ def read_checkpoint(
 
     Raises:
         CheckpointNotFoundError: No such file.
-        CheckpointFormatError: Not a checkpoint file, or a TorchScript archive
-            or a torch.distributed.checkpoint folder.
+        CheckpointFormatError: Not a checkpoint file, or a TorchScript archive.
         CheckpointCorruptError: The file is truncated or its structure damaged.
         UnsafeCheckpointError: The pickle names unsafe globals and ``unsafe`` is False.
 
@@ -184,29 +183,22 @@ def read_checkpoint(
         >>> import torch, tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "m.pt")
         >>> torch.save({"module.w": torch.ones(2)}, p)
-        >>> with read_checkpoint(p) as ckpt:
+        >>> with read_file(p) as ckpt:
         ...     ckpt.format, list(ckpt.obj)
         ('pt', ['module.w'])
     """
-    kind = formats.detect_format(path, storage_options=storage_options)
-    if kind == formats.HF_SHARDED:
-        from ddpstate._hf.read import open_sharded
-
-        return open_sharded(path, unsafe=unsafe, storage_options=storage_options)
-    if kind == formats.TORCHSCRIPT:
-        raise CheckpointFormatError(
-            f"{path}: a TorchScript archive (torch.jit.save), not a torch.save checkpoint; "
-            f"load it with torch.jit.load() and torch.save its .state_dict() to use ddpstate on it"
-        )
-    if kind == formats.DCP:
-        raise CheckpointFormatError(
-            f"{path}: a torch.distributed.checkpoint folder; this command reads single "
-            f"checkpoint files (torch.save, legacy torch or safetensors)"
-        )
     source = Source(path, storage_options)
     try:
+        detected = formats.classify_file(source.file, source.size, path)
+        kind = detected.format
+        if kind == formats.TORCHSCRIPT:
+            raise CheckpointFormatError(
+                f"{path}: a TorchScript archive (torch.jit.save), not a torch.save checkpoint; "
+                f"load it with torch.jit.load() and torch.save its .state_dict() to use "
+                f"ddpstate on it"
+            )
         if kind == formats.TORCH_ZIP:
-            ckpt = _read_zip(source, path)
+            ckpt = _read_zip(source, path, detected)
         elif kind == formats.LEGACY:
             ckpt = _read_legacy(source, path)
         else:
@@ -235,7 +227,7 @@ def _unsafe_message(ckpt: Checkpoint) -> str:
 # --------------------------------------------------------------------------- torch zip
 
 
-def _read_zip(source: Source, path: str) -> Checkpoint:
+def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoint:
     try:
         with zipfile.ZipFile(source.file) as archive:
             infos = archive.infolist()
@@ -248,21 +240,21 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
         for info in infos
     ]
     spans = [
-        (info.header_offset, _LOCAL_HEADER.size + len(name))
+        (info.header_offset, LOCAL.size + len(name))
         for info, name in zip(infos, names, strict=True)
     ]
     headers = _local_headers(source, spans)
     for info, name, header in zip(infos, names, headers, strict=True):
         # The local header and, right after it, the name.
-        fields = _LOCAL_HEADER.unpack(header[: _LOCAL_HEADER.size])
-        if fields[0] != 0x04034B50:
+        fields = LOCAL.unpack(header[: LOCAL.size])
+        if fields[0] != LOCAL_SIGNATURE:
             problems.append(f"zip entry {info.filename}: local header is damaged")
             continue
-        if fields[9] != len(name) or header[_LOCAL_HEADER.size :] != name:
+        if fields[9] != len(name) or header[LOCAL.size :] != name:
             problems.append(
                 f"zip entry {info.filename} has another name in its local header; the names differ"
             )
-        data_offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        data_offset = info.header_offset + LOCAL.size + fields[9] + fields[10]
         records[info.filename] = ZipRecord(
             name=info.filename,
             header_offset=info.header_offset,
@@ -281,7 +273,7 @@ def _read_zip(source: Source, path: str) -> Checkpoint:
     if not pickles:
         raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
     prefix = pickles[0][: -len("data.pkl")]
-    problems.extend(_zip_header_problems(source, infos, prefix, path))
+    problems.extend(_zip_header_problems(detected, infos, prefix))
     # Not needed past here: 100,000 ZipInfo objects are some 40 MiB the scan can use.
     del archive, infos, names, spans, headers
     pkl_bytes = zip_entry_bytes(source, records[pickles[0]], path)
@@ -394,7 +386,7 @@ def _local_headers(source: Source, spans: list[tuple[int, int]]) -> list[bytes]:
 
 
 def _zip_header_problems(
-    source: Source, infos: list[zipfile.ZipInfo], prefix: str, path: str
+    detected: formats.Detected, infos: list[zipfile.ZipInfo], prefix: str
 ) -> list[str]:
     """Damage in zip metadata that Python's zipfile tolerates but torch.load refuses.
 
@@ -420,7 +412,8 @@ def _zip_header_problems(
             )
         if not name.startswith(prefix):
             problems.append(f"zip entry {name} lies outside the archive folder {prefix}")
-    end = formats.read_zip_end(source.read_at, source.size, path)
+    end = detected.zip_end
+    assert end is not None  # classify_file read it, as it does for every zip
     problems.extend(end.problems)
     if (end.disk, end.cd_disk) != (0, 0):
         problems.append(f"the end-of-directory record names disks {end.disk}/{end.cd_disk}, not 0")
@@ -430,14 +423,9 @@ def _zip_header_problems(
             f"{len(infos)}"
         )
     cd_size, cd_offset, cd_end = end.cd_size, end.cd_offset, end.cd_end
-    # Walk the raw directory by its own length fields (zipfile silently truncates a
-    # name or extra field whose length runs past the directory).
-    listed, count = 0, 0
-    if cd_offset + cd_size <= source.size:
-        raw = source.read_at(cd_offset, cd_size)
-        while listed + 46 <= len(raw) and raw[listed : listed + 4] == b"PK\x01\x02":
-            listed += 46 + sum(struct.unpack_from("<3H", raw, listed + 28))
-            count += 1
+    # The directory as its own length fields lay it out (zipfile silently
+    # truncates a name or extra field whose length runs past the directory).
+    listed, count = directory_span(detected.zip_directory)
     if cd_offset + cd_size != cd_end or listed != cd_size or count != len(infos):
         problems.append(
             f"the directory's recorded place and size ({cd_size} bytes at {cd_offset}) do not "
@@ -454,6 +442,23 @@ def zip_entry_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
     """
     if record.method == zipfile.ZIP_STORED:
         return source.read_at(record.data_offset, record.size)
+    if record.method == zipfile.ZIP_DEFLATED:
+        # Inflated from the offset the directory walk found: no second ZipFile
+        # (and its directory parse) per entry.
+        try:
+            inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+            data = inflater.decompress(source.read_at(record.data_offset, record.compressed_size))
+            data += inflater.flush()
+        except zlib.error as exc:
+            raise _corrupt(path, f"zip entry {record.name} cannot be read", exc) from exc
+        # The messages zipfile gives for the same damage.
+        if not inflater.eof:
+            cut = EOFError("Compressed file ended before the end-of-stream marker was reached")
+            raise _corrupt(path, f"zip entry {record.name} cannot be read", cut)
+        if len(data) != record.size or zlib.crc32(data) != record.crc32:
+            bad = zipfile.BadZipFile(f"Bad CRC-32 for file {record.name!r}")
+            raise _corrupt(path, f"zip entry {record.name} cannot be read", bad)
+        return data
     try:
         with zipfile.ZipFile(source.file) as archive:
             return archive.read(record.name)
@@ -471,7 +476,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
     file.seek(0)
     magic = _scan(file, _no_persistent, path, "the magic number").obj
     version = _scan(file, _no_persistent, path, "the protocol version").obj
-    if magic != _LEGACY_MAGIC or version != _LEGACY_PROTOCOL:
+    if magic != formats.LEGACY_MAGIC or version != _LEGACY_PROTOCOL:
         raise CheckpointFormatError(
             f"{path}: starts like a legacy torch file but has magic {magic!r} / protocol "
             f"{version!r}; it is not a format ddpstate reads"
@@ -504,7 +509,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
         if view is not None:
             if not isinstance(view, tuple) or len(view) != 3:
                 raise pickle.UnpicklingError(f"unexpected storage view {view!r}")
-            return _StorageView(record, _count(view[1]), _count(view[2]))
+            return StorageView(record, _count(view[1]), _count(view[2]))
         return record
 
     result = _scan(file, persistent_load, path, "the pickled object")
@@ -627,7 +632,7 @@ __all__ = [
     "Checkpoint",
     "Opaque",
     "ZipRecord",
-    "read_checkpoint",
+    "read_file",
     "storage_type_for",
     "zip_entry_bytes",
 ]
