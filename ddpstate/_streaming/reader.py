@@ -9,11 +9,18 @@ import pickle
 import struct
 import zipfile
 import zlib
-from typing import IO, Any, Optional
+from typing import IO, Any, Callable, Optional
 
 from ddpstate import formats
 from ddpstate._layout.safetensors import parse_header, restore_extras
-from ddpstate._layout.zip import LOCAL, LOCAL_SIGNATURE, directory_span
+from ddpstate._layout.zip import (
+    LOCAL,
+    LOCAL_SIGNATURE,
+    CentralEntry,
+    ZipEnd,
+    directory_span,
+    parse_directory,
+)
 from ddpstate._streaming.pickle_rewrite import PickleLayout, walk
 from ddpstate._streaming.pickle_scan import (
     DTYPE_ITEMSIZE,
@@ -227,55 +234,60 @@ def _unsafe_message(ckpt: Checkpoint) -> str:
 # --------------------------------------------------------------------------- torch zip
 
 
+def _read_upto(source: Source) -> Callable[[int, int], bytes]:
+    """``read_at`` that returns what there is (zipfile reads so), for :func:`parse_directory`."""
+
+    def read_at(offset: int, length: int) -> bytes:
+        source.file.seek(offset)
+        return source.file.read(length)
+
+    return read_at
+
+
 def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoint:
+    end = detected.zip_end
+    assert end is not None  # classify_file read it, as it does for every zip
     try:
-        with zipfile.ZipFile(source.file) as archive:
-            infos = archive.infolist()
+        # The directory format detection read, parsed once (as zipfile would parse it).
+        entries = parse_directory(detected.zip_directory, end, _read_upto(source))
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
         raise _corrupt(path, "the zip directory cannot be read", exc) from exc
     records: dict[str, ZipRecord] = {}
     problems: list[str] = []
-    names = [
-        info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
-        for info in infos
-    ]
-    spans = [
-        (info.header_offset, LOCAL.size + len(name))
-        for info, name in zip(infos, names, strict=True)
-    ]
+    spans = [(entry.header_offset, LOCAL.size + len(entry.raw_name)) for entry in entries]
     headers = _local_headers(source, spans)
-    for info, name, header in zip(infos, names, headers, strict=True):
+    for entry, header in zip(entries, headers, strict=True):
         # The local header and, right after it, the name.
         fields = LOCAL.unpack(header[: LOCAL.size])
         if fields[0] != LOCAL_SIGNATURE:
-            problems.append(f"zip entry {info.filename}: local header is damaged")
+            problems.append(f"zip entry {entry.name}: local header is damaged")
             continue
-        if fields[9] != len(name) or header[LOCAL.size :] != name:
+        if fields[9] != len(entry.raw_name) or header[LOCAL.size :] != entry.raw_name:
             problems.append(
-                f"zip entry {info.filename} has another name in its local header; the names differ"
+                f"zip entry {entry.name} has another name in its local header; the names differ"
             )
-        data_offset = info.header_offset + LOCAL.size + fields[9] + fields[10]
-        records[info.filename] = ZipRecord(
-            name=info.filename,
-            header_offset=info.header_offset,
+        data_offset = entry.header_offset + LOCAL.size + fields[9] + fields[10]
+        records[entry.name] = ZipRecord(
+            name=entry.name,
+            header_offset=entry.header_offset,
             data_offset=data_offset,
-            size=info.file_size,
-            compressed_size=info.compress_size,
-            crc32=info.CRC,
-            method=info.compress_type,
+            size=entry.size,
+            compressed_size=entry.compressed_size,
+            crc32=entry.crc32,
+            method=entry.method,
         )
-        if data_offset + info.compress_size > source.size:
+        if data_offset + entry.compressed_size > source.size:
             problems.append(
-                f"zip entry {info.filename} runs to byte {data_offset + info.compress_size} "
+                f"zip entry {entry.name} runs to byte {data_offset + entry.compressed_size} "
                 f"but the file ends at {source.size}"
             )
     pickles = sorted((n for n in records if n.endswith("data.pkl")), key=len)
     if not pickles:
         raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
     prefix = pickles[0][: -len("data.pkl")]
-    problems.extend(_zip_header_problems(detected, infos, prefix))
-    # Not needed past here: 100,000 ZipInfo objects are some 40 MiB the scan can use.
-    del archive, infos, names, spans, headers
+    problems.extend(_zip_header_problems(end, detected.zip_directory, entries, prefix))
+    # Not needed past here: 100,000 entries are memory the scan can use.
+    del entries, spans, headers
     pkl_bytes = zip_entry_bytes(source, records[pickles[0]], path)
     byteorder = "little"
     if prefix + "byteorder" in records:
@@ -386,7 +398,7 @@ def _local_headers(source: Source, spans: list[tuple[int, int]]) -> list[bytes]:
 
 
 def _zip_header_problems(
-    detected: formats.Detected, infos: list[zipfile.ZipInfo], prefix: str
+    end: ZipEnd, directory: bytes, entries: list[CentralEntry], prefix: str
 ) -> list[str]:
     """Damage in zip metadata that Python's zipfile tolerates but torch.load refuses.
 
@@ -396,37 +408,35 @@ def _zip_header_problems(
     lies outside the archive folder, and inconsistent end-of-directory records.
     """
     problems: list[str] = []
-    for info in infos:
-        name = info.filename
-        if info.flag_bits & ~0x80E:  # only data descriptor, deflate options and UTF-8
+    for entry in entries:
+        name = entry.name
+        if entry.flags & ~0x80E:  # only data descriptor, deflate options and UTF-8
             problems.append(
                 f"zip entry {name} asks for zip features torch cannot read (encryption, "
-                f"patched data: flags {info.flag_bits:#06x})"
+                f"patched data: flags {entry.flags:#06x})"
             )
-        if info.volume != 0:
-            problems.append(f"zip entry {name} claims to start on disk {info.volume}")
-        if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+        if entry.disk != 0:
+            problems.append(f"zip entry {name} claims to start on disk {entry.disk}")
+        if entry.method == zipfile.ZIP_STORED and entry.compressed_size != entry.size:
             problems.append(
-                f"zip entry {name} is stored with {info.compress_size} bytes but claims "
-                f"{info.file_size}"
+                f"zip entry {name} is stored with {entry.compressed_size} bytes but claims "
+                f"{entry.size}"
             )
         if not name.startswith(prefix):
             problems.append(f"zip entry {name} lies outside the archive folder {prefix}")
-    end = detected.zip_end
-    assert end is not None  # classify_file read it, as it does for every zip
     problems.extend(end.problems)
     if (end.disk, end.cd_disk) != (0, 0):
         problems.append(f"the end-of-directory record names disks {end.disk}/{end.cd_disk}, not 0")
-    if not end.on_disk == end.total == len(infos):
+    if not end.on_disk == end.total == len(entries):
         problems.append(
             f"the end-of-directory record counts {end.on_disk}/{end.total} entries; there are "
-            f"{len(infos)}"
+            f"{len(entries)}"
         )
     cd_size, cd_offset, cd_end = end.cd_size, end.cd_offset, end.cd_end
     # The directory as its own length fields lay it out (zipfile silently
     # truncates a name or extra field whose length runs past the directory).
-    listed, count = directory_span(detected.zip_directory)
-    if cd_offset + cd_size != cd_end or listed != cd_size or count != len(infos):
+    listed, count = directory_span(directory)
+    if cd_offset + cd_size != cd_end or listed != cd_size or count != len(entries):
         problems.append(
             f"the directory's recorded place and size ({cd_size} bytes at {cd_offset}) do not "
             f"match its {count} entries ({listed} bytes) ending at byte {cd_end}"
