@@ -12,7 +12,7 @@ import os
 import struct
 import zipfile
 from collections.abc import Callable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ddpstate.errors import CheckpointCorruptError
 
@@ -300,8 +300,7 @@ MAX_EXTRACT_VERSION = 63
 _UTF8_NAME = 0x800
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class CentralEntry:
+class CentralEntry(NamedTuple):
     """One central directory entry: what :class:`zipfile.ZipInfo` says of it.
 
     Attributes:
@@ -396,6 +395,8 @@ def parse_directory(
     if (view.start, view.size) != (end.cd_offset, end.cd_size):
         directory = read_at(view.start, view.size)
     concat = view.concat
+    # zipfile.ZipInfo writes names with "/" whatever the system's separator.
+    other_sep = os.sep != "/"
     entries: list[CentralEntry] = []
     pos = 0
     while pos < view.size:
@@ -414,21 +415,16 @@ def parse_directory(
         needed = fields[2] & 0xFF
         if needed > MAX_EXTRACT_VERSION:
             raise NotImplementedError(f"zip file version {needed / 10:.1f}")
-        size, compressed, offset = _zip64_sizes(extra, size, compressed, fields[16])
-        name = name.split("\0", 1)[0]
-        if os.sep != "/":
+        offset = fields[16]
+        if extra:
+            size, compressed, offset = _zip64_sizes(extra, size, compressed, offset)
+        if "\0" in name:
+            name = name[: name.index("\0")]
+        if other_sep:
             name = name.replace(os.sep, "/")
         entries.append(
             CentralEntry(
-                name=name,
-                raw_name=raw_name,
-                flags=flags,
-                method=method,
-                crc32=crc,
-                compressed_size=compressed,
-                size=size,
-                disk=fields[13],
-                header_offset=offset + concat,
+                name, raw_name, flags, method, crc, compressed, size, fields[13], offset + concat
             )
         )
         pos = at + name_len + extra_len + comment_len
