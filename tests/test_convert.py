@@ -472,6 +472,35 @@ def test_torchscript_and_non_checkpoints_are_named(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["net.ts", "notes.txt"]
 
 
+def test_read_checkpoint_dispatches_folders_and_files(tmp_path: Path) -> None:
+    """The streaming opener: a file goes to the single-file reader, a folder holding a
+    Hugging Face index to the sharded reader, a DCP folder and a plain folder are refused."""
+    weights = {"w": torch.arange(4.0), "b": torch.ones(2)}
+    single = tmp_path / "m.safetensors"
+    safetensors.torch.save_file(weights, single)
+    with read_checkpoint(str(single)) as ckpt:
+        assert (ckpt.format, sorted(ckpt.obj)) == ("safetensors", ["b", "w"])
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    safetensors.torch.save_file(weights, sharded / "model.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"w": "model.safetensors", "b": "model.safetensors"}}'
+    )
+    for where in (sharded, sharded / "model.safetensors.index.json"):
+        with read_checkpoint(str(where)) as ckpt:
+            assert (ckpt.format, sorted(ckpt.obj)) == (formats.HF_SHARDED, ["b", "w"])
+    dcp_folder = tmp_path / "dcp"
+    dcp_folder.mkdir()
+    (dcp_folder / ".metadata").write_bytes(b"")
+    refused = r"torch\.distributed\.checkpoint folder; this command"
+    with pytest.raises(CheckpointFormatError, match=refused):
+        read_checkpoint(str(dcp_folder))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointFormatError, match="a folder, not a checkpoint file"):
+        read_checkpoint(str(empty))
+
+
 def test_zip64_records_load_in_torch(tmp_path: Path) -> None:
     """A record of 4 GiB and records past 4 GiB get zip64 fields torch and zipfile read."""
     from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle

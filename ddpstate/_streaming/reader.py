@@ -9,7 +9,7 @@ import pickle
 import struct
 import zipfile
 import zlib
-from typing import IO, Any, Callable, Optional
+from typing import IO, Any, Optional
 
 from ddpstate import formats
 from ddpstate._layout.safetensors import parse_header, restore_extras
@@ -234,22 +234,12 @@ def _unsafe_message(ckpt: Checkpoint) -> str:
 # --------------------------------------------------------------------------- torch zip
 
 
-def _read_upto(source: Source) -> Callable[[int, int], bytes]:
-    """``read_at`` that returns what there is (zipfile reads so), for :func:`parse_directory`."""
-
-    def read_at(offset: int, length: int) -> bytes:
-        source.file.seek(offset)
-        return source.file.read(length)
-
-    return read_at
-
-
 def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoint:
     end = detected.zip_end
     assert end is not None  # classify_file read it, as it does for every zip
     try:
         # The directory format detection read, parsed once (as zipfile would parse it).
-        entries = parse_directory(detected.zip_directory, end, _read_upto(source))
+        entries = parse_directory(detected.zip_directory, end, source.read_upto)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
         raise _corrupt(path, "the zip directory cannot be read", exc) from exc
     records: dict[str, ZipRecord] = {}
