@@ -23,7 +23,6 @@ from ddpstate.errors import (
 __all__ = [
     "DCP",
     "DESCRIPTIONS",
-    "Detected",
     "FORMATS",
     "HF_SHARDED",
     "LEGACY",
@@ -34,7 +33,6 @@ __all__ = [
     "TORCHSCRIPT",
     "TORCH_ZIP",
     "FormatName",
-    "classify_file",
     "detect_format",
     "parse_format",
     "sniff_format",
