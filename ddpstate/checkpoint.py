@@ -19,6 +19,7 @@ from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
 from ddpstate._io.model_state import IncompatibleKeys, load_fitting
+from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate.dist import (
     broadcast_object,
@@ -46,8 +47,6 @@ from ddpstate.formats import (
     TORCHSCRIPT,
     detect_format,
     parse_format,
-    read_safetensors,
-    write_safetensors,
 )
 from ddpstate.location import (
     MapLocation,

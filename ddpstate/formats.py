@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import struct
 import zipfile
 from collections.abc import Callable, Iterable
-from typing import IO, TYPE_CHECKING, Any, Final, Literal, Optional, Union
+from typing import IO, Any, Final, Literal, Optional, Union
 
 from ddpstate import _fs
+from ddpstate._layout.safetensors import SAFETENSORS_MAX_HEADER
+from ddpstate._layout.zip import LOCAL_MAGIC, ZipEnd, read_directory
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -17,46 +20,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
 )
 
-if TYPE_CHECKING:
-    from ddpstate._io.safetensors_io import (
-        ALIASES_KEY,
-        STATE_DICT_METADATA_KEY,
-        SafetensorsHeader,
-        TensorEntry,
-        read_safetensors,
-        read_safetensors_header,
-        safetensors_header_for,
-        write_safetensors,
-    )
-
-# The safetensors helpers import torch; they load on first use so that format
-# detection (and `ddpstate convert`, which streams without torch) stays light.
-_SAFETENSORS_NAMES = frozenset(
-    {
-        "ALIASES_KEY",
-        "STATE_DICT_METADATA_KEY",
-        "SafetensorsHeader",
-        "TensorEntry",
-        "read_safetensors",
-        "read_safetensors_header",
-        "safetensors_header_for",
-        "write_safetensors",
-    }
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _SAFETENSORS_NAMES:
-        from ddpstate._io import safetensors_io as _safetensors_io
-
-        value = getattr(_safetensors_io, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
-    "ALIASES_KEY",
     "DCP",
     "DESCRIPTIONS",
     "FORMATS",
@@ -66,19 +30,12 @@ __all__ = [
     "PT",
     "PT_LEGACY",
     "SAFETENSORS",
-    "STATE_DICT_METADATA_KEY",
-    "SafetensorsHeader",
-    "TensorEntry",
     "TORCHSCRIPT",
     "TORCH_ZIP",
     "FormatName",
     "detect_format",
     "parse_format",
-    "read_safetensors",
-    "read_safetensors_header",
-    "safetensors_header_for",
     "sniff_format",
-    "write_safetensors",
 ]
 
 #: torch.save's zip container (torch >= 1.6): ``<root>/data.pkl`` + ``<root>/data/<key>``.
@@ -179,130 +136,51 @@ def parse_format(
     return name
 
 
-# torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_PREFIX = b"\x80\x02\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little") + b"."
-_ZIP_MAGIC = b"PK\x03\x04"
-_CD_MAGIC = b"PK\x01\x02"
-_EOCD_MAGIC = b"PK\x05\x06"
-_EOCD_SIZE = 22
-_EOCD64_MAGIC = b"PK\x06\x06"
-_EOCD64_LOCATOR_MAGIC = b"PK\x06\x07"
-_EOCD64_LOCATOR_SIZE = 20
-# safetensors caps its header at 100 MB; a larger claimed length is not safetensors.
-SAFETENSORS_MAX_HEADER = 100_000_000
+#: torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PREFIX = (
+    pickle.PROTO + b"\x02" + pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little")
+    + pickle.STOP
+)  # fmt: skip
 _SNIFF_BYTES = 64
 
 Source = Union[str, "os.PathLike[str]", IO[bytes]]
 
 
-def _truncated_zip(name: str, detail: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(
-        f"{name}: starts like a torch.save zip archive but its directory cannot be read "
-        f"({detail}), so the file is truncated or damaged: re-save or re-download it"
-    )
-
-
 @dataclasses.dataclass(frozen=True)
-class ZipEnd:
-    """What a zip archive's end records say about its central directory.
+class Detected:
+    """What detection read of one file: its format and, for a zip, its directory.
+
+    A reader that goes on to parse the file reuses the directory instead of
+    reading and walking it a second time.
 
     Attributes:
-        disk: Number of this disk (0 in a single-file archive).
-        cd_disk: Disk where the directory starts (0).
-        on_disk: Entries on this disk.
-        total: Entries in all.
-        cd_size: Bytes of the directory.
-        cd_offset: Where the directory starts.
-        cd_end: Where it must end: the zip64 end record, or the classic one.
-        problems: Damage to the zip64 locator that still leaves the classic
-            record usable.
+        format: The file's format (one of :data:`FORMATS`).
+        zip_end: The zip archive's end records (zip formats only).
+        zip_directory: The zip archive's raw central directory (zip formats only).
     """
 
-    disk: int
-    cd_disk: int
-    on_disk: int
-    total: int
-    cd_size: int
-    cd_offset: int
-    cd_end: int
-    problems: tuple[str, ...]
+    format: FormatName
+    zip_end: Optional[ZipEnd] = None
+    zip_directory: bytes = b""
 
 
-def read_zip_end(read_at: Callable[[int, int], bytes], size: int, name: str) -> ZipEnd:
-    """Find and parse a zip archive's end-of-directory records (zip64 included).
-
-    Args:
-        read_at: ``read_at(offset, length)`` returns up to ``length`` bytes of the file.
-        size: The file's size.
-        name: The file, for messages.
-
-    Returns:
-        The :class:`ZipEnd`.
-
-    Raises:
-        CheckpointCorruptError: No end record, or a zip64 one that the classic
-            record needs but that is missing or damaged.
-    """
-    tail_len = min(size, _EOCD_SIZE + 0xFFFF + _EOCD64_LOCATOR_SIZE)
-    tail_at = size - tail_len
-    tail = read_at(tail_at, tail_len)
-    at = tail.rfind(_EOCD_MAGIC)
-    if at < 0 or at + _EOCD_SIZE > len(tail):
-        raise _truncated_zip(name, "no end-of-directory record")
-    fields = struct.unpack_from("<4H2I", tail, at + 4)
-    cd_end = tail_at + at
-    problems: list[str] = []
-    needs_zip64 = 0xFFFFFFFF in fields[4:] or 0xFFFF in fields[:4]
-    locator = at - _EOCD64_LOCATOR_SIZE
-    if locator >= 0 and tail[locator : locator + 4] == _EOCD64_LOCATOR_MAGIC:
-        cd_disk64, record_at, disks = struct.unpack_from("<IQI", tail, locator + 4)
-        if cd_disk64 != 0 or disks != 1:
-            problems.append(f"the zip64 locator names disk {cd_disk64} of {disks}, not 0 of 1")
-        record = read_at(record_at, 56) if 0 <= record_at <= size - 56 else b""
-        if record[:4] == _EOCD64_MAGIC:
-            fields = struct.unpack_from("<2I4Q", record, 16)
-            cd_end = record_at
-        elif needs_zip64:
-            raise _truncated_zip(name, "no zip64 end-of-directory record")
-        else:
-            problems.append(f"the zip64 locator points to byte {record_at}, not its record")
-    elif needs_zip64:
-        raise _truncated_zip(name, "no zip64 end-of-directory locator")
-    disk, cd_disk, on_disk, total, cd_size, cd_offset = (int(v) for v in fields)
-    return ZipEnd(disk, cd_disk, on_disk, total, cd_size, cd_offset, cd_end, tuple(problems))
-
-
-def _zip_directory(fileobj: IO[bytes], size: int, name: str) -> bytes:
-    """The raw central directory of a zip archive (one read, no per-entry objects).
-
-    zipfile.ZipFile builds a ZipInfo per entry, ~10 us each: 1 % of loading a
-    checkpoint of 100,000 tensors, for a question a substring search answers.
-    """
-
+def _read_at(fileobj: IO[bytes]) -> Callable[[int, int], bytes]:
     def read_at(offset: int, length: int) -> bytes:
         fileobj.seek(offset)
         return fileobj.read(length)
 
-    end = read_zip_end(read_at, size, name)
-    if end.cd_offset + end.cd_size > size:
-        raise _truncated_zip(
-            name, f"the directory claims bytes {end.cd_offset}..{end.cd_offset + end.cd_size}"
-        )
-    directory = read_at(end.cd_offset, end.cd_size)
-    if len(directory) != end.cd_size or (end.cd_size and not directory.startswith(_CD_MAGIC)):
-        raise _truncated_zip(name, "the directory is not where the end record says")
-    return directory
+    return read_at
 
 
-def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> FormatName:
-    directory = _zip_directory(fileobj, size, name)
+def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> Detected:
+    end, directory = read_directory(_read_at(fileobj), size, name)
     # Entry names sit in the directory as raw bytes: torch.jit.save writes code/
     # and constants.pkl, torch.save a data.pkl.
     if b"/constants.pkl" in directory or b"/code/" in directory:
-        return TORCHSCRIPT
+        return Detected(TORCHSCRIPT, end, directory)
     if b"data.pkl" in directory:
-        return TORCH_ZIP
+        return Detected(TORCH_ZIP, end, directory)
     fileobj.seek(0)
     try:
         with zipfile.ZipFile(fileobj) as archive:
@@ -333,7 +211,7 @@ def sniff_format(head: bytes, size: Optional[int] = None) -> Optional[FormatName
         >>> sniff_format(b"PK\\x03\\x04" + bytes(60))
         'pt'
     """
-    if head.startswith(_ZIP_MAGIC):
+    if head.startswith(LOCAL_MAGIC):
         return TORCH_ZIP
     if head.startswith(_LEGACY_PREFIX):
         return LEGACY
@@ -394,7 +272,7 @@ def detect_format(
         fileobj.seek(0, os.SEEK_END)
         size = fileobj.tell() - start
         fileobj.seek(start)
-        return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>"))
+        return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>")).format
 
     name = os.fspath(source)
     if _fs.is_remote(name):
@@ -411,7 +289,7 @@ def detect_format(
                 return HF_SHARDED
             size = fs.size(path)
             remote.seek(0)
-            return _classify(remote, head, size, name)
+            return _classify(remote, head, size, name).format
 
     name = _fs.local_path(name)
     if os.path.isdir(name):
@@ -424,7 +302,7 @@ def detect_format(
             if _is_index(name, head):
                 return HF_SHARDED
             size = os.fstat(local.fileno()).st_size
-            return _classify(local, head, size, name)
+            return _classify(local, head, size, name).format
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
 
@@ -451,7 +329,39 @@ def _folder_kind(name: str, has_dcp_metadata: bool) -> FormatName:
     )
 
 
-def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> FormatName:
+def classify_file(fileobj: IO[bytes], size: int, name: str) -> Detected:
+    """Tell which format an open checkpoint file holds, keeping what was read to tell.
+
+    :func:`detect_format` for a file a reader has open already: the streaming
+    reader opens a file once, classifies it here and reuses the zip directory.
+    Unlike :func:`detect_format`, it does not recognise a Hugging Face index.
+
+    Args:
+        fileobj: The file, readable and seekable; its data starts at offset 0.
+        size: The file's size in bytes.
+        name: The file, for messages.
+
+    Returns:
+        The :class:`Detected` format (and zip directory).
+
+    Raises:
+        CheckpointFormatError: The bytes match no format ddpstate knows.
+        CheckpointCorruptError: The bytes start like a torch.save zip or a
+            safetensors file but are cut short or damaged.
+
+    Example:
+        >>> import io
+        >>> from ddpstate.formats import classify_file
+        >>> raw = b"\\x80\\x02\\x8a\\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
+        >>> classify_file(io.BytesIO(raw), len(raw), "old.pt").format
+        'pt_legacy'
+    """
+    fileobj.seek(0)
+    head = fileobj.read(_SNIFF_BYTES)
+    return _classify(fileobj, head, size, name)
+
+
+def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> Detected:
     kind = sniff_format(head, size)
     if kind == TORCH_ZIP:
         return _zip_kind(fileobj, size, name)
@@ -469,4 +379,4 @@ def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> FormatNa
             f"torch.save file, a legacy torch file, safetensors or a torch.distributed.checkpoint "
             f"folder"
         )
-    return kind
+    return Detected(kind)

@@ -52,6 +52,7 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import model_state
 from ddpstate._io import savecheck as _savecheck
+from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._manager import local_tier as _local_tier
 from ddpstate._manager import verify_split as _verify_split
 from ddpstate._version import __version__
@@ -75,7 +76,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
     KeyMismatchError,
 )
-from ddpstate.formats import PT, SAFETENSORS, parse_format, write_safetensors
+from ddpstate.formats import PT, SAFETENSORS, parse_format
 from ddpstate.keys import adapt_state_dict, normalize_keys, unwrap_model
 from ddpstate.rng import capture_rng_state, derived_seed, restore_rng_state, seed_all
 

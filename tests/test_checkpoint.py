@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ddpstate import formats
+from ddpstate._io.safetensors_io import read_safetensors_header
 from ddpstate.checkpoint import load, save
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -24,7 +25,7 @@ from ddpstate.errors import (
     InvalidArgumentError,
     UnsafeCheckpointError,
 )
-from ddpstate.formats import detect_format, read_safetensors_header
+from ddpstate.formats import detect_format
 from ddpstate.storage import listdir
 from tests.samples import RESNET20
 

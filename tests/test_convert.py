@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpstate import formats, keys
+from ddpstate._io.safetensors_io import read_safetensors
 from ddpstate._layout.safetensors import ALIASES_KEY, DTYPES, STATE_DICT_METADATA_KEY
+from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import scan_pickle
-from ddpstate._streaming.reader import read_checkpoint
 from ddpstate._streaming.stream import Sink
 from ddpstate._streaming.zipwriter import ZipWriter
 from ddpstate.convert import (
@@ -40,7 +41,6 @@ from ddpstate.errors import (
     StateDictNotFoundError,
     UnsafeCheckpointError,
 )
-from ddpstate.formats import read_safetensors
 from tests.payloads import RunsCommand
 from tests.samples import RESNET20, data_offset
 
@@ -472,6 +472,35 @@ def test_torchscript_and_non_checkpoints_are_named(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["net.ts", "notes.txt"]
 
 
+def test_read_checkpoint_dispatches_folders_and_files(tmp_path: Path) -> None:
+    """The streaming opener: a file goes to the single-file reader, a folder holding a
+    Hugging Face index to the sharded reader, a DCP folder and a plain folder are refused."""
+    weights = {"w": torch.arange(4.0), "b": torch.ones(2)}
+    single = tmp_path / "m.safetensors"
+    safetensors.torch.save_file(weights, single)
+    with read_checkpoint(str(single)) as ckpt:
+        assert (ckpt.format, sorted(ckpt.obj)) == ("safetensors", ["b", "w"])
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    safetensors.torch.save_file(weights, sharded / "model.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"w": "model.safetensors", "b": "model.safetensors"}}'
+    )
+    for where in (sharded, sharded / "model.safetensors.index.json"):
+        with read_checkpoint(str(where)) as ckpt:
+            assert (ckpt.format, sorted(ckpt.obj)) == (formats.HF_SHARDED, ["b", "w"])
+    dcp_folder = tmp_path / "dcp"
+    dcp_folder.mkdir()
+    (dcp_folder / ".metadata").write_bytes(b"")
+    refused = r"torch\.distributed\.checkpoint folder; this command"
+    with pytest.raises(CheckpointFormatError, match=refused):
+        read_checkpoint(str(dcp_folder))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointFormatError, match="a folder, not a checkpoint file"):
+        read_checkpoint(str(empty))
+
+
 def test_zip64_records_load_in_torch(tmp_path: Path) -> None:
     """A record of 4 GiB and records past 4 GiB get zip64 fields torch and zipfile read."""
     from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle
@@ -511,7 +540,7 @@ def test_zip64_records_load_in_torch(tmp_path: Path) -> None:
 
 
 def test_format_tables_match_torch_and_safetensors() -> None:
-    from ddpstate import formats
+    from ddpstate._io import safetensors_io as formats
 
     assert formats.ALIASES_KEY == ALIASES_KEY
     assert formats.STATE_DICT_METADATA_KEY == STATE_DICT_METADATA_KEY

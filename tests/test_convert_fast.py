@@ -17,8 +17,8 @@ import torch.distributed.tensor
 from torch import nn
 
 import ddpstate._convert.rewrite as convert_mod
+from ddpstate._streaming.pickle_memo import check_memo_indexes
 from ddpstate._streaming.pickle_rewrite import rename_keys, walk
-from ddpstate._streaming.pickle_scan import check_memo_indexes
 from ddpstate.convert import convert_file
 from tests.test_convert import _checkpoints, _trained
 

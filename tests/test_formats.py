@@ -18,19 +18,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpstate import formats
-from ddpstate._io.safetensors_io import DTYPE_NAMES
-from ddpstate._layout.safetensors import KEY_ORDER_KEY
-from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
-from ddpstate.formats import (
+from ddpstate._io.safetensors_io import (
     ALIASES_KEY,
+    DTYPE_NAMES,
     STATE_DICT_METADATA_KEY,
-    detect_format,
     read_safetensors,
     read_safetensors_header,
     safetensors_header_for,
-    sniff_format,
     write_safetensors,
 )
+from ddpstate._layout.safetensors import KEY_ORDER_KEY
+from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
+from ddpstate.formats import detect_format, sniff_format
 from tests.samples import RESNET20
 
 SAMPLE = RESNET20

@@ -15,13 +15,13 @@ import safetensors.torch
 import torch
 
 import ddpstate
-from ddpstate.errors import CheckpointCorruptError
-from ddpstate.formats import (
+from ddpstate._io.safetensors_io import (
     ALIASES_KEY,
     read_safetensors,
     read_safetensors_header,
     write_safetensors,
 )
+from ddpstate.errors import CheckpointCorruptError
 
 
 def _plain() -> dict[str, torch.Tensor]:

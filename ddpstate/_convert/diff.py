@@ -19,6 +19,7 @@ from ddpstate._convert.common import (
 from ddpstate._convert.results import DiffResult
 from ddpstate._convert.tensor_data import load_tensor
 from ddpstate._fs import PathLike
+from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import (
     TensorRecord,
     is_pickled_module,
@@ -27,7 +28,7 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
 )
 from ddpstate._streaming.progress import Progress
-from ddpstate._streaming.reader import Checkpoint, read_checkpoint
+from ddpstate._streaming.reader import Checkpoint
 from ddpstate.errors import AmbiguousStateDictError, StateDictNotFoundError
 
 if TYPE_CHECKING:

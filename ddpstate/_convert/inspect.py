@@ -16,6 +16,7 @@ from ddpstate._convert.common import (
 )
 from ddpstate._convert.results import InspectResult, TensorInfo
 from ddpstate._fs import PathLike
+from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import (
     TensorRecord,
     is_pickled_module,
@@ -24,7 +25,6 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
 )
 from ddpstate._streaming.progress import human_bytes
-from ddpstate._streaming.reader import read_checkpoint
 from ddpstate.errors import StateDictNotFoundError
 
 

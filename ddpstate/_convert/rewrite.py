@@ -30,6 +30,7 @@ from ddpstate._convert.writers import (
 )
 from ddpstate._fs import PathLike
 from ddpstate._streaming.cast import Casts, target_dtype
+from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import (
     is_pickled_module,
     iter_tensors,
@@ -37,7 +38,7 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
 )
 from ddpstate._streaming.progress import Progress
-from ddpstate._streaming.reader import Checkpoint, read_checkpoint
+from ddpstate._streaming.reader import Checkpoint
 from ddpstate._streaming.stream import Sink
 from ddpstate.errors import CheckpointExistsError, CheckpointFormatError, InvalidArgumentError
 from ddpstate.formats import HF_SHARDED, PT, SAFETENSORS, FormatName, parse_format

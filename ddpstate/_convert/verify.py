@@ -11,9 +11,10 @@ from ddpstate._convert.common import extent_problems
 from ddpstate._convert.results import VerifyResult
 from ddpstate._fs import PathLike
 from ddpstate._hf.index import find_index, key_problems, read_index
+from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import TensorRecord, iter_tensors
 from ddpstate._streaming.progress import Progress
-from ddpstate._streaming.reader import Checkpoint, read_checkpoint, zip_entry_bytes
+from ddpstate._streaming.reader import Checkpoint, zip_entry_bytes
 from ddpstate.errors import CheckpointCorruptError, DDPStateError
 
 

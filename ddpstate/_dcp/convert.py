@@ -28,6 +28,7 @@ from ddpstate._convert.common import (
 )
 from ddpstate._convert.results import ConvertResult, InspectResult, TensorInfo, VerifyResult
 from ddpstate._dcp import read as _dcp_read
+from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._streaming.progress import human_bytes
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -376,7 +377,7 @@ def convert_from_dcp(
             else:
                 _savecheck.save_torch(written, out, what="state", where=dst_text, extra=extra)
         else:
-            formats.write_safetensors(out, written, {"format": "pt"}, name=dst_text)
+            write_safetensors(out, written, {"format": "pt"}, name=dst_text)
     return ConvertResult(
         src=src,
         dst=dst_text,

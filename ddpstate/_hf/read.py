@@ -95,7 +95,7 @@ def open_sharded(
 
     Args:
         path: The index file or the folder holding it.
-        unsafe: As for :func:`ddpstate._streaming.reader.read_checkpoint` (``.bin`` shards).
+        unsafe: As for :func:`ddpstate._streaming.reader.read_file` (``.bin`` shards).
         storage_options: fsspec options for URLs.
 
     Returns:
@@ -169,11 +169,11 @@ def open_sharded(
 def _open_shard(
     index: ShardIndex, shard: str, unsafe: bool, storage_options: Optional[dict[str, Any]]
 ) -> Checkpoint:
-    from ddpstate._streaming.reader import read_checkpoint
+    from ddpstate._streaming.reader import read_file
 
     where = index.shard_path(shard)
     try:
-        return read_checkpoint(where, unsafe=unsafe, storage_options=storage_options)
+        return read_file(where, unsafe=unsafe, storage_options=storage_options)
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(
             f"{where}: shard named by {index.path} is missing; download every shard the index "
@@ -215,6 +215,7 @@ def load_sharded(
         UnsafeCheckpointError: As for :func:`open_sharded` and :func:`ddpstate.load`.
     """
     from ddpstate import formats, storage
+    from ddpstate._io.safetensors_io import read_safetensors
     from ddpstate._io.torch_io import load_torch_file
     from ddpstate.location import place_all
 
@@ -240,9 +241,9 @@ def load_sharded(
         if kind == formats.SAFETENSORS:
             if remote:
                 with storage.open_read(where, storage_options=storage_options) as f:
-                    tensors = formats.read_safetensors(f, mmap=False)
+                    tensors = read_safetensors(f, mmap=False)
             else:
-                tensors = formats.read_safetensors(_fs.local_path(where), mmap=mmap is None or mmap)
+                tensors = read_safetensors(_fs.local_path(where), mmap=mmap is None or mmap)
             part = place_all(tensors, "cpu", resolved)
         elif kind in (formats.TORCH_ZIP, formats.LEGACY):
             local = not remote and kind == formats.TORCH_ZIP

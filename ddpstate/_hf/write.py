@@ -229,7 +229,7 @@ def save_sharded(
     """Save a state dict of torch tensors in the layout (what ``save(max_shard_size=)`` does).
 
     Tied entries (the same tensor under two keys) share a shard and are
-    stored once there, as :func:`ddpstate.formats.write_safetensors` records them.
+    stored once there, as :func:`ddpstate._io.safetensors_io.write_safetensors` records them.
 
     Args:
         state: Names to tensors.
@@ -242,10 +242,10 @@ def save_sharded(
 
     Raises:
         CheckpointFormatError: ``state`` holds something other than tensors
-            (as :func:`ddpstate.formats.write_safetensors` says).
+            (as :func:`ddpstate._io.safetensors_io.write_safetensors` says).
         CheckpointExistsError: ``target`` holds other files.
     """
-    from ddpstate.formats import write_safetensors
+    from ddpstate._io.safetensors_io import write_safetensors
 
     limit = parse_size(max_shard_size)
     keys = [str(k) for k in state]

@@ -236,7 +236,7 @@ def safetensors_header_for(
 
     Example:
         >>> import torch
-        >>> from ddpstate.formats import safetensors_header_for
+        >>> from ddpstate._io.safetensors_io import safetensors_header_for
         >>> header, order, aliases = safetensors_header_for({"w": torch.ones(2)})
         >>> [key for key, _ in order], aliases
         (['w'], {})
@@ -340,7 +340,7 @@ def write_safetensors(
 
     Example:
         >>> import io, torch
-        >>> from ddpstate.formats import read_safetensors, write_safetensors
+        >>> from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
         >>> buf = io.BytesIO()
         >>> write_safetensors(buf, {"w": torch.arange(3.0)})
         {}
@@ -415,7 +415,7 @@ def read_safetensors_header(source: Source) -> SafetensorsHeader:
 
     Example:
         >>> import io, torch
-        >>> from ddpstate.formats import read_safetensors_header, write_safetensors
+        >>> from ddpstate._io.safetensors_io import read_safetensors_header, write_safetensors
         >>> buf = io.BytesIO()
         >>> _ = write_safetensors(buf, {"w": torch.ones(2, 3)}, {"step": "7"})
         >>> header = read_safetensors_header(buf.getvalue())
@@ -555,7 +555,7 @@ def read_safetensors(
 
     Example:
         >>> import io, torch
-        >>> from ddpstate.formats import read_safetensors, write_safetensors
+        >>> from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
         >>> buf = io.BytesIO()
         >>> _ = write_safetensors(buf, {"b": torch.tensor(True)})
         >>> read_safetensors(buf.getvalue())["b"]

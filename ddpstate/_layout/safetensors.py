@@ -16,7 +16,9 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMappin
 from typing import Any, Optional
 
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
-from ddpstate.formats import SAFETENSORS_MAX_HEADER
+
+#: safetensors caps its header at 100 MB; a larger claimed length is not safetensors.
+SAFETENSORS_MAX_HEADER = 100_000_000
 
 #: Header metadata key: JSON object ``{alias_key: canonical_key}`` for tensors
 #: that shared memory with an earlier entry and were written once.

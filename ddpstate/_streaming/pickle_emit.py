@@ -7,17 +7,17 @@ import copyreg
 import io
 import pickle
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from ddpstate._streaming.pickle_scan import (
     DtypeRef,
     GlobalRef,
     Opaque,
+    OpaqueCall,
     StandIn,
     StorageRecord,
     TensorRecord,
-    _OpaqueCall,
     has_state,
 )
 
@@ -31,15 +31,16 @@ _NEWOBJ_EX = GlobalRef("copyreg", "__newobj_ex__")
 _PROTOCOL = 2
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*\Z")
 # Exact built-in types that are never a storage, a placeholder or reduced by
-# reducer_override: ``_Emitter.save`` sends them straight to pickle's own
-# writers. Scalars are never memoized; the containers and strings go through
-# the memo first, as ``pickle._Pickler.save`` does.
-_SCALARS: dict[type, Callable[[Any, Any], None]] = {
-    kind: pickle._Pickler.dispatch[kind] for kind in (int, float, bool, type(None))
-}
-_MEMOIZED: dict[type, Callable[[Any, Any], None]] = {
-    kind: pickle._Pickler.dispatch[kind] for kind in (str, bytes, tuple, list, dict)
-}
+# reducer_override, so ``_Emitter.save`` skips those questions for them. Scalars
+# are never memoized: their opcodes are what ``pickle.dumps`` writes for them,
+# less its PROTO header and STOP. A string is memoized: the same, less the
+# BINPUT 0 that ends it, then a PUT of the emitter's own slot number.
+_SCALARS = frozenset({int, float, bool, type(None)})
+_HEADER = len(pickle.PROTO) + 1
+_STR_TAIL = len(pickle.BINPUT) + 1 + len(pickle.STOP)
+# The containers go through the memo first, then to the pickler's writer for
+# their type (which saves each item through ``_Emitter.save``).
+_CONTAINERS: dict[type, str] = {tuple: "save_tuple", list: "save_list", dict: "save_dict"}
 
 
 class _PlainTensor:
@@ -101,17 +102,18 @@ class _Emitter(pickle._Pickler):
         # types both answers are known, so skip straight to the type's writer.
         # Protocol 2 has no frames, so pickle's commit_frame() has nothing to do.
         kind = type(obj)
-        writer = _SCALARS.get(kind)
-        if writer is not None:
-            writer(self, obj)
+        if kind in _SCALARS:
+            self.write(pickle.dumps(obj, _PROTOCOL)[_HEADER:-1])  # type: ignore[attr-defined]
             return
-        writer = _MEMOIZED.get(kind)
-        if writer is not None:
+        if kind is str or kind in _CONTAINERS:
             memo = self.memo.get(id(obj))  # type: ignore[attr-defined]
             if memo is not None:
                 self.write(self.get(memo[0]))  # type: ignore[attr-defined]
+            elif kind is str:
+                self.write(pickle.dumps(obj, _PROTOCOL)[_HEADER:-_STR_TAIL])  # type: ignore[attr-defined]
+                self.memoize(obj)
             else:
-                writer(self, obj)
+                getattr(self, _CONTAINERS[kind])(obj)
             return
         ref: Optional[GlobalRef] = None
         if isinstance(obj, GlobalRef):
@@ -173,7 +175,7 @@ def _opaque_reduce(obj: Opaque) -> tuple[Any, ...]:
     state = obj.state if has_state(obj) else None
     listitems = iter(obj.listitems) if obj.listitems else None
     dictitems = iter(obj.dictitems) if obj.dictitems else None
-    if isinstance(obj, _OpaqueCall):
+    if isinstance(obj, OpaqueCall):
         return (obj.func, obj.args, state, listitems, dictitems)
     if obj.kwargs:
         return (_NEWOBJ_EX, (type(obj), obj.args, obj.kwargs), state, listitems, dictitems)

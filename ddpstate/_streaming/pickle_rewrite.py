@@ -123,7 +123,7 @@ def walk(data: bytes) -> Optional[PickleLayout]:
     the memo (a copy of it would be written apart); each string of at most one
     character written once (the unpickler returns one shared object for all of
     them, which a pickler memoizes). The memo checks cover
-    :func:`ddpstate._streaming.pickle_scan.check_memo_indexes` and more.
+    :func:`ddpstate._streaming.pickle_memo.check_memo_indexes` and more.
 
     Args:
         data: The bytes of ``data.pkl``.

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import pickle
 from collections.abc import Iterator, Mapping
 from typing import IO, Any, Callable, ClassVar, Optional, cast
 
 from ddpstate._layout.everyday import EVERYDAY_GLOBALS
+from ddpstate._streaming.pickle_memo import check_memo_indexes
 
 # Everything here stays importable without torch: `ddpstate convert` streams a
 # multi-GB file in the memory and time of a copy, and importing torch alone
@@ -50,9 +50,10 @@ _TENSOR_TYPES = (
     "Double", "Float", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool",
 )  # fmt: skip
 
-# The globals torch.load(weights_only=True) accepts by default in torch 2.13;
-# anything else means the pickle wants arbitrary code, which we refuse by default.
-_SAFE_GLOBALS: frozenset[str] = frozenset(
+#: The globals torch.load(weights_only=True) accepts by default in torch 2.13
+#: (tests/test_safe_globals.py pins it to torch's own list); anything else means
+#: the pickle wants arbitrary code, which ddpstate refuses by default.
+SAFE_GLOBALS: frozenset[str] = frozenset(
     [
         "_codecs.encode", "builtins.bytearray", "builtins.complex", "builtins.set",
         "collections.Counter", "collections.OrderedDict", "torch.Size", "torch.Tensor",
@@ -71,11 +72,16 @@ _SAFE_GLOBALS: frozenset[str] = frozenset(
         )
     ]
     + [f"torch.{dtype}" for dtype in DTYPE_ITEMSIZE]
-    + [f"torch.{prefix}{name}" for prefix in ("", "cuda.") for name in STORAGE_DTYPE]
+    # torch.UntypedStorage is pickled as torch.storage.UntypedStorage; CUDA has no
+    # quantized storages, sparse tensors no Bool type.
+    + [f"torch.{name}" for name in STORAGE_DTYPE if name != "UntypedStorage"]
+    + [f"torch.cuda.{name}" for name in STORAGE_DTYPE if not name.startswith(("Q", "Untyped"))]
+    + [f"torch.{prefix}{kind}Tensor" for prefix in ("", "cuda.") for kind in _TENSOR_TYPES]
     + [
         f"torch.{prefix}{kind}Tensor"
-        for prefix in ("", "cuda.", "sparse.", "cuda.sparse.")
+        for prefix in ("sparse.", "cuda.sparse.")
         for kind in _TENSOR_TYPES
+        if kind != "Bool"
     ]
 )  # fmt: skip
 
@@ -185,7 +191,7 @@ class StorageRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class _StorageView:
+class StorageView:
     """A legacy (pre-1.6) storage view: ``numel`` elements of ``root`` from ``offset``."""
 
     root: StorageRecord
@@ -322,20 +328,20 @@ class Opaque:
         self.dictitems.append((key, value))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
-        return _OpaqueCall(self, args)
+        return OpaqueCall(self, args)
 
     def __repr__(self) -> str:
         return f"<{self.ref.qualname}(...)>"
 
 
-class _OpaqueCall(Opaque):
+class OpaqueCall(Opaque):
     """The result of calling an opaque object (``getattr(x, 'f')(...)`` in a pickle)."""
 
     __slots__ = ("func",)
     func: Any
 
-    def __new__(cls, func: Any = None, args: tuple[Any, ...] = ()) -> _OpaqueCall:
-        self = cast(_OpaqueCall, super().__new__(cls))
+    def __new__(cls, func: Any = None, args: tuple[Any, ...] = ()) -> OpaqueCall:
+        self = cast(OpaqueCall, super().__new__(cls))
         self.func = func
         self.args = args
         self.how = "call"
@@ -350,7 +356,7 @@ class _OpaqueCall(Opaque):
 
 def opaque_name(obj: Any) -> Optional[str]:
     """The global behind an opaque placeholder object or class, else None."""
-    if isinstance(obj, _OpaqueCall):
+    if isinstance(obj, OpaqueCall):
         return opaque_name(obj.func)
     if isinstance(obj, Opaque) or (isinstance(obj, type) and issubclass(obj, Opaque)):
         return obj.ref.qualname
@@ -430,7 +436,7 @@ def _as_offset(value: Any) -> int:
 
 
 def _as_storage(value: Any) -> tuple[StorageRecord, int]:
-    if isinstance(value, _StorageView):
+    if isinstance(value, StorageView):
         return value.root, value.offset
     if isinstance(value, StorageRecord):
         return value, 0
@@ -665,121 +671,6 @@ class _ScanUnpickler(pickle.Unpickler):
         return cls
 
 
-_OPCODE_ARGS: dict[int, int] = {}
-# Memo slots allowed beyond a PUT's byte position: at most 16 MiB of memo table.
-_MEMO_SLACK = 1 << 20
-_LENGTH_WIDTH = {-2: 1, -3: 4, -4: 4, -5: 8}  # pickletools codes of length-prefixed args
-
-
-def _opcode_args() -> dict[int, int]:
-    # opcode byte -> pickletools' argument size code (n >= 0: fixed; < 0: variable).
-    if not _OPCODE_ARGS:
-        import pickletools
-
-        for op in pickletools.opcodes:
-            _OPCODE_ARGS[ord(op.code)] = op.arg.n if op.arg is not None else 0
-    return _OPCODE_ARGS
-
-
-def _memo_error(name: str, at: int, index: int) -> pickle.UnpicklingError:
-    return pickle.UnpicklingError(
-        f"{name} at byte {at} names memo slot {index}, far more than the pickle could have "
-        f"filled by then"
-    )
-
-
-def _walk_memo(data: bytes, pos: int, available: int) -> tuple[bool, int]:
-    """Check the PUT/LONG_BINPUT opcodes of the pickle in ``data`` from ``pos`` on.
-
-    Returns ``(True, end)`` once STOP (or something the unpickler itself will reject)
-    is reached, or ``(False, at)`` when the opcode starting at ``at`` runs past the
-    data. A pickler numbers memo entries 0, 1, 2... and each PUT takes at least one
-    byte, so an index beyond the opcode's position (plus a slack for picklers that
-    reuse a memo across dumps) is damage: UnpicklingError. So is an argument claiming
-    more bytes than the ``available`` ones the file still holds (the unpickler would
-    ask the file for all of them at once).
-    """
-    args = _opcode_args()
-    widths = _LENGTH_WIDTH
-    size = len(data)
-    limit = _MEMO_SLACK
-    at = pos
-    while pos < size:
-        at = pos
-        code = data[pos]
-        n = args.get(code)
-        if n is None or code == 0x2E:  # not an opcode (the unpickler reports it), or STOP
-            return True, pos
-        pos += 1
-        if n >= 0:
-            if code == 0x72:  # LONG_BINPUT
-                if pos + 4 > size:
-                    return False, at
-                index = int.from_bytes(data[pos : pos + 4], "little")
-                if index > pos + limit:
-                    raise _memo_error("LONG_BINPUT", at, index)
-            pos += n
-        elif n == -1:  # up to a newline (two lines for GLOBAL and INST)
-            end = data.find(b"\n", pos)
-            if end >= 0 and code in (0x63, 0x69):
-                end = data.find(b"\n", end + 1)
-            if end < 0:
-                return False, at
-            if code == 0x70:  # PUT
-                text = data[pos:end]
-                if text.isdigit() and int(text) > pos + limit:
-                    raise _memo_error("PUT", at, int(text))
-            pos = end + 1
-        else:
-            width = widths.get(n)
-            if width is None:
-                return True, at
-            if pos + width > size:
-                return False, at
-            length = int.from_bytes(data[pos : pos + width], "little", signed=n == -3)
-            if length < 0:
-                return True, at
-            pos += width + length
-            if pos > available:
-                raise pickle.UnpicklingError(
-                    f"the argument at byte {at} claims {length} bytes, but only "
-                    f"{max(0, available - at - 1 - width)} remain in the file"
-                )
-    # Past the end: resume at the opcode whose argument runs beyond the data.
-    return False, pos if pos <= size else at
-
-
-def check_memo_indexes(file: IO[bytes]) -> None:
-    """Refuse a pickle whose PUT opcodes name memo slots it cannot have filled.
-
-    CPython's C unpickler grows its memo table to twice the largest index a PUT or
-    LONG_BINPUT names and zero-fills it, so one damaged 4-byte index can make it
-    allocate and touch gigabytes before anything else is noticed. This walks the
-    opcodes first (reading the pickle in growing chunks, at most twice its size in
-    memory) and returns the file to where it was.
-
-    Raises:
-        pickle.UnpicklingError: A memo index is far beyond its own byte position, or
-            an argument claims more bytes than the file has left.
-    """
-    start = file.tell()
-    available = file.seek(0, os.SEEK_END) - start
-    file.seek(start)
-    data = b""
-    pos = 0
-    try:
-        while True:
-            done, pos = _walk_memo(data, pos, available)
-            if done:
-                return
-            chunk = file.read(max(1 << 20, len(data)))
-            if not chunk:
-                return  # truncated: the unpickler reports it
-            data += chunk
-    finally:
-        file.seek(start)
-
-
 def scan_pickle(
     file: IO[bytes], persistent_load: Callable[[Any], Any], *, memo_checked: bool = False
 ) -> ScanResult:
@@ -789,7 +680,7 @@ def scan_pickle(
         file: Positioned at the pickle; left just after its STOP opcode.
         persistent_load: Turns each persistent id into an object (storage records).
         memo_checked: The caller already walked these bytes with a check at
-            least as strict as :func:`check_memo_indexes`
+            least as strict as :func:`~ddpstate._streaming.pickle_memo.check_memo_indexes`
             (:func:`ddpstate._streaming.pickle_rewrite.walk` accepted them).
 
     Returns:
@@ -809,7 +700,7 @@ def scan_pickle(
     unpickler = _ScanUnpickler(file, persistent_load)
     obj = unpickler.load()
     used = tuple(sorted(unpickler.seen))
-    unsafe = tuple(n for n in used if n not in _SAFE_GLOBALS and n not in EVERYDAY_GLOBALS)
+    unsafe = tuple(n for n in used if n not in SAFE_GLOBALS and n not in EVERYDAY_GLOBALS)
     return ScanResult(obj=obj, globals_used=used, unsafe_globals=unsafe)
 
 

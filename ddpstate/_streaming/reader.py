@@ -13,6 +13,14 @@ from typing import IO, Any, Optional
 
 from ddpstate import formats
 from ddpstate._layout.safetensors import parse_header, restore_extras
+from ddpstate._layout.zip import (
+    LOCAL,
+    LOCAL_SIGNATURE,
+    CentralEntry,
+    ZipEnd,
+    directory_span,
+    parse_directory,
+)
 from ddpstate._streaming.pickle_rewrite import PickleLayout, walk
 from ddpstate._streaming.pickle_scan import (
     DTYPE_ITEMSIZE,
@@ -21,8 +29,8 @@ from ddpstate._streaming.pickle_scan import (
     Opaque,
     StorageRecord,
     StorageTypeRef,
+    StorageView,
     TensorRecord,
-    _StorageView,
     is_pickled_module,
     opaque_name,
     scan_pickle,
@@ -35,9 +43,7 @@ from ddpstate.errors import (
 )
 from ddpstate.formats import FormatName
 
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -151,21 +157,22 @@ def _storage_type(value: Any, path: str) -> StorageTypeRef:
     return value
 
 
-def read_checkpoint(
+def read_file(
     path: str,
     *,
     unsafe: bool = False,
     storage_options: Optional[dict[str, Any]] = None,
 ) -> Checkpoint:
-    """Read a checkpoint's structure: the zip directory and pickle, or the safetensors header.
+    """Read a checkpoint file's structure: the zip directory and pickle, or the safetensors header.
 
     No tensor data is read and no code from the file runs: globals become
     placeholders. Structural problems (a missing tensor record, a size that
-    does not match) are collected in ``Checkpoint.problems``.
+    does not match) are collected in ``Checkpoint.problems``. The file is
+    opened once and its zip directory read once, by format detection.
+    :func:`ddpstate._streaming.opener.read_checkpoint` also takes folders.
 
     Args:
-        path: Local path or fsspec URL of a single checkpoint file, or of a
-            Hugging Face sharded checkpoint (its shards merged into one view).
+        path: Local path or fsspec URL of a single checkpoint file.
         unsafe: Read pickles that name globals ``torch.load(weights_only=True)``
             refuses (they stay placeholders; nothing runs either way).
         storage_options: fsspec options for URLs.
@@ -175,8 +182,7 @@ def read_checkpoint(
 
     Raises:
         CheckpointNotFoundError: No such file.
-        CheckpointFormatError: Not a checkpoint file, or a TorchScript archive
-            or a torch.distributed.checkpoint folder.
+        CheckpointFormatError: Not a checkpoint file, or a TorchScript archive.
         CheckpointCorruptError: The file is truncated or its structure damaged.
         UnsafeCheckpointError: The pickle names unsafe globals and ``unsafe`` is False.
 
@@ -184,29 +190,22 @@ def read_checkpoint(
         >>> import torch, tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "m.pt")
         >>> torch.save({"module.w": torch.ones(2)}, p)
-        >>> with read_checkpoint(p) as ckpt:
+        >>> with read_file(p) as ckpt:
         ...     ckpt.format, list(ckpt.obj)
         ('pt', ['module.w'])
     """
-    kind = formats.detect_format(path, storage_options=storage_options)
-    if kind == formats.HF_SHARDED:
-        from ddpstate._hf.read import open_sharded
-
-        return open_sharded(path, unsafe=unsafe, storage_options=storage_options)
-    if kind == formats.TORCHSCRIPT:
-        raise CheckpointFormatError(
-            f"{path}: a TorchScript archive (torch.jit.save), not a torch.save checkpoint; "
-            f"load it with torch.jit.load() and torch.save its .state_dict() to use ddpstate on it"
-        )
-    if kind == formats.DCP:
-        raise CheckpointFormatError(
-            f"{path}: a torch.distributed.checkpoint folder; this command reads single "
-            f"checkpoint files (torch.save, legacy torch or safetensors)"
-        )
     source = Source(path, storage_options)
     try:
+        detected = formats.classify_file(source.file, source.size, path)
+        kind = detected.format
+        if kind == formats.TORCHSCRIPT:
+            raise CheckpointFormatError(
+                f"{path}: a TorchScript archive (torch.jit.save), not a torch.save checkpoint; "
+                f"load it with torch.jit.load() and torch.save its .state_dict() to use "
+                f"ddpstate on it"
+            )
         if kind == formats.TORCH_ZIP:
-            ckpt = _read_zip(source, path)
+            ckpt = _read_zip(source, path, detected)
         elif kind == formats.LEGACY:
             ckpt = _read_legacy(source, path)
         else:
@@ -235,55 +234,50 @@ def _unsafe_message(ckpt: Checkpoint) -> str:
 # --------------------------------------------------------------------------- torch zip
 
 
-def _read_zip(source: Source, path: str) -> Checkpoint:
+def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoint:
+    end = detected.zip_end
+    assert end is not None  # classify_file read it, as it does for every zip
     try:
-        with zipfile.ZipFile(source.file) as archive:
-            infos = archive.infolist()
+        # The directory format detection read, parsed once (as zipfile would parse it).
+        entries = parse_directory(detected.zip_directory, end, source.read_upto)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
         raise _corrupt(path, "the zip directory cannot be read", exc) from exc
     records: dict[str, ZipRecord] = {}
     problems: list[str] = []
-    names = [
-        info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
-        for info in infos
-    ]
-    spans = [
-        (info.header_offset, _LOCAL_HEADER.size + len(name))
-        for info, name in zip(infos, names, strict=True)
-    ]
+    spans = [(entry.header_offset, LOCAL.size + len(entry.raw_name)) for entry in entries]
     headers = _local_headers(source, spans)
-    for info, name, header in zip(infos, names, headers, strict=True):
+    for entry, header in zip(entries, headers, strict=True):
         # The local header and, right after it, the name.
-        fields = _LOCAL_HEADER.unpack(header[: _LOCAL_HEADER.size])
-        if fields[0] != 0x04034B50:
-            problems.append(f"zip entry {info.filename}: local header is damaged")
+        fields = LOCAL.unpack(header[: LOCAL.size])
+        if fields[0] != LOCAL_SIGNATURE:
+            problems.append(f"zip entry {entry.name}: local header is damaged")
             continue
-        if fields[9] != len(name) or header[_LOCAL_HEADER.size :] != name:
+        if fields[9] != len(entry.raw_name) or header[LOCAL.size :] != entry.raw_name:
             problems.append(
-                f"zip entry {info.filename} has another name in its local header; the names differ"
+                f"zip entry {entry.name} has another name in its local header; the names differ"
             )
-        data_offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-        records[info.filename] = ZipRecord(
-            name=info.filename,
-            header_offset=info.header_offset,
+        data_offset = entry.header_offset + LOCAL.size + fields[9] + fields[10]
+        records[entry.name] = ZipRecord(
+            name=entry.name,
+            header_offset=entry.header_offset,
             data_offset=data_offset,
-            size=info.file_size,
-            compressed_size=info.compress_size,
-            crc32=info.CRC,
-            method=info.compress_type,
+            size=entry.size,
+            compressed_size=entry.compressed_size,
+            crc32=entry.crc32,
+            method=entry.method,
         )
-        if data_offset + info.compress_size > source.size:
+        if data_offset + entry.compressed_size > source.size:
             problems.append(
-                f"zip entry {info.filename} runs to byte {data_offset + info.compress_size} "
+                f"zip entry {entry.name} runs to byte {data_offset + entry.compressed_size} "
                 f"but the file ends at {source.size}"
             )
     pickles = sorted((n for n in records if n.endswith("data.pkl")), key=len)
     if not pickles:
         raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
     prefix = pickles[0][: -len("data.pkl")]
-    problems.extend(_zip_header_problems(source, infos, prefix, path))
-    # Not needed past here: 100,000 ZipInfo objects are some 40 MiB the scan can use.
-    del archive, infos, names, spans, headers
+    problems.extend(_zip_header_problems(end, detected.zip_directory, entries, prefix))
+    # Not needed past here: 100,000 entries are memory the scan can use.
+    del entries, spans, headers
     pkl_bytes = zip_entry_bytes(source, records[pickles[0]], path)
     byteorder = "little"
     if prefix + "byteorder" in records:
@@ -394,7 +388,7 @@ def _local_headers(source: Source, spans: list[tuple[int, int]]) -> list[bytes]:
 
 
 def _zip_header_problems(
-    source: Source, infos: list[zipfile.ZipInfo], prefix: str, path: str
+    end: ZipEnd, directory: bytes, entries: list[CentralEntry], prefix: str
 ) -> list[str]:
     """Damage in zip metadata that Python's zipfile tolerates but torch.load refuses.
 
@@ -404,41 +398,35 @@ def _zip_header_problems(
     lies outside the archive folder, and inconsistent end-of-directory records.
     """
     problems: list[str] = []
-    for info in infos:
-        name = info.filename
-        if info.flag_bits & ~0x80E:  # only data descriptor, deflate options and UTF-8
+    for entry in entries:
+        name = entry.name
+        if entry.flags & ~0x80E:  # only data descriptor, deflate options and UTF-8
             problems.append(
                 f"zip entry {name} asks for zip features torch cannot read (encryption, "
-                f"patched data: flags {info.flag_bits:#06x})"
+                f"patched data: flags {entry.flags:#06x})"
             )
-        if info.volume != 0:
-            problems.append(f"zip entry {name} claims to start on disk {info.volume}")
-        if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+        if entry.disk != 0:
+            problems.append(f"zip entry {name} claims to start on disk {entry.disk}")
+        if entry.method == zipfile.ZIP_STORED and entry.compressed_size != entry.size:
             problems.append(
-                f"zip entry {name} is stored with {info.compress_size} bytes but claims "
-                f"{info.file_size}"
+                f"zip entry {name} is stored with {entry.compressed_size} bytes but claims "
+                f"{entry.size}"
             )
         if not name.startswith(prefix):
             problems.append(f"zip entry {name} lies outside the archive folder {prefix}")
-    end = formats.read_zip_end(source.read_at, source.size, path)
     problems.extend(end.problems)
     if (end.disk, end.cd_disk) != (0, 0):
         problems.append(f"the end-of-directory record names disks {end.disk}/{end.cd_disk}, not 0")
-    if not end.on_disk == end.total == len(infos):
+    if not end.on_disk == end.total == len(entries):
         problems.append(
             f"the end-of-directory record counts {end.on_disk}/{end.total} entries; there are "
-            f"{len(infos)}"
+            f"{len(entries)}"
         )
     cd_size, cd_offset, cd_end = end.cd_size, end.cd_offset, end.cd_end
-    # Walk the raw directory by its own length fields (zipfile silently truncates a
-    # name or extra field whose length runs past the directory).
-    listed, count = 0, 0
-    if cd_offset + cd_size <= source.size:
-        raw = source.read_at(cd_offset, cd_size)
-        while listed + 46 <= len(raw) and raw[listed : listed + 4] == b"PK\x01\x02":
-            listed += 46 + sum(struct.unpack_from("<3H", raw, listed + 28))
-            count += 1
-    if cd_offset + cd_size != cd_end or listed != cd_size or count != len(infos):
+    # The directory as its own length fields lay it out (zipfile silently
+    # truncates a name or extra field whose length runs past the directory).
+    listed, count = directory_span(directory)
+    if cd_offset + cd_size != cd_end or listed != cd_size or count != len(entries):
         problems.append(
             f"the directory's recorded place and size ({cd_size} bytes at {cd_offset}) do not "
             f"match its {count} entries ({listed} bytes) ending at byte {cd_end}"
@@ -454,6 +442,23 @@ def zip_entry_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
     """
     if record.method == zipfile.ZIP_STORED:
         return source.read_at(record.data_offset, record.size)
+    if record.method == zipfile.ZIP_DEFLATED:
+        # Inflated from the offset the directory walk found: no second ZipFile
+        # (and its directory parse) per entry.
+        try:
+            inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+            data = inflater.decompress(source.read_at(record.data_offset, record.compressed_size))
+            data += inflater.flush()
+        except zlib.error as exc:
+            raise _corrupt(path, f"zip entry {record.name} cannot be read", exc) from exc
+        # The messages zipfile gives for the same damage.
+        if not inflater.eof:
+            cut = EOFError("Compressed file ended before the end-of-stream marker was reached")
+            raise _corrupt(path, f"zip entry {record.name} cannot be read", cut)
+        if len(data) != record.size or zlib.crc32(data) != record.crc32:
+            bad = zipfile.BadZipFile(f"Bad CRC-32 for file {record.name!r}")
+            raise _corrupt(path, f"zip entry {record.name} cannot be read", bad)
+        return data
     try:
         with zipfile.ZipFile(source.file) as archive:
             return archive.read(record.name)
@@ -471,7 +476,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
     file.seek(0)
     magic = _scan(file, _no_persistent, path, "the magic number").obj
     version = _scan(file, _no_persistent, path, "the protocol version").obj
-    if magic != _LEGACY_MAGIC or version != _LEGACY_PROTOCOL:
+    if magic != formats.LEGACY_MAGIC or version != _LEGACY_PROTOCOL:
         raise CheckpointFormatError(
             f"{path}: starts like a legacy torch file but has magic {magic!r} / protocol "
             f"{version!r}; it is not a format ddpstate reads"
@@ -504,7 +509,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
         if view is not None:
             if not isinstance(view, tuple) or len(view) != 3:
                 raise pickle.UnpicklingError(f"unexpected storage view {view!r}")
-            return _StorageView(record, _count(view[1]), _count(view[2]))
+            return StorageView(record, _count(view[1]), _count(view[2]))
         return record
 
     result = _scan(file, persistent_load, path, "the pickled object")
@@ -627,7 +632,7 @@ __all__ = [
     "Checkpoint",
     "Opaque",
     "ZipRecord",
-    "read_checkpoint",
+    "read_file",
     "storage_type_for",
     "zip_entry_bytes",
 ]

@@ -87,6 +87,13 @@ class Source:
             )
         return data
 
+    def read_upto(self, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes at ``offset``: fewer where the file ends first (no error)."""
+        if self.fd is not None:
+            return os.pread(self.fd, length, offset)
+        self.file.seek(offset)
+        return self.file.read(length)
+
     def readinto_at(self, offset: int, view: memoryview) -> int:
         """Fill ``view`` from ``offset``; returns the count read (short only at end of file)."""
         if self.fd is not None:

@@ -7,6 +7,24 @@ import zlib
 from collections.abc import Iterable
 from typing import Callable, NamedTuple
 
+from ddpstate._layout.zip import (
+    CENTRAL,
+    CENTRAL_SIGNATURE,
+    DESCRIPTOR,
+    DESCRIPTOR64,
+    DESCRIPTOR_SIGNATURE,
+    EOCD,
+    EOCD64,
+    EOCD64_LOCATOR,
+    EOCD64_LOCATOR_SIGNATURE,
+    EOCD64_SIGNATURE,
+    EOCD_SIGNATURE,
+    LOCAL,
+    LOCAL_SIGNATURE,
+    U16_MAX,
+    U32_MAX,
+    ZIP64_EXTRA_ID,
+)
 from ddpstate._streaming.stream import Sink, Source
 
 # torch.save (through miniz) writes every record stored (uncompressed), aligns
@@ -15,16 +33,7 @@ from ddpstate._streaming.stream import Sink, Source
 # torch.load's offset shortcut (config.load.calculate_storage_offsets) and
 # torch.load(mmap=True) depend on that layout, so it is reproduced exactly.
 _ALIGNMENT = 64
-_U32_MAX = 0xFFFFFFFF
-_U16_MAX = 0xFFFF
 _FLAGS = 0x0808  # bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names
-_LOCAL = struct.Struct("<IHHHHHIIIHH")
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
-_EOCD = struct.Struct("<IHHHHIIH")
-_EOCD64 = struct.Struct("<IQHHIIQQQQ")
-_EOCD64_LOCATOR = struct.Struct("<IIQI")
-_DESCRIPTOR = struct.Struct("<IIII")
-_DESCRIPTOR64 = struct.Struct("<IIQQ")
 # Records smaller than this are gathered (see ZipWriter.add_copies): read from the
 # source with their neighbours and written out in blocks of about _BLOCK bytes.
 _SMALL = 64 << 10
@@ -37,35 +46,35 @@ _PADDING = tuple(b"FB" + struct.pack("<H", n) + b"Z" * n for n in range(_ALIGNME
 
 def _local_header(encoded: bytes, offset: int, size: int) -> bytes:
     """The local header, name and extra field of a record written at ``offset``."""
-    if size < _U32_MAX and offset < _U32_MAX:
+    if size < U32_MAX and offset < U32_MAX:
         # The common case, in one pack (100,000 records are common).
-        padding = -(offset + _LOCAL.size + len(encoded) + 4) % _ALIGNMENT
+        padding = -(offset + LOCAL.size + len(encoded) + 4) % _ALIGNMENT
         return (
-            _LOCAL.pack(0x04034B50, 20, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), 4 + padding)
+            LOCAL.pack(LOCAL_SIGNATURE, 20, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), 4 + padding)
             + encoded
             + _PADDING[padding]
         )
-    zip64_size = size >= _U32_MAX
-    zip64_offset = offset >= _U32_MAX
+    zip64_size = size >= U32_MAX
+    zip64_offset = offset >= U32_MAX
     extra = b""
     if zip64_size or zip64_offset:
         fields = (struct.pack("<QQ", size, size) if zip64_size else b"") + (
             struct.pack("<Q", offset) if zip64_offset else b""
         )
-        extra = struct.pack("<HH", 0x0001, len(fields)) + fields
-    start = offset + _LOCAL.size + len(encoded) + len(extra) + 4
+        extra = struct.pack("<HH", ZIP64_EXTRA_ID, len(fields)) + fields
+    start = offset + LOCAL.size + len(encoded) + len(extra) + 4
     padding = -start % _ALIGNMENT
     extra += b"FB" + struct.pack("<H", padding) + b"Z" * padding
-    header = _LOCAL.pack(
-        0x04034B50,
+    header = LOCAL.pack(
+        LOCAL_SIGNATURE,
         45 if extra.startswith(b"\x01\x00") else 20,
         _FLAGS,
         0,  # stored
         0,  # time: left zero, like torch, so identical input gives identical output
         0,  # date
         0,
-        _U32_MAX if zip64_size else 0,
-        _U32_MAX if zip64_size else 0,
+        U32_MAX if zip64_size else 0,
+        U32_MAX if zip64_size else 0,
         len(encoded),
         len(extra),
     )
@@ -74,9 +83,9 @@ def _local_header(encoded: bytes, offset: int, size: int) -> bytes:
 
 def _descriptor(offset: int, size: int, crc: int) -> bytes:
     """The data descriptor that follows the data of a record written at ``offset``."""
-    if size >= _U32_MAX or offset >= _U32_MAX:
-        return _DESCRIPTOR64.pack(0x08074B50, crc, size, size)
-    return _DESCRIPTOR.pack(0x08074B50, crc, size, size)
+    if size >= U32_MAX or offset >= U32_MAX:
+        return DESCRIPTOR64.pack(DESCRIPTOR_SIGNATURE, crc, size, size)
+    return DESCRIPTOR.pack(DESCRIPTOR_SIGNATURE, crc, size, size)
 
 
 class CopyCandidate(NamedTuple):
@@ -176,7 +185,7 @@ class ZipWriter:
         offset = self._sink.position
         header = _local_header(encoded, offset, size)
         self._sink.write(header)
-        crc = write_data(self._sink) & _U32_MAX
+        crc = write_data(self._sink) & U32_MAX
         written = self._sink.position - (offset + len(header))
         if written != size:
             raise ValueError(f"record {name}: wrote {written} bytes, expected {size}")
@@ -236,7 +245,7 @@ class ZipWriter:
                 position = sink.position
                 continue
             encoded = record.name.encode("utf-8")
-            crc = record.crc & _U32_MAX
+            crc = record.crc & U32_MAX
             header = _local_header(encoded, position, size)
             descriptor = _descriptor(position, size, crc)
             block += header
@@ -260,15 +269,15 @@ class ZipWriter:
         self._closed = True
         cd_start = self._sink.position
         for entry in self._entries:
-            big_size = entry.size >= _U32_MAX
-            big_offset = entry.offset >= _U32_MAX
+            big_size = entry.size >= U32_MAX
+            big_offset = entry.offset >= U32_MAX
             fields = (struct.pack("<QQ", entry.size, entry.size) if big_size else b"") + (
                 struct.pack("<Q", entry.offset) if big_offset else b""
             )
-            extra = struct.pack("<HH", 0x0001, len(fields)) + fields if fields else b""
+            extra = struct.pack("<HH", ZIP64_EXTRA_ID, len(fields)) + fields if fields else b""
             self._sink.write(
-                _CENTRAL.pack(
-                    0x02014B50,
+                CENTRAL.pack(
+                    CENTRAL_SIGNATURE,
                     45 if fields else 20,
                     45 if fields else 20,
                     _FLAGS,
@@ -276,15 +285,15 @@ class ZipWriter:
                     0,
                     0,
                     entry.crc,
-                    _U32_MAX if big_size else entry.size,
-                    _U32_MAX if big_size else entry.size,
+                    U32_MAX if big_size else entry.size,
+                    U32_MAX if big_size else entry.size,
                     len(entry.name),
                     len(extra),
                     0,
                     0,
                     0,
                     0,
-                    _U32_MAX if big_offset else entry.offset,
+                    U32_MAX if big_offset else entry.offset,
                 )
                 + entry.name
                 + extra
@@ -292,15 +301,15 @@ class ZipWriter:
         cd_end = self._sink.position
         cd_size = cd_end - cd_start
         count = len(self._entries)
-        if count >= _U16_MAX or cd_start >= _U32_MAX or cd_size >= _U32_MAX:
+        if count >= U16_MAX or cd_start >= U32_MAX or cd_size >= U32_MAX:
             self._sink.write(
-                _EOCD64.pack(0x06064B50, _EOCD64.size - 12, 45, 45, 0, 0, count, count, cd_size,
+                EOCD64.pack(EOCD64_SIGNATURE, EOCD64.size - 12, 45, 45, 0, 0, count, count, cd_size,
                              cd_start)
-                + _EOCD64_LOCATOR.pack(0x07064B50, 0, cd_end, 1)
+                + EOCD64_LOCATOR.pack(EOCD64_LOCATOR_SIGNATURE, 0, cd_end, 1)
             )  # fmt: skip
             self._sink.write(
-                _EOCD.pack(0x06054B50, 0, 0, min(count, _U16_MAX), min(count, _U16_MAX),
-                           min(cd_size, _U32_MAX), min(cd_start, _U32_MAX), 0)
+                EOCD.pack(EOCD_SIGNATURE, 0, 0, min(count, U16_MAX), min(count, U16_MAX),
+                           min(cd_size, U32_MAX), min(cd_start, U32_MAX), 0)
             )  # fmt: skip
         else:
-            self._sink.write(_EOCD.pack(0x06054B50, 0, 0, count, count, cd_size, cd_start, 0))
+            self._sink.write(EOCD.pack(EOCD_SIGNATURE, 0, 0, count, count, cd_size, cd_start, 0))

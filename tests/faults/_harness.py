@@ -206,7 +206,7 @@ def write_sample(fmt: str, path: Path, seed: int) -> Any:
 
 def payload_ranges(path: Path) -> list[tuple[int, int]]:
     """Byte ranges of raw tensor data in a single checkpoint file (from the undamaged file)."""
-    from ddpstate._streaming.reader import read_checkpoint
+    from ddpstate._streaming.opener import read_checkpoint
 
     with read_checkpoint(str(path)) as ckpt:
         return [
