@@ -490,7 +490,7 @@ def warn_if_checksums_differ(model: nn.Module, gathered: list[Any], *, where: st
     )
 
 
-def _wrapped_unsynced(model: nn.Module) -> bool:
+def wrapped_unsynced(model: nn.Module) -> bool:
     """True for a model ``wrap_ddp`` prepared with unsynced BatchNorm under DDP."""
     return bool(getattr(model, _UNSYNCED_MARK, False))
 

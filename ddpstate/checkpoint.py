@@ -815,7 +815,7 @@ def load_model_state(
             model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
         )
     adapted = adapt_state_dict(state_dict, model, strict=strict)
-    skipped = _load_fitting(
+    skipped = load_fitting(
         model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
     )
     if strict:
@@ -852,7 +852,7 @@ def _load_sharded(
     )  # fmt: skip
 
 
-def _load_fitting(
+def load_fitting(
     model: torch.nn.Module,
     state_dict: Mapping[str, Any],
     *,

@@ -201,7 +201,8 @@ def default_timeout() -> float:
     return _collectives.seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT)
 
 
-def _resolve_timeout(timeout: float | timedelta | None) -> float:
+def resolve_timeout(timeout: float | timedelta | None) -> float:
+    """A collective's timeout in seconds (None: ``DDPSTATE_TIMEOUT`` or the default)."""
     if timeout is None:
         return default_timeout()
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -269,7 +270,7 @@ def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") 
     """
     if not is_distributed():
         return
-    _collectives.barrier(_group(), name, _resolve_timeout(timeout))
+    _collectives.barrier(_group(), name, resolve_timeout(timeout))
 
 
 def share_outcome(
@@ -308,7 +309,7 @@ def share_outcome(
             raise error
         return
     group = _group()
-    shared = _collectives.share_outcome(group, error, name, _resolve_timeout(timeout))
+    shared = _collectives.share_outcome(group, error, name, resolve_timeout(timeout))
     if shared is not None:
         raise shared from error
 
@@ -338,7 +339,7 @@ def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> 
     if not is_distributed():
         return [obj]
     gathered = _collectives.gather(
-        _group(), pickle.dumps(obj), None, "all_gather_object", _resolve_timeout(timeout)
+        _group(), pickle.dumps(obj), None, "all_gather_object", resolve_timeout(timeout)
     )
     assert gathered is not None
     # Trusted input: these bytes come from this job's own ranks, never from a file.
@@ -380,7 +381,7 @@ def gather_object(
     if not 0 <= dst < world:
         raise InvalidArgumentError(f"gather_object: dst={dst} is not a rank of a {world}-rank job")
     gathered = _collectives.gather(
-        _group(), pickle.dumps(obj), dst, name, _resolve_timeout(timeout)
+        _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout)
     )
     if gathered is None:
         return None
@@ -435,7 +436,7 @@ def gather_and_decide(
 
     group = _group()
     shared = _collectives.gather_and_decide(
-        group, pickle.dumps(obj), dst, name, _resolve_timeout(timeout), on_dst
+        group, pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_dst
     )
     if shared is not None:
         raise shared
@@ -490,7 +491,7 @@ def gather_to_receivers(
         return pickle.dumps(decide([pickle.loads(b) for b in payloads]))
 
     raw = _collectives.gather_to_receivers(
-        _group(), pickle.dumps(obj), dst, name, _resolve_timeout(timeout), on_receiver
+        _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_receiver
     )
     # Trusted input: the answer of this job's own receiver rank.
     return pickle.loads(raw)
@@ -522,7 +523,7 @@ def compare_across_ranks(
     """
     if not is_distributed():
         return None
-    return _collectives.agree(_group(), value, name, _resolve_timeout(timeout))
+    return _collectives.agree(_group(), value, name, resolve_timeout(timeout))
 
 
 def broadcast_object(
@@ -559,7 +560,7 @@ def broadcast_object(
         )
     group = _group()
     payload = pickle.dumps(obj) if group.rank == src else None
-    raw = _collectives.broadcast(group, payload, src, "broadcast_object", _resolve_timeout(timeout))
+    raw = _collectives.broadcast(group, payload, src, "broadcast_object", resolve_timeout(timeout))
     if group.rank == src:
         return obj
     # Trusted input: these bytes come from this job's own rank src, never from a file.
@@ -809,7 +810,7 @@ def init_distributed(
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    pg_timeout = timedelta(seconds=_resolve_timeout(timeout))
+    pg_timeout = timedelta(seconds=resolve_timeout(timeout))
     # Under torchrun's shared agent store, each restart attempt gets keys of its own.
     store = _elastic.attempt_store(pg_timeout)
     if store is not None:

@@ -155,7 +155,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
             ) from exc
 
 
-def _derived_seed(state: Mapping[str, Any], salt: int) -> int:
+def derived_seed(state: Mapping[str, Any], salt: int) -> int:
     """A 63-bit seed that depends on a saved RNG state and a salt (e.g. a rank)."""
     digest = hashlib.sha256()
     torch_state = state.get(TORCH_KEY)
@@ -167,7 +167,7 @@ def _derived_seed(state: Mapping[str, Any], salt: int) -> int:
     return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
-def _seed_all(seed: int) -> None:
+def seed_all(seed: int) -> None:
     """Seed every generator capture_rng_state covers from one integer."""
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device

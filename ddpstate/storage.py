@@ -131,7 +131,8 @@ def join(base: PathLike, *names: str) -> str:
     return os.path.join(text, *names)
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
+    """Make ``folder``'s entries (created, renamed, removed files) durable (no-op on Windows)."""
     if os.name == "nt":  # Windows cannot open a directory to fsync it.
         return
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -305,7 +306,7 @@ def replace_folder(staging: PathLike, target: PathLike) -> None:
     try:
         if not os.path.lexists(old):
             os.rename(new, old)
-            _fsync_dir(parent)
+            fsync_dir(parent)
             return
         if _rename_exchange(new, old):
             leftover = new
@@ -317,7 +318,7 @@ def replace_folder(staging: PathLike, target: PathLike) -> None:
             except OSError:
                 os.rename(leftover, old)
                 raise
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except OSError as exc:
         raise CheckpointWriteError(
             f"putting the new {old} in place failed ({type(exc).__name__}: {exc}); the previous "
@@ -455,7 +456,7 @@ def _atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
         raise
     try:
         if fsync:
-            _fsync_dir(folder)
+            fsync_dir(folder)
     except OSError as exc:
         raise CheckpointWriteError(
             f"{path} was written and renamed into place, but syncing its folder failed "

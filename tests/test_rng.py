@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddpstate.errors import DDPStateError
-from ddpstate.rng import _derived_seed, _seed_all, capture_rng_state, restore_rng_state
+from ddpstate.rng import capture_rng_state, derived_seed, restore_rng_state, seed_all
 
 
 def _draw() -> tuple[float, float, torch.Tensor]:
@@ -21,7 +21,7 @@ def _same(a: tuple[float, float, torch.Tensor], b: tuple[float, float, torch.Ten
 
 
 def test_restore_replays_python_numpy_and_torch() -> None:
-    _seed_all(123)
+    seed_all(123)
     np.random.randn()  # leaves a cached Gaussian, part of NumPy's state
     state = capture_rng_state()
     first = _draw()
@@ -83,9 +83,9 @@ def test_not_a_state_dict() -> None:
 
 def test_derived_seed_is_deterministic_and_differs_per_salt() -> None:
     state = capture_rng_state()
-    assert _derived_seed(state, 3) == _derived_seed(state, 3)
-    assert _derived_seed(state, 3) != _derived_seed(state, 4)
-    assert 0 <= _derived_seed(state, 3) < 2**63
+    assert derived_seed(state, 3) == derived_seed(state, 3)
+    assert derived_seed(state, 3) != derived_seed(state, 4)
+    assert 0 <= derived_seed(state, 3) < 2**63
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: per-device CUDA RNG state")

@@ -251,7 +251,7 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
     )
     read = sizes.get(_dcp_read.METADATA_FILE, 0)
     if _MANIFEST in sizes:
-        from ddpstate.manager import verify_checkpoint
+        from ddpstate._manifest import verify_checkpoint
 
         found = verify_checkpoint(path, storage_options=storage_options)
         problems.extend(found.problems)
@@ -534,6 +534,6 @@ def _write_dcp(state: dict[Any, Any], folder: str, *, fsync: bool) -> None:
         warnings.simplefilter("ignore", UserWarning)
         dcp_save(state, storage_writer=FileSystemWriter(folder, sync_files=fsync), no_dist=True)
     if fsync:
-        storage._fsync_dir(folder)
+        storage.fsync_dir(folder)
     if not os.path.exists(os.path.join(folder, _dcp_read.METADATA_FILE)):
         raise CheckpointFormatError(f"{folder}: torch wrote no .metadata")

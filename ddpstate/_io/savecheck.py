@@ -218,7 +218,8 @@ def _children(value: Any) -> Iterator[tuple[str, Any]]:
             yield f".{k}", v
 
 
-def _walk(value: Any, path: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
+def walk(value: Any, path: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    """Every (path, value) inside ``value``, containers included; ``seen`` skips repeats."""
     # Depth first, in order, with an explicit stack: nesting never hits the recursion limit.
     stack: list[tuple[str, Any]] = [(path, value)]
     while stack:
@@ -266,7 +267,7 @@ def check_tensors(obj: Any, what: str, where: str, *, sharded_only: bool = False
         type(v) is torch.Tensor and not v.is_meta for v in obj.values()
     ):
         return  # a flat state dict of plain tensors, the common case: no paths to build
-    for path, value in _walk(obj, what, set()):
+    for path, value in walk(obj, what, set()):
         if sharded and isinstance(value, sharded):
             raise ShardedStateError(
                 f"cannot save {where}: {path} is a {type(value).__name__} (FSDP2 / "
@@ -361,7 +362,7 @@ def _pickle_module(extra: Sequence[Any]) -> Any:
 
 
 def _find(root: Any, what: str, refused: Any) -> Optional[tuple[str, Any]]:
-    for path, value in _walk(root, what, set()):
+    for path, value in walk(root, what, set()):
         if value is refused or type(value) is refused:
             return path, value
         if type(getattr(value, "dtype", None)) is refused:  # e.g. a numpy object array
