@@ -380,9 +380,7 @@ def gather_object(
     world = dist.get_world_size()
     if not 0 <= dst < world:
         raise InvalidArgumentError(f"gather_object: dst={dst} is not a rank of a {world}-rank job")
-    gathered = _collectives.gather(
-        _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout)
-    )
+    gathered = _collectives.gather(_group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout))
     if gathered is None:
         return None
     # Trusted input: these bytes come from this job's own ranks, never from a file.
