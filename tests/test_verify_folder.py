@@ -256,13 +256,15 @@ def test_cli_verify_on_manager_folders(run_dir: Path, tmp_path: Path) -> None:
     assert "not a CheckpointManager folder" in not_manager.stderr
 
 
-def test_cli_verify_on_a_manager_folder_does_not_import_torch(saved: Path) -> None:
-    # The manifest checks live in the torch-free ddpstate._manifest; `ddpstate verify DIR`
-    # on a machine without a GPU stack must not pay torch's import (nor need torch).
+def test_verify_on_a_manager_folder_does_not_import_torch(saved: Path) -> None:
+    # The manifest checks live in the torch-free ddpstate._manifest: `ddpstate verify DIR`
+    # and ddpstate.verify_checkpoint must not pay torch's import (nor need torch).
     code = (
         "import sys\n"
+        "import ddpstate\n"
         "from ddpstate.cli import main\n"
         f"rc = main(['verify', {str(saved)!r}, '-q'])\n"
+        f"assert ddpstate.verify_checkpoint({str(saved)!r}).ok\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "print(rc, loaded[:3])\n"
     )
