@@ -73,13 +73,13 @@ from ddpstate.errors import (
 if TYPE_CHECKING:
     from ddpstate._manager.writer import InFlight, StepWriter
 
-
 #: Manifest entry kinds of entries stored in the step's DCP checkpoint.
 KIND_MODULE = "dcp_module"
 KIND_OPTIMIZER = "dcp_optimizer"
 KINDS = (KIND_MODULE, KIND_OPTIMIZER)
 #: ``CheckpointManager(writers=...)``: who writes replicated (DDP) models and optimizers.
 WRITERS = ("rank0", "all")
+
 _READ_CHUNK = 8 << 20
 _REFUSED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
