@@ -147,7 +147,7 @@ def _simulated(n: int, rounds: int) -> dict[str, Any]:
     from torch.distributed.elastic.utils.store import barrier as torch_barrier
 
     from ddpstate import _collectives as c
-    from ddpstate.manager import _rng_to_wire
+    from ddpstate._manager.entries import rng_to_wire
     from ddpstate.rng import capture_rng_state
 
     server, clients = _clients(n)
@@ -175,7 +175,7 @@ def _simulated(n: int, rounds: int) -> dict[str, Any]:
     # Each rank pickles its own RNG states before the collective (in parallel on a
     # real cluster, serialised by the GIL here), so that is done outside the timing.
     payloads = [
-        pickle.dumps({**info, "rng": pickle.dumps(_rng_to_wire(capture_rng_state()))})
+        pickle.dumps({**info, "rng": pickle.dumps(rng_to_wire(capture_rng_state()))})
         for _ in range(n)
     ]
 
@@ -185,7 +185,7 @@ def _simulated(n: int, rounds: int) -> dict[str, Any]:
             raise AssertionError("the simulated ranks disagree")
         assert len([i["rng"] for i in infos]) == n
         # Here CheckpointManager.save writes the checkpoint, unpickling the RNG
-        # states (manager._rng_states) as it writes _rng.pt.
+        # states (_manager.entries.rng_states) as it writes _rng.pt.
         return None
 
     def save_collectives(rank: int) -> None:

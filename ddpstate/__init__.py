@@ -35,6 +35,7 @@ from ddpstate.errors import (
 # keeps it in the memory of a file copy.
 if TYPE_CHECKING:
     from ddpstate._manager.local_tier import RestoreSource
+    from ddpstate._manifest import CheckpointVerification, verify_checkpoint
     from ddpstate.batchnorm import (
         BatchNormNd,
         BatchNormPolicy,
@@ -94,7 +95,7 @@ if TYPE_CHECKING:
         unwrap_model,
     )
     from ddpstate.location import MapLocation, resolve_map_location
-    from ddpstate.manager import CheckpointManager, CheckpointVerification, verify_checkpoint
+    from ddpstate.manager import CheckpointManager
     from ddpstate.rng import capture_rng_state, restore_rng_state
     from ddpstate.sampler import ResumableDistributedSampler
     from ddpstate.storage import atomic_write, open_read
@@ -154,8 +155,9 @@ _EXPORTS: dict[str, str] = {
     "MapLocation": "ddpstate.location",
     "resolve_map_location": "ddpstate.location",
     "CheckpointManager": "ddpstate.manager",
-    "CheckpointVerification": "ddpstate.manager",
-    "verify_checkpoint": "ddpstate.manager",
+    # Torch-free (ddpstate.manager re-exports both).
+    "CheckpointVerification": "ddpstate._manifest",
+    "verify_checkpoint": "ddpstate._manifest",
     "RestoreSource": "ddpstate._manager.local_tier",
     "capture_rng_state": "ddpstate.rng",
     "restore_rng_state": "ddpstate.rng",

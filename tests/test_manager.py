@@ -446,11 +446,11 @@ def test_async_buffers_are_reused_and_saves_serialize(tmp_path: Path) -> None:
     model = nn.Linear(64, 64)
     with CheckpointManager(tmp_path, async_save=True, keep_last=None) as manager:
         manager.save(1, {"model": model})
-        buffers = dict(manager._buffers)
+        buffers = dict(manager._snapshot.buffers)
         with torch.no_grad():
             model.weight.add_(1.0)
         manager.save(2, {"model": model})  # waits for write 1 before reusing its buffers
-        assert all(manager._buffers[k] is buffers[k] for k in buffers)
+        assert all(manager._snapshot.buffers[k] is buffers[k] for k in buffers)
         manager.wait()
         assert manager.steps() == [1, 2]
         w1 = torch.load(Path(manager.checkpoint_path(1)) / "model.pt", weights_only=True)

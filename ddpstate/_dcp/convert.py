@@ -248,7 +248,7 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
     )
     read = sizes.get(_dcp_read.METADATA_FILE, 0)
     if _MANIFEST in sizes:
-        from ddpstate.manager import verify_checkpoint
+        from ddpstate._manifest import verify_checkpoint
 
         found = verify_checkpoint(path, storage_options=storage_options)
         problems.extend(found.problems)

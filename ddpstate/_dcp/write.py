@@ -46,13 +46,22 @@ import threading
 import zlib
 from collections.abc import Iterator, Mapping, MutableMapping
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
-from ddpstate import _fs, storage
+from ddpstate import _fs, _manifest, storage
 from ddpstate._io import savecheck as _savecheck
+from ddpstate._manager.entries import rng_states
+from ddpstate._manifest import (
+    DCP_SUBDIR,
+    FOLDER_FORMAT,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    SHARD_SUFFIX,
+    error_text,
+)
 from ddpstate.dist import get_rank, is_distributed
 from ddpstate.errors import (
     CheckpointWriteError,
@@ -60,22 +69,16 @@ from ddpstate.errors import (
     InvalidArgumentError,
     ShardedStateError,
 )
-from ddpstate.formats import DCP
 
-#: The DCP checkpoint's folder inside a CheckpointManager step folder.
-DCP_SUBDIR = "dcp"
-#: DCP's index of every saved item, written by its coordinator (rank 0) after the shards.
-METADATA_NAME = ".metadata"
-#: Suffix of the data files DCP's FileSystemWriter writes (``__<rank>_<n>.distcp``).
-SHARD_SUFFIX = ".distcp"
+if TYPE_CHECKING:
+    from ddpstate._manager.writer import InFlight, StepWriter
+
 #: Manifest entry kinds of entries stored in the step's DCP checkpoint.
 KIND_MODULE = "dcp_module"
 KIND_OPTIMIZER = "dcp_optimizer"
 KINDS = (KIND_MODULE, KIND_OPTIMIZER)
 #: ``CheckpointManager(writers=...)``: who writes replicated (DDP) models and optimizers.
 WRITERS = ("rank0", "all")
-#: The ``format`` field of a ``save()`` DCP folder's manifest.
-FOLDER_FORMAT = DCP
 
 _READ_CHUNK = 8 << 20
 _REFUSED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
@@ -226,29 +229,6 @@ def load_entries(
 
 
 # ------------------------------------------------------------------------- writing
-
-
-def is_listed_name(name: Any) -> bool:
-    """Tell whether a manifest file name is a DCP file: ``.metadata`` or ``dcp/<file>``."""
-    if name == METADATA_NAME:
-        return True  # a save() DCP folder lists its index by its own name
-    if not isinstance(name, str) or not name.startswith(DCP_SUBDIR + "/"):
-        return False
-    rest = name[len(DCP_SUBDIR) + 1 :]
-    return rest == METADATA_NAME or (
-        bool(rest) and "/" not in rest and "\\" not in rest and not rest.startswith(".")
-    )
-
-
-def unlisted_shards(folder: str, files: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """The ``.distcp`` and ``.metadata`` files in local ``folder`` that ``files`` does not list."""
-    if _fs.is_remote(folder) or not os.path.isdir(_fs.local_path(folder)):
-        return []
-    return sorted(
-        prefix + name
-        for name in os.listdir(_fs.local_path(folder))
-        if (name.endswith(SHARD_SUFFIX) or name == METADATA_NAME) and prefix + name not in files
-    )
 
 
 def _own_files(folder: str, rank: int, coordinator: bool) -> list[str]:
@@ -478,15 +458,11 @@ def prepare_temp(path: str) -> str:
 
 def folder_manifest(files: Mapping[str, Any], world_size: int) -> bytes:
     """The commit marker of a ``save()`` DCP folder (the step manifest's shape, no entries)."""
-    from ddpstate import manager
-
-    return manager._manifest_for(None, {}, world_size, None, dict(files), FOLDER_FORMAT)
+    return _manifest.manifest_for(None, {}, world_size, None, dict(files), FOLDER_FORMAT)
 
 
 def commit_folder(temp: str, path: str, files: Mapping[str, Any], world_size: int) -> None:
     """Rank 0: write the manifest last into ``temp``, then put ``temp`` at ``path`` atomically."""
-    from ddpstate.manager import MANIFEST_NAME
-
     fsync_folder(temp)
     with storage.atomic_write(os.path.join(temp, MANIFEST_NAME)) as f:
         f.write(folder_manifest(files, world_size))
@@ -509,27 +485,26 @@ def kinds_disagree(infos: list[Any], step: int) -> Optional[InvalidArgumentError
     )
 
 
-def _prepare(manager: Any, step: int, rank: int) -> str:
+def _prepare(writer: StepWriter, step: int, rank: int) -> str:
     """Rank 0 prepares the step's folder and tells every rank (a collective); raised on all."""
     from ddpstate.dist import broadcast_object
-    from ddpstate.manager import _error_text
 
     prepared: Optional[str] = None
     failure = ""
     if rank == 0:
         try:
-            prepared = manager._prepare_folder(step)
+            prepared = writer.prepare_folder(step)
         except Exception as exc:
-            failure = _error_text(exc)
-    prepared, failure = broadcast_object((prepared, failure), src=0, timeout=manager.timeout)
+            failure = error_text(exc)
+    prepared, failure = broadcast_object((prepared, failure), src=0, timeout=writer.timeout)
     if prepared is None:
-        target = manager.checkpoint_path(step)
-        raise manager._write_failure(step, target, [(0, failure)])
+        target = writer.checkpoint_path(step)
+        raise writer.write_failure(step, target, [(0, failure)])
     return str(prepared)
 
 
 def save_step(
-    manager: Any,
+    writer: StepWriter,
     step: int,
     state: Mapping[str, Any],
     kinds: Mapping[str, str],
@@ -549,7 +524,7 @@ def save_step(
 
     rank = get_rank() if is_distributed() else 0
     name = f"CheckpointManager.save(step={step})"
-    folder = _prepare(manager, step, rank)
+    folder = _prepare(writer, step, rank)
     info: dict[str, Any] = {}
     cause: Optional[BaseException] = None
     try:
@@ -560,10 +535,10 @@ def save_step(
     causes: list[BaseException] = []
 
     def decide(infos: list[Any]) -> Optional[DDPStateError]:
-        return _commit(manager, step, folder, kinds, infos, entries, rng_blobs, metrics, causes)
+        return _commit(writer, step, folder, kinds, infos, entries, rng_blobs, metrics, causes)
 
     try:
-        gather_and_decide(info, decide, dst=0, name=name, timeout=manager.timeout)
+        gather_and_decide(info, decide, dst=0, name=name, timeout=writer.timeout)
     except DDPStateError as shared:
         chained = cause or (causes[0] if causes else None)
         if chained is not None:
@@ -572,7 +547,7 @@ def save_step(
 
 
 def _commit(
-    manager: Any,
+    writer: StepWriter,
     step: int,
     folder: str,
     kinds: Mapping[str, str],
@@ -583,27 +558,25 @@ def _commit(
     causes: list[BaseException],
 ) -> Optional[DDPStateError]:
     """Rank 0: commit the step every rank wrote its shards for, or return why it failed."""
-    from ddpstate.manager import _error_text, _rng_states
-
-    target = manager.checkpoint_path(step)
+    target = writer.checkpoint_path(step)
     files, failures = merge_files(infos, DCP_SUBDIR + "/")
     if failures:
-        manager._discard(folder, CheckpointWriteError(failures[0][1]))
-        return manager._write_failure(step, target, failures)  # type: ignore[no-any-return]
+        writer.discard(folder, CheckpointWriteError(failures[0][1]))
+        return writer.write_failure(step, target, failures)
     written = {n: {"file": f"{DCP_SUBDIR}/{METADATA_NAME}", "kind": k} for n, k in kinds.items()}
     try:
         fsync_folder(os.path.join(folder, DCP_SUBDIR))
-        manager._write(
+        writer.commit(
             step,
             dict(entries),
-            _rng_states(rng_blobs),
+            rng_states(rng_blobs),
             metrics,
             prepared=folder,
             written=(files, written),
         )
     except Exception as exc:
         causes.append(exc)
-        return manager._write_failure(step, target, [(0, _error_text(exc))])  # type: ignore[no-any-return]
+        return writer.write_failure(step, target, [(0, error_text(exc))])
     return None
 
 
@@ -625,7 +598,7 @@ def snapshot(state_dict: Any) -> Any:
     return copy.deepcopy(state_dict)
 
 
-def async_group(manager: Any) -> Any:
+def async_group(flight: InFlight, timeout: Any) -> Any:
     """The manager's own gloo group for background DCP writes; created on first use.
 
     Collective (``new_group``): every rank calls it from the same ``save``. The
@@ -639,16 +612,16 @@ def async_group(manager: Any) -> Any:
 
     if not dist.is_available() or not dist.is_initialized():
         return None
-    if getattr(manager, "_dcp_group", None) is None:
-        seconds = resolve_timeout(manager.timeout)
-        manager._dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-    return manager._dcp_group
+    if flight.dcp_group is None:
+        seconds = resolve_timeout(timeout)
+        flight.dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+    return flight.dcp_group
 
 
-def release_group(manager: Any) -> None:
+def release_group(flight: InFlight) -> None:
     """Destroy the manager's background-write group (at ``close``)."""
-    group = getattr(manager, "_dcp_group", None)
-    manager._dcp_group = None
+    group = flight.dcp_group
+    flight.dcp_group = None
     if group is not None:
         import torch.distributed as dist
 
@@ -657,7 +630,8 @@ def release_group(manager: Any) -> None:
 
 
 def start_async_step(
-    manager: Any,
+    writer: StepWriter,
+    flight: InFlight,
     step: int,
     state: Mapping[str, Any],
     kinds: Mapping[str, str],
@@ -673,14 +647,12 @@ def start_async_step(
     first call). The thread writes this rank's shards with DCP on the manager's
     own gloo group, gathers every rank's outcome to rank 0, which commits the
     step (manifest last) as :func:`save_step` does, and receives rank 0's
-    verdict; a failure is left in ``manager._thread_error`` on every rank, for
-    the next ``save``/``wait``/``restore``/``close`` to raise.
+    verdict; a failure is left in ``flight.error`` on every rank, for the next
+    ``save``/``wait``/``restore``/``close`` to raise.
     """
-    from ddpstate.manager import _error_text
-
     rank = get_rank() if is_distributed() else 0
-    folder = _prepare(manager, step, rank)
-    group = async_group(manager)
+    folder = _prepare(writer, step, rank)
+    group = async_group(flight, writer.timeout)
     copied = snapshot(state_dicts(state, kinds))  # before returning: training goes on
 
     def run() -> None:
@@ -703,7 +675,7 @@ def start_async_step(
         if rank == 0:
             assert infos is not None
             verdict = _commit(
-                manager, step, folder, kinds, infos, entries, rng_blobs, metrics, causes
+                writer, step, folder, kinds, infos, entries, rng_blobs, metrics, causes
             )
             if verdict is not None and causes:
                 verdict.__cause__ = causes[0]
@@ -712,20 +684,20 @@ def start_async_step(
             dist.broadcast_object_list(text, src=0, group=group)
         if verdict is None and text[0] is not None:
             verdict = CheckpointWriteError(text[0])
-        manager._thread_error = verdict
+        flight.error = verdict
 
     def guarded() -> None:
         try:
             run()
         except Exception as exc:  # the group broke (a rank died): raised at the next call
-            target = manager.checkpoint_path(step)
-            failure = manager._write_failure(step, target, [(rank, _error_text(exc))])
+            target = writer.checkpoint_path(step)
+            failure = writer.write_failure(step, target, [(rank, error_text(exc))])
             failure.__cause__ = exc
-            manager._thread_error = failure
+            flight.error = failure
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: raised as they are
-            manager._thread_error = exc
+            flight.error = exc
 
-    manager._thread_error = None
+    flight.error = None
     thread = threading.Thread(target=guarded, name=f"ddpstate-dcp-writer-step-{step}", daemon=False)
     thread.start()
     return thread

@@ -28,15 +28,14 @@ import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-# Module-style, as manager.py imports this module: either may be imported first.
-from ddpstate import manager as _manager
-from ddpstate import storage
+from ddpstate import _manifest, storage
+from ddpstate._manager.entries import Entry, Timeout
+from ddpstate._manager.snapshot import Snapshot
 from ddpstate.dist import (
     all_gather_object,
     broadcast_object,
@@ -50,12 +49,7 @@ from ddpstate.dist import (
 from ddpstate.errors import InvalidArgumentError
 from ddpstate.rng import capture_rng_state
 
-if TYPE_CHECKING:
-    from ddpstate.manager import CheckpointManager
-
 __all__ = ["LocalTier", "RestoreSource"]
-
-Timeout = Union[float, timedelta, None]
 
 #: Files travel between nodes in pieces of this many bytes (bounds the memory a transfer takes).
 TRANSFER_CHUNK = 64 << 20
@@ -130,7 +124,7 @@ class LocalTier:
         self.skipped: list[tuple[int, str]] = []
         self._reported = 0  # skips already told to the node's other ranks
         self._warned = False
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._snapshot = Snapshot()  # its own buffers: a durable async write may read the manager's
         self._thread: Optional[threading.Thread] = None
         self._thread_step = -1
         self._thread_error: Optional[BaseException] = None
@@ -151,17 +145,17 @@ class LocalTier:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, manager: CheckpointManager, step: int, state: Mapping[str, Any]) -> bool:
+    def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Snapshot ``state`` and write it in the background when ``step`` is due."""
         if step % self.every:
             return False
         self.wait()
         writer = is_local_main_process()
-        entries: Optional[dict[str, _manager._Entry]] = None
+        entries: Optional[dict[str, Entry]] = None
         events: list[Any] = []
         if writer:
             try:
-                entries, events = self._snapshot(manager, state)
+                entries, events = self._snapshot.collect(state, snapshot=True)
             except Exception as exc:  # the local tier never stops training
                 self._skip(step, exc)
 
@@ -200,23 +194,10 @@ class LocalTier:
             self.skipped.extend(news)
         return bool(started)
 
-    def _snapshot(
-        self, manager: CheckpointManager, state: Mapping[str, Any]
-    ) -> tuple[dict[str, _manager._Entry], list[Any]]:
-        # The manager's snapshot code, with this tier's own copy buffers: an async
-        # durable write may still be reading the manager's.
-        durable_buffers = manager._buffers
-        manager._buffers = self._buffers
-        try:
-            return manager._collect(state, snapshot=True)
-        finally:
-            self._buffers = manager._buffers
-            manager._buffers = durable_buffers
-
     def _write_in_thread(
         self,
         step: int,
-        entries: dict[str, _manager._Entry],
+        entries: dict[str, Entry],
         rng_states: list[Any],
         events: list[Any],
     ) -> None:
@@ -227,10 +208,10 @@ class LocalTier:
         except BaseException as exc:
             self._thread_error = exc
 
-    def _write(self, step: int, entries: dict[str, _manager._Entry], rng_states: list[Any]) -> None:
+    def _write(self, step: int, entries: dict[str, Entry], rng_states: list[Any]) -> None:
         os.makedirs(self.directory, exist_ok=True)
         self._clean()
-        target = os.path.join(self.directory, _manager._step_name(step))
+        target = os.path.join(self.directory, _manifest.step_name(step))
         staging = storage.temp_path_for(target)
         os.makedirs(staging)
         try:
@@ -241,12 +222,12 @@ class LocalTier:
                 files[filename] = _write_file(os.path.join(staging, filename), entry.value)
                 manifest_entries[name] = {"file": filename, "kind": entry.kind}
             rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
-            files[_manager.RNG_FILE] = _write_file(
-                os.path.join(staging, _manager.RNG_FILE), rng_payload
+            files[_manifest.RNG_FILE] = _write_file(
+                os.path.join(staging, _manifest.RNG_FILE), rng_payload
             )
             _write_bytes(
-                os.path.join(staging, _manager.MANIFEST_NAME),
-                _manager._manifest_for(step, {}, len(rng_states), manifest_entries, files),
+                os.path.join(staging, _manifest.MANIFEST_NAME),
+                _manifest.manifest_for(step, {}, len(rng_states), manifest_entries, files),
             )
             storage.replace_folder(staging, target)
         except BaseException:
@@ -259,9 +240,9 @@ class LocalTier:
             return []
         found = []
         for name in os.listdir(self.directory):
-            step = _manager._parse_step(name)
+            step = _manifest.parse_step(name)
             if step is not None and os.path.exists(
-                os.path.join(self.directory, name, _manager.MANIFEST_NAME)
+                os.path.join(self.directory, name, _manifest.MANIFEST_NAME)
             ):
                 found.append(step)
         return sorted(found)
@@ -270,27 +251,27 @@ class LocalTier:
         """Delete what killed writers left: temp folders and uncommitted step folders."""
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
-            committed = os.path.exists(os.path.join(path, _manager.MANIFEST_NAME))
+            committed = os.path.exists(os.path.join(path, _manifest.MANIFEST_NAME))
             if storage.is_temp_name(name) or (
-                _manager._parse_step(name) is not None and not committed
+                _manifest.parse_step(name) is not None and not committed
             ):
                 shutil.rmtree(path, ignore_errors=True)
 
     def _rotate(self) -> None:
         for step in self._committed()[: -self.keep]:
-            folder = os.path.join(self.directory, _manager._step_name(step))
+            folder = os.path.join(self.directory, _manifest.step_name(step))
             # Manifest first: a crash midway leaves an uncommitted folder, never a broken one.
-            os.remove(os.path.join(folder, _manager.MANIFEST_NAME))
+            os.remove(os.path.join(folder, _manifest.MANIFEST_NAME))
             shutil.rmtree(folder, ignore_errors=True)
 
     def _skip(self, step: int, exc: BaseException) -> None:
-        self.skipped.append((step, _manager._error_text(exc)))
+        self.skipped.append((step, _manifest.error_text(exc)))
         if self._warned:
             return
         self._warned = True
         warnings.warn(
             f"CheckpointManager: the node-local tier skipped step {step} on rank {get_rank()} "
-            f"({_manager._error_text(exc)}); training goes on and the durable checkpoints are "
+            f"({_manifest.error_text(exc)}); training goes on and the durable checkpoints are "
             f"untouched. "
             f"{self.directory} needs free space for local_keep + 1 copies of the state; "
             f"later local failures are not warned about again (see manager.local_skipped)",
@@ -323,40 +304,43 @@ class LocalTier:
         try:
             self.wait()
         finally:
-            self._buffers.clear()
+            self._snapshot.buffers.clear()
 
     # ------------------------------------------------------------------ restoring
 
     def _newest_verified(self) -> Optional[tuple[int, str]]:
         for step in reversed(self._committed()):
-            folder = os.path.join(self.directory, _manager._step_name(step))
-            check = _manager._check_folder(folder, step, None)
+            folder = os.path.join(self.directory, _manifest.step_name(step))
+            check = _manifest.check_folder(folder, step, None)
             if check.manifest is not None:
                 return step, folder
             warnings.warn(
                 f"CheckpointManager.restore: skipping the local {folder}: "
                 f"{'; '.join(check.problems)}",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
         return None
 
     def _skip_restore(self, exc: BaseException) -> None:
         warnings.warn(
             f"CheckpointManager.restore: the node-local tier {self.directory} cannot be read "
-            f"on rank {get_rank()} ({_manager._error_text(exc)}); this node counts as holding "
+            f"on rank {get_rank()} ({_manifest.error_text(exc)}); this node counts as holding "
             f"no local step",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
-    def choose(self, manager: CheckpointManager) -> Optional[tuple[RestoreSource, dict[str, Any]]]:
+    def choose(
+        self, latest_step: Callable[[], Optional[int]]
+    ) -> Optional[tuple[RestoreSource, dict[str, Any]]]:
         """A collective: the local step to restore on this rank, or None for the durable tier.
 
         Each node's local main process verifies its newest local step; the
         ranks gather the findings and agree on the newest step any node holds,
-        unless the durable tier has a newer committed step. Nodes that lack
-        the step receive its files from the lowest rank that has it.
+        unless the durable tier has a newer committed step (``latest_step``,
+        called on rank 0). Nodes that lack the step receive its files from the
+        lowest rank that has it.
         """
         self.wait()
         rank = get_rank()
@@ -369,7 +353,7 @@ class LocalTier:
         durable: Optional[float] = None
         if rank == 0:
             try:
-                durable = manager.latest_step()
+                durable = latest_step()
             except Exception:
                 # The durable path below reads the folder again and raises the real error.
                 durable = math.inf
@@ -388,7 +372,7 @@ class LocalTier:
         best = max(steps)
         holders = sorted(r for r, s in held.items() if s == best)
         lacking = sorted(r for r, s in held.items() if s != best)
-        folder = os.path.join(self.directory, _manager._step_name(best))
+        folder = os.path.join(self.directory, _manifest.step_name(best))
         node = report["node"]
         if lacking:
             error = self._transfer(best, holders[0], lacking)
@@ -402,10 +386,10 @@ class LocalTier:
                         + "; ".join(f"rank {r}: {e}" for r, e in failed)
                         + "); restoring from the durable tier instead",
                         UserWarning,
-                        stacklevel=4,
+                        stacklevel=5,
                     )
                 return None
-        manifest, problem = _manager._read_manifest(folder, None)
+        manifest, problem = _manifest.read_manifest(folder, None)
         if manifest is None:
             # Only possible if the folder changed under us after the agreement.
             raise InvalidArgumentError(f"CheckpointManager.restore: {folder}: {problem}")
@@ -421,14 +405,14 @@ class LocalTier:
         full disk on one node never leaves the others waiting.
         """
         rank = get_rank()
-        folder = os.path.join(self.directory, _manager._step_name(step))
+        folder = os.path.join(self.directory, _manifest.step_name(step))
         raw_manifest: Any = None
         if rank == src:
             try:
-                with open(os.path.join(folder, _manager.MANIFEST_NAME), "rb") as f:
+                with open(os.path.join(folder, _manifest.MANIFEST_NAME), "rb") as f:
                     raw_manifest = f.read()
             except OSError as exc:
-                raw_manifest = _manager._error_text(exc)
+                raw_manifest = _manifest.error_text(exc)
         raw_manifest = broadcast_object(raw_manifest, src=src, timeout=self.timeout)
         if not isinstance(raw_manifest, bytes):  # the sender lost its copy: every rank gives up
             return f"rank {src} could not read its local step {step}: {raw_manifest}"
@@ -478,7 +462,7 @@ class _Sink:
             action()
         except Exception as exc:
             # A failed receive costs the fast path, never the job: restore falls back.
-            self.error = _manager._error_text(exc)
+            self.error = _manifest.error_text(exc)
             self.close()
             if self.folder is not None:
                 shutil.rmtree(self.folder, ignore_errors=True)
@@ -497,7 +481,7 @@ class _Sink:
     def finish(self, filename: str, crc32: str) -> None:
         def check() -> None:
             self.close()
-            if _manager._checksum_hex(self._crc) != crc32:
+            if _manifest.checksum_hex(self._crc) != crc32:
                 raise OSError(f"{filename}: the received bytes fail their CRC-32 ({crc32})")
 
         if self.folder is not None:
@@ -510,7 +494,7 @@ class _Sink:
 
     def commit(self, raw_manifest: bytes, target: str) -> None:
         def done() -> None:
-            _write_bytes(os.path.join(str(self.folder), _manager.MANIFEST_NAME), raw_manifest)
+            _write_bytes(os.path.join(str(self.folder), _manifest.MANIFEST_NAME), raw_manifest)
             storage.replace_folder(str(self.folder), target)
 
         self._guard(done)
@@ -519,14 +503,14 @@ class _Sink:
 def _write_file(path: str, obj: Any) -> dict[str, Any]:
     # No fsync: the local tier is for surviving a crashed process, not a crashed node.
     with storage.atomic_write(path, fsync=False) as raw:
-        writer = _manager._ChecksumWriter(raw)
+        writer = _manifest.ChecksumWriter(raw)
         try:
             torch.save(obj, writer)  # type: ignore[arg-type]
         except Exception as exc:
             if writer.error is not None and writer.error is not exc:
                 raise writer.error from exc
             raise
-    return {"size": writer.size, "crc32": _manager._checksum_hex(writer.crc)}
+    return {"size": writer.size, "crc32": _manifest.checksum_hex(writer.crc)}
 
 
 def _write_bytes(path: str, data: bytes) -> None:

@@ -5,7 +5,7 @@ Reading every byte of every file for its CRC-32 is most of restore's cost, so
 in a multi-rank job rank 0 reads the manifest and lists the folder (cheap),
 proposes the step to the others, and every rank checksums its share of the
 listed files; the shares' problems meet on rank 0 in one gather round, where
-:meth:`CheckpointManager._choose` decides exactly as it does alone (same
+``restore.choose`` decides exactly as it does alone (same
 candidate order, same fallback, same warning text). The other ranks follow
 :func:`follow` until rank 0 ends the loop with :func:`finish`.
 """
@@ -16,8 +16,8 @@ import heapq
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from ddpstate import manager as _manager
-from ddpstate import storage
+from ddpstate import _manifest, storage
+from ddpstate._manager.entries import Timeout
 from ddpstate.dist import broadcast_object, gather_and_decide, get_rank, get_world_size
 
 _NAME = "CheckpointManager.restore (verify)"
@@ -39,9 +39,9 @@ def assign(sizes: Mapping[str, int], world: int) -> list[list[str]]:
 
 
 def _checked(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The manifest's listed files that _check_folder reads (the others are manifest problems)."""
+    """The manifest's listed files that ``check_folder`` reads (the rest are manifest problems)."""
     files: dict[str, Any] = manifest["files"]
-    return {n: e for n, e in files.items() if _manager._is_listed(n) and isinstance(e, dict)}
+    return {n: e for n, e in files.items() if _manifest.is_listed(n) and isinstance(e, dict)}
 
 
 def _check_share(
@@ -51,14 +51,14 @@ def _check_share(
     files = _checked(manifest)
     sizes = {n: e["size"] if isinstance(e.get("size"), int) else 0 for n, e in files.items()}
     mine = set(assign(sizes, get_world_size())[get_rank()])
-    check = _manager._FolderCheck(manifest, [], [])
+    check = _manifest.FolderCheck(manifest, [], [])
     found: list[tuple[str, str]] = []
     for filename, expected in files.items():
         if filename not in mine:
             continue
         before = len(check.problems)
         try:
-            _manager._check_file(storage.join(folder, filename), filename, expected, check, opts)
+            _manifest.check_file(storage.join(folder, filename), filename, expected, check, opts)
         except Exception as exc:  # still join the round: rank 0 would wait for this rank
             check.problems.append(f"{filename} cannot be checked ({type(exc).__name__}: {exc})")
         found.extend((filename, p) for p in check.problems[before:])
@@ -66,15 +66,15 @@ def _check_share(
 
 
 def verify(
-    folder: str, step: int, opts: Optional[dict[str, Any]], timeout: _manager.Timeout
+    folder: str, step: int, opts: Optional[dict[str, Any]], timeout: Timeout
 ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """Rank 0: check ``folder`` with every rank's help; return (manifest, problems) as _verify."""
-    manifest, problem = _manager._read_manifest(folder, opts)
+    manifest, problem = _manifest.read_manifest(folder, opts)
     if manifest is None:
         return None, str(problem)
-    check = _manager._FolderCheck(manifest, _manager._manifest_problems(manifest, step), [])
-    listing = _manager._FolderCheck(manifest, [], [])
-    _manager._check_listing(folder, manifest["files"], listing, opts)
+    check = _manifest.FolderCheck(manifest, _manifest.manifest_problems(manifest, step), [])
+    listing = _manifest.FolderCheck(manifest, [], [])
+    _manifest.check_listing(folder, manifest["files"], listing, opts)
     broadcast_object((folder, manifest), src=0, timeout=timeout)
     shares: list[list[tuple[str, str]]] = []
 
@@ -89,7 +89,7 @@ def verify(
     return (None, "; ".join(problems)) if problems else (manifest, None)
 
 
-def follow(opts: Optional[dict[str, Any]], timeout: _manager.Timeout) -> None:
+def follow(opts: Optional[dict[str, Any]], timeout: Timeout) -> None:
     """Ranks other than 0: check a share of each step rank 0 proposes, until it is done."""
     while True:
         proposal = broadcast_object(None, src=0, timeout=timeout)
@@ -100,6 +100,6 @@ def follow(opts: Optional[dict[str, Any]], timeout: _manager.Timeout) -> None:
         gather_and_decide(problems, lambda payloads: None, name=_NAME, timeout=timeout)
 
 
-def finish(timeout: _manager.Timeout) -> None:
+def finish(timeout: Timeout) -> None:
     """Rank 0: tell the followers no more steps are proposed (also after a failure)."""
     broadcast_object(None, src=0, timeout=timeout)

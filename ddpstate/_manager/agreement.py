@@ -1,0 +1,102 @@
+"""What the ranks must agree on in ``CheckpointManager.save``'s one round, checked on the writer.
+
+Every rank sends its step, entry names, BatchNorm facts and DCP entries to the
+writer, which turns any disagreement into the one error every rank raises
+(:func:`check_gathered`, :func:`check_batchnorm`) before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Optional
+
+from torch import nn
+
+from ddpstate._collectives import with_message
+from ddpstate._manager.entries import Timeout
+from ddpstate._manager.writer import WRITER_RANK
+from ddpstate._manifest import error_text
+from ddpstate.errors import CheckpointWriteError, DDPStateError, InvalidArgumentError
+
+
+def check_gathered(
+    gathered: list[Any], step: int, folder: str, local_error: Optional[Exception]
+) -> Optional[DDPStateError]:
+    """The writer's verdict on the gathered metadata: None, or the error every rank raises."""
+    if local_error is not None:
+        message = (
+            f"saving step {step} to {folder} failed before writing: rank {WRITER_RANK}: "
+            f"{error_text(local_error)}; nothing was written"
+        )
+        if isinstance(local_error, DDPStateError):
+            return with_message(local_error, message)
+        return CheckpointWriteError(message)
+    steps = [g["step"] for g in gathered]
+    if len(set(steps)) > 1:
+        return InvalidArgumentError(
+            f"CheckpointManager.save: the ranks passed different steps "
+            f"({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))}); every rank must "
+            f"save the same step at the same time"
+        )
+    names = [g["names"] for g in gathered]
+    differing = [r for r, n in enumerate(names) if n != names[0]]
+    if differing:
+        return InvalidArgumentError(
+            f"CheckpointManager.save(step={step}): rank(s) {differing} passed state entries "
+            f"{names[differing[0]]} but rank 0 passed {names[0]}; pass the same names on "
+            f"every rank"
+        )
+    return None
+
+
+def batchnorm_checks(state: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's BatchNorm facts per model entry, sent in ``save``'s agreement exchange.
+
+    ``"sync"`` for a ``wrap_ddp`` model with unsynced statistics, else its
+    :func:`~ddpstate.batchnorm.stats_checksums` (None: nothing to compare).
+    Not a collective.
+    """
+    from ddpstate.batchnorm import stats_checksums, wrapped_unsynced
+
+    return {
+        name: "sync" if wrapped_unsynced(obj) else stats_checksums(obj)
+        for name, obj in state.items()
+        if isinstance(obj, nn.Module)
+    }
+
+
+def check_batchnorm(
+    state: Mapping[str, Any], folder: str, gathered: list[Any]
+) -> Optional[DDPStateError]:
+    """The writer, inside save's round: the ranks must agree on which models to sync.
+
+    For the other models it warns (once per model) when the ranks' BatchNorm
+    statistics differ, since the file would hold rank 0's alone.
+    """
+    from ddpstate.batchnorm import warn_if_checksums_differ
+
+    for name, obj in state.items():
+        if not isinstance(obj, nn.Module):
+            continue
+        facts = [g["batchnorm"].get(name) for g in gathered]
+        syncing = [r for r, fact in enumerate(facts) if fact == "sync"]
+        if syncing and len(syncing) != len(facts):
+            return InvalidArgumentError(
+                f"CheckpointManager.save: entry {name!r} was prepared by wrap_ddp with "
+                f"unsynced BatchNorm on rank(s) {syncing} but not on the others; prepare "
+                f"the model the same way on every rank"
+            )
+        if not syncing:
+            warn_if_checksums_differ(obj, facts, where=f"{folder} (entry {name!r})")
+    return None
+
+
+def sync_batchnorm(state: Mapping[str, Any], given: Timeout) -> None:
+    """Every rank, after save's round: average the statistics of unsynced wrap_ddp models."""
+    from ddpstate.batchnorm import sync_batchnorm_stats, wrapped_unsynced
+
+    timeout = given.total_seconds() if isinstance(given, timedelta) else given
+    for obj in state.values():
+        if isinstance(obj, nn.Module) and wrapped_unsynced(obj):
+            sync_batchnorm_stats(obj, timeout=timeout)

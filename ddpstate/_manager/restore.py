@@ -1,0 +1,350 @@
+"""``CheckpointManager.restore``: choosing a step (newest that verifies), loading it, RNG states.
+
+Rank 0 verifies the candidates newest first (with every rank's help, see
+``verify_split.py``) and broadcasts its choice, unless the node-local tier
+(``local_tier.py``) answers first; every rank then loads the chosen step's
+entries into the live objects and restores its own RNG states.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ddpstate import checkpoint, storage
+from ddpstate._collectives import with_message
+from ddpstate._dcp import write as _dcp
+from ddpstate._io import model_state
+from ddpstate._manager import verify_split as _verify_split
+from ddpstate._manager.entries import Timeout, check_state, check_step, has_state_dict
+from ddpstate._manager.local_tier import LocalTier, RestoreSource
+from ddpstate._manager.writer import StepWriter
+from ddpstate._manifest import MANIFEST_NAME, RNG_FILE, check_folder, error_text, parse_step
+from ddpstate.dist import (
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    share_outcome,
+)
+from ddpstate.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    DDPStateError,
+    InvalidArgumentError,
+    KeyMismatchError,
+)
+from ddpstate.keys import adapt_state_dict
+from ddpstate.rng import derived_seed, restore_rng_state, seed_all
+
+
+def _verify(
+    writer: StepWriter, folder: str, step: int, split: bool = False
+) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """Check a step folder as :func:`verify_checkpoint` does; return (manifest, problems).
+
+    With ``split`` (rank 0 of several), every rank checksums a share of the files.
+    """
+    if split:
+        return _verify_split.verify(folder, step, writer.storage_options, writer.timeout)
+    check = check_folder(folder, step, writer.storage_options)
+    if check.manifest is None:
+        return None, "; ".join(check.problems)
+    return check.manifest, None
+
+
+def choose(
+    writer: StepWriter, step: Optional[int], split: bool = False
+) -> Optional[tuple[int, dict[str, Any]]]:
+    """Rank 0: pick the checkpoint to restore (see :meth:`restore`).
+
+    ``split``: the other ranks help verify (see :func:`_verify`).
+    """
+    opts = writer.storage_options
+    if step is not None:
+        folder = writer.checkpoint_path(step)
+        if not storage.exists(folder, storage_options=opts):
+            raise CheckpointNotFoundError(
+                f"{folder}: no checkpoint for step {step}; committed steps in "
+                f"{writer.directory}: {sorted(writer.committed_steps())}"
+            )
+        manifest, problem = _verify(writer, folder, step, split)
+        if manifest is None:
+            raise CheckpointCorruptError(
+                f"{folder}: cannot restore step {step}: {problem}. Restore another step, or "
+                f"pass step=None to take the newest valid checkpoint"
+            )
+        return step, manifest
+    if not storage.isdir(writer.directory, storage_options=opts):
+        return None
+    candidates = sorted(
+        (
+            s
+            for s in map(parse_step, storage.listdir(writer.directory, storage_options=opts))
+            if s is not None
+        ),
+        reverse=True,
+    )
+    skipped: list[tuple[str, str]] = []
+    committed_bad = 0
+    for s in candidates:
+        folder = writer.checkpoint_path(s)
+        if not storage.isdir(folder, storage_options=opts):
+            continue
+        manifest, problem = _verify(writer, folder, s, split)
+        if manifest is not None:
+            for bad_folder, why in skipped:
+                warnings.warn(
+                    f"CheckpointManager.restore: skipping {bad_folder}: {why}; restoring "
+                    f"step {s} instead",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            return s, manifest
+        skipped.append((folder, str(problem)))
+        if storage.exists(storage.join(folder, MANIFEST_NAME), storage_options=opts):
+            committed_bad += 1
+    if committed_bad:
+        listing = "; ".join(f"{f}: {why}" for f, why in skipped)
+        raise CheckpointCorruptError(
+            f"CheckpointManager.restore: {writer.directory} has checkpoints, but none verifies "
+            f"({listing}). Move the folder away to start fresh, or repair the files"
+        )
+    for bad_folder, why in skipped:
+        warnings.warn(
+            f"CheckpointManager.restore: ignoring {bad_folder}: {why}; no checkpoint to restore",
+            UserWarning,
+            stacklevel=4,
+        )
+    return None
+
+
+def load_into(
+    writer: StepWriter,
+    state: MutableMapping[str, Any],
+    folder: str,
+    manifest: dict[str, Any],
+    map_location: Any,
+    ignore_mismatched: bool = False,
+    mmap: bool = False,
+) -> None:
+    """Every rank: load ``folder``'s entries (as ``manifest`` lists them) and RNG states."""
+    opts = writer.storage_options
+    saved_entries: dict[str, Any] = manifest["entries"]
+    # Entries in the step's DCP checkpoint load first, on every rank together.
+    dcp_kinds = {
+        n: saved_entries[n]["kind"]
+        for n in state
+        if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
+    }
+    if dcp_kinds:
+        _dcp.restore_entries(state, dcp_kinds, folder, ignore_mismatched)
+    loaded: dict[str, Any] = {}
+    for name in state:
+        if name in saved_entries and name not in dcp_kinds:
+            path = storage.join(folder, saved_entries[name]["file"])
+            # No mmap on the durable tier: a later rotation deletes these files, and on
+            # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
+            # A local file unlinked on this node keeps its pages while mapped.
+            loaded[name] = checkpoint.load(
+                path,
+                map_location=map_location,
+                mmap=mmap,
+                barrier=False,
+                storage_options=opts,
+                safe_globals=writer.safe_globals,
+            )
+    rng = checkpoint.load(
+        storage.join(folder, str(manifest.get("rng_file", RNG_FILE))),
+        map_location="cpu",
+        mmap=False,
+        barrier=False,
+        storage_options=opts,
+    )
+    # Parameters ignore_mismatched skipped: optimizers must not get their old
+    # per-parameter state (it has the old shape), so models load first.
+    skipped: set[int] = set()
+    in_order = sorted(loaded, key=lambda n: not isinstance(state[n], nn.Module))
+    for name in in_order:
+        value = loaded[name]
+        target = state[name]
+        file = storage.join(folder, saved_entries[name]["file"])
+        if isinstance(target, nn.Module):
+            if not isinstance(value, Mapping):
+                raise InvalidArgumentError(
+                    f"{file}: entry {name!r} holds a {type(value).__name__}, not a state "
+                    f"dict, so it cannot be loaded into {type(target).__name__}"
+                )
+            adapted = adapt_state_dict(value, target)
+            keys = model_state.load_fitting(
+                target,
+                adapted,
+                name=f"{file} (entry {name!r})",
+                strict=True,
+                ignore_mismatched=ignore_mismatched,
+            )
+            params = dict(target.named_parameters())
+            skipped.update(id(params[k]) for k in keys if k in params)
+        elif has_state_dict(target):
+            if skipped and isinstance(target, torch.optim.Optimizer):
+                value = without_skipped(value, target, skipped, f"{file} (entry {name!r})")
+            try:
+                target.load_state_dict(value)
+            except DDPStateError:
+                raise
+            except Exception as exc:
+                raise InvalidArgumentError(
+                    f"{file}: restoring {name!r} into {type(target).__name__} failed "
+                    f"({error_text(exc)}); was it saved from the same kind of object?"
+                ) from exc
+        else:
+            state[name] = value
+    restore_rng(rng, manifest)
+
+
+def restore_rng(rng: Any, manifest: dict[str, Any]) -> None:
+    """Restore this rank's RNG states from a step's ``_rng.pt`` (see ``restore``'s docstring)."""
+    states = rng.get("ranks") if isinstance(rng, dict) else None
+    if not isinstance(states, list) or not states:
+        raise CheckpointCorruptError(f"{RNG_FILE} of step {manifest.get('step')} has no RNG states")
+    saved_world, rank, world = len(states), get_rank(), get_world_size()
+    if saved_world == world:
+        restore_rng_state(states[rank])
+        return
+    if rank == 0:
+        warnings.warn(
+            f"CheckpointManager.restore: step {manifest.get('step')} was saved by "
+            f"{saved_world} ranks and is restored by {world}: ranks below {saved_world} "
+            f"restore their own saved RNG states; a rank r >= {saved_world} restores rank "
+            f"r % {saved_world}'s and re-seeds every generator from it and r",
+            UserWarning,
+            stacklevel=5,
+        )
+    base = states[rank % saved_world]
+    restore_rng_state(base)
+    if rank >= saved_world:
+        seed_all(derived_seed(base, rank))
+
+
+def share_restore_outcome(step: int, error: Optional[Exception], timeout: Timeout) -> None:
+    """Raise ``error`` (this rank's, or another's) on every rank, or return on every rank."""
+    if error is None:
+        shared: Optional[DDPStateError] = None
+    else:
+        text = f"restoring step {step} failed on rank {get_rank()}: {error}"
+        shared = (
+            with_message(error, text)
+            if isinstance(error, DDPStateError)
+            else DDPStateError(f"{text} ({type(error).__name__})")
+        )
+    try:
+        share_outcome(shared, name=f"CheckpointManager.restore(step={step})", timeout=timeout)
+    except DDPStateError as raised:
+        if error is not None:
+            raise raised from error
+        raise
+
+
+def without_skipped(value: Any, optimizer: Any, skipped: set[int], where: str) -> Any:
+    """``value`` (an optimizer state dict) less the state of the ``skipped`` parameters.
+
+    Saved optimizer state is keyed by parameter position in ``param_groups``, so
+    positions are matched against the live optimizer's parameters; those start
+    afresh (as new parameters do) and a warning names how many.
+    """
+    if not isinstance(value, Mapping) or not isinstance(value.get("state"), Mapping):
+        return value
+    positions: set[Any] = set()
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in skipped:
+                positions.add(index)
+            index += 1
+    dropped = [k for k in value["state"] if k in positions]
+    if not dropped:
+        return value
+    warnings.warn(
+        f"{where}: dropped the saved optimizer state of {len(dropped)} parameter(s) skipped "
+        f"by ignore_mismatched=True (they start with fresh optimizer state)",
+        UserWarning,
+        stacklevel=5,
+    )
+    kept = dict(value)
+    kept["state"] = {k: v for k, v in value["state"].items() if k not in positions}
+    return kept
+
+
+def restore(
+    writer: StepWriter,
+    local: Optional[LocalTier],
+    state: MutableMapping[str, Any],
+    step: Optional[int],
+    map_location: Any,
+    strict: bool,
+    ignore_mismatched: bool,
+) -> RestoreSource:
+    """Every rank: ``CheckpointManager.restore`` once the async write is done (see its docstring).
+
+    Returns where the state came from; its ``step`` is None when there is no
+    checkpoint (``state`` untouched).
+    """
+    names = check_state(state, "restore")
+    if step is not None:
+        step = check_step(step)
+    timeout = writer.timeout
+    # The node-local tier answers first when it holds a step at least as new as the durable
+    # (a collective: every rank gets the same answer).
+    found = local.choose(writer.latest_step) if local is not None and step is None else None
+    choice: Optional[tuple[int, dict[str, Any]]] = None
+    if found is not None and found[0].step is not None:
+        choice = (found[0].step, found[1])
+    choose_error: Optional[Exception] = None
+    # Several ranks: each checksums a share of the candidate's files (_verify_split).
+    split = found is None and is_distributed() and get_world_size() > 1
+    if found is None and get_rank() == 0:
+        try:
+            choice = choose(writer, step, split)
+        except Exception as exc:
+            if not is_distributed():
+                raise
+            choose_error = exc
+        finally:
+            if split:
+                _verify_split.finish(timeout)
+    elif split:
+        _verify_split.follow(writer.storage_options, timeout)
+    if found is None:
+        share_outcome(choose_error, name="CheckpointManager.restore", timeout=timeout)
+        choice = broadcast_object(choice, src=0, timeout=timeout)
+    if choice is None:
+        return RestoreSource(None, "none")
+    chosen_step, manifest = choice
+    folder = writer.checkpoint_path(chosen_step) if found is None else str(found[0].path)
+    saved_entries: dict[str, Any] = manifest["entries"]
+    missing = [n for n in names if n not in saved_entries]
+    unexpected = [n for n in saved_entries if n not in names]
+    if strict and (missing or unexpected):
+        raise KeyMismatchError(
+            f"CheckpointManager.restore: {folder} has entries {sorted(saved_entries)}, but "
+            f"state has {sorted(names)} (missing from the checkpoint: {missing}; not in "
+            f"state: {unexpected}); pass strict=False to restore the common entries",
+            missing=missing,
+            unexpected=unexpected,
+        )
+    error: Optional[Exception] = None
+    try:
+        # The local tier is node-local memory: map it instead of copying (see load_into).
+        load_into(
+            writer, state, folder, manifest, map_location, ignore_mismatched, mmap=found is not None
+        )
+    except Exception as exc:
+        if not is_distributed():
+            raise
+        error = exc
+    share_restore_outcome(chosen_step, error, timeout)
+    return found[0] if found is not None else RestoreSource(chosen_step, "durable", folder)

@@ -1,0 +1,469 @@
+"""The durable tier's writes: a step folder written, committed (manifest last), rotated.
+
+:class:`StepWriter` is what rank 0 (the writer) does for a
+:class:`~ddpstate.CheckpointManager`: it prepares a step's folder (cleaning
+up crashed saves, staging a re-save beside the old copy), writes each entry
+with its size and CRC-32, commits it with the manifest, points ``latest`` at
+it, applies a rollback, and rotates old steps out. It also turns a failure
+into the one error every rank raises. :class:`InFlight` holds the async write
+in flight; sharded saves (``_dcp/write.py``) drive the same writer through its
+public methods.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ddpstate import _fs, storage
+from ddpstate._io import savecheck as _savecheck
+from ddpstate._io.safetensors_io import write_safetensors
+from ddpstate._manager.entries import KIND_MODULE, Entry, Timeout, is_flat_tensor_dict, rng_states
+from ddpstate._manifest import (
+    COMMITTED_BUT,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    RNG_FILE,
+    ChecksumWriter,
+    checksum_hex,
+    error_text,
+    manifest_for,
+    parse_step,
+    read_manifest,
+    step_name,
+)
+from ddpstate.dist import is_distributed, share_outcome
+from ddpstate.errors import CheckpointWriteError, DDPStateError
+from ddpstate.formats import SAFETENSORS
+
+#: The rank that writes the rank-0 entries and commits every step.
+WRITER_RANK = 0
+
+
+@dataclass
+class Pending:
+    """The step an async save is writing, until the next call waits for it."""
+
+    step: int
+    folder: str
+    shared: bool = False  # its writer threads already agreed on the error (DCP, every rank)
+
+
+@dataclass
+class InFlight:
+    """The async durable write in flight (at most one), and the group sharded ones run on."""
+
+    pending: Optional[Pending] = None
+    thread: Optional[threading.Thread] = None
+    #: The background write's failure, raised on every rank by :meth:`StepWriter.finish`.
+    error: Optional[BaseException] = None
+    #: Background DCP writes' own gloo group (``_dcp/write.async_group``).
+    dcp_group: Any = None
+
+    def abandon(self, exc: Optional[BaseException]) -> None:
+        """Let the write in flight complete without a collective (the ``with`` block failed).
+
+        Its failure, if any, becomes a note on ``exc``.
+        """
+        if self.thread is not None:
+            self.thread.join()
+            if self.error is not None and exc is not None:
+                note = getattr(exc, "add_note", None)
+                if note is not None:
+                    note(f"the async checkpoint write also failed: {self.error!r}")
+        self.pending = None
+
+
+class StepWriter:
+    """Write, commit and rotate a manager's step folders (see the module docstring)."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        storage_options: Optional[dict[str, Any]],
+        format: str,
+        safe_globals: Sequence[Any],
+        keep_last: Optional[int],
+        keep_best: int,
+        metric: Optional[str],
+        mode: str,
+        timeout: Timeout,
+        async_save: bool,
+        writers: str,
+    ) -> None:
+        self.directory = directory
+        self.storage_options = storage_options
+        self.format = format
+        self.safe_globals = tuple(safe_globals)
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.metric = metric
+        self.mode = mode
+        self.timeout = timeout
+        self.async_save = async_save
+        self.writers = writers
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._warned_newer = False
+
+    def checkpoint_path(self, step: int) -> str:
+        """The folder of ``step``'s checkpoint."""
+        return storage.join(self.directory, step_name(step))
+
+    def committed_steps(self) -> list[int]:
+        """The steps whose manifest exists (unsorted; empty when the folder does not)."""
+        opts = self.storage_options
+        if not storage.isdir(self.directory, storage_options=opts):
+            return []
+        found = []
+        for name in storage.listdir(self.directory, storage_options=opts):
+            s = parse_step(name)
+            if s is not None and storage.exists(
+                storage.join(self.directory, name, MANIFEST_NAME), storage_options=opts
+            ):
+                found.append(s)
+        return found
+
+    def latest_step(self) -> Optional[int]:
+        """The highest committed step, or None."""
+        found = self.committed_steps()
+        return max(found) if found else None
+
+    def metrics_for(self, step: int) -> dict[str, float]:
+        """``step``'s metrics, from its manifest (cached)."""
+        if step not in self._metrics:
+            manifest, _ = read_manifest(self.checkpoint_path(step), self.storage_options)
+            raw = manifest.get("metrics", {}) if manifest else {}
+            self._metrics[step] = {
+                str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float))
+            }
+        return self._metrics[step]
+
+    def prepare_folder(self, step: int) -> str:
+        """Rank 0: clean up crashed saves and create the folder ``step`` is written into."""
+        opts = self.storage_options
+        storage.makedirs(self.directory, storage_options=opts)
+        self.clean_stale(step)
+        target = self.checkpoint_path(step)
+        folder = target
+        if storage.exists(target, storage_options=opts):
+            if not storage.isdir(target, storage_options=opts):
+                raise CheckpointWriteError(
+                    f"{target} exists and is not a folder, so step {step} cannot be saved there; "
+                    f"move that file away (ddpstate never deletes files it did not write)"
+                )
+            if _fs.is_remote(target):
+                # Object stores cannot swap folders: uncommit the old copy first.
+                storage.remove(
+                    storage.join(target, MANIFEST_NAME), storage_options=opts, missing_ok=True
+                )
+                storage.remove(target, storage_options=opts, recursive=True)
+            else:
+                # Re-saving a step: write beside it, then swap, so the old copy stays
+                # committed until the new one is.
+                folder = storage.temp_path_for(target)
+        storage.makedirs(folder, storage_options=opts)
+        return folder
+
+    def discard(self, folder: str, exc: BaseException) -> None:
+        """Delete the uncommitted folder of a failed save (the next save would anyway)."""
+        try:
+            storage.remove(
+                folder, storage_options=self.storage_options, recursive=True, missing_ok=True
+            )
+        except Exception as cleanup_exc:
+            note = getattr(exc, "add_note", None)
+            if note is not None:
+                note(f"removing the unfinished {folder} also failed: {cleanup_exc!r}")
+
+    def commit(
+        self,
+        step: int,
+        entries: dict[str, Entry],
+        rng_states: list[Any],
+        metrics: dict[str, float],
+        prepared: Optional[str] = None,
+        written: Optional[tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]] = None,
+    ) -> None:
+        """Write and commit a step; ``prepared`` and ``written`` come from a DCP save
+        (_dcp/write.py): the folder every rank wrote into, and the (files, entries) they
+        wrote there."""
+        opts = self.storage_options
+        target = self.checkpoint_path(step)
+        folder = self.prepare_folder(step) if prepared is None else prepared
+        try:
+            files: dict[str, dict[str, Any]] = dict(written[0]) if written else {}
+            manifest_entries: dict[str, dict[str, str]] = dict(written[1]) if written else {}
+            for name, entry in entries.items():
+                as_safetensors = (
+                    self.format == SAFETENSORS
+                    and entry.kind == KIND_MODULE
+                    and is_flat_tensor_dict(entry.value)
+                )
+                filename = name + (".safetensors" if as_safetensors else ".pt")
+                files[filename] = self.write_file(
+                    storage.join(folder, filename), entry.value, as_safetensors, f"state[{name!r}]"
+                )
+                manifest_entries[name] = {"file": filename, "kind": entry.kind}
+            rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
+            files[RNG_FILE] = self.write_file(
+                storage.join(folder, RNG_FILE), rng_payload, False, "RNG states"
+            )
+            data = manifest_for(step, metrics, len(rng_states), manifest_entries, files)
+            with storage.atomic_write(
+                storage.join(folder, MANIFEST_NAME), storage_options=opts
+            ) as f:
+                f.write(data)
+            if folder != target:
+                storage.replace_folder(folder, target)
+        except BaseException as exc:
+            self.discard(folder, exc)
+            raise
+        self._metrics[step] = metrics
+        # A save of an older step is a rollback (save() checked it is one): now that it
+        # is committed, `latest` names it, then the newer steps are uncommitted (oldest
+        # first, so restore() takes either the old newest or this step, never one in
+        # between). `latest` first: if writing it fails, nothing was uncommitted yet.
+        newer = sorted(s for s in self.committed_steps() if s > step)
+        latest = storage.join(self.directory, LATEST_NAME)
+        try:
+            with storage.atomic_write(latest, storage_options=opts) as f:
+                f.write((step_name(step) + "\n").encode())
+        except Exception as exc:
+            kept = f"; steps {newer} are still committed, so restore() takes step {max(newer)}"
+            raise CheckpointWriteError(
+                f"step {step} {COMMITTED_BUT} writing {latest} failed ({error_text(exc)})"
+                + (kept if newer else "")
+            ) from exc
+        for s in newer:
+            self.uncommit(s, step)
+        for s in newer:
+            self.delete_step(s, step)
+        self.rotate(step)
+
+    def write_file(self, path: str, obj: Any, as_safetensors: bool, what: str) -> dict[str, Any]:
+        """Write one entry's file atomically; return its size and CRC-32 for the manifest."""
+        with storage.atomic_write(path, storage_options=self.storage_options) as raw:
+            writer = ChecksumWriter(raw)
+            try:
+                if as_safetensors:
+                    write_safetensors(writer, obj, name=path)  # type: ignore[arg-type]
+                else:
+                    _savecheck.save_torch(
+                        obj,
+                        writer,  # type: ignore[arg-type]
+                        what=what,
+                        where=path,
+                        extra=self.safe_globals,
+                    )
+            except Exception as exc:
+                if writer.error is not None and writer.error is not exc:
+                    raise writer.error from exc
+                raise
+        return {"size": writer.size, "crc32": checksum_hex(writer.crc)}
+
+    def clean_stale(self, step: int) -> None:
+        """Delete temporary files and uncommitted step folders left by crashed saves."""
+        opts = self.storage_options
+        kw: dict[str, Any] = {"storage_options": opts}
+        for name in storage.listdir(self.directory, storage_options=opts, include_temp=True):
+            path = storage.join(self.directory, name)
+            if storage.is_temp_name(name):
+                original = storage.retired_original(name)
+                if (
+                    original is not None
+                    and parse_step(original) is not None
+                    and not storage.exists(storage.join(self.directory, original), **kw)
+                    and storage.exists(storage.join(path, MANIFEST_NAME), **kw)
+                ):
+                    # A re-save crashed between its two renames: put the old copy back.
+                    os.rename(path, storage.join(self.directory, original))
+                    continue
+                storage.remove(path, storage_options=opts, recursive=True, missing_ok=True)
+                continue
+            found = parse_step(name)
+            if found is None or not storage.isdir(path, storage_options=opts):
+                continue
+            if not storage.exists(storage.join(path, MANIFEST_NAME), storage_options=opts):
+                storage.remove(path, storage_options=opts, recursive=True, missing_ok=True)
+                continue
+            for inner in storage.listdir(path, storage_options=opts, include_temp=True):
+                if storage.is_temp_name(inner):
+                    storage.remove(storage.join(path, inner), storage_options=opts, missing_ok=True)
+            if found > step and not self._warned_newer:
+                self._warned_newer = True
+                warnings.warn(
+                    f"CheckpointManager: saving step {step}, but {path} (a higher step) already "
+                    f"exists: this save is a rollback. Once step {step} is committed, it becomes "
+                    f"latest and every higher step is deleted",
+                    UserWarning,
+                    stacklevel=4,
+                )
+
+    def rotate(self, newest: int) -> None:
+        """Delete the committed steps neither ``keep_last`` nor ``keep_best`` keeps."""
+        committed = sorted(self.committed_steps(), reverse=True)
+        keep = {newest}
+        keep.update(committed if self.keep_last is None else committed[: self.keep_last])
+        if self.keep_best:
+            scored = []
+            for s in committed:
+                value = self.metrics_for(s).get(str(self.metric))
+                if value is not None and not math.isnan(value):
+                    scored.append((value if self.mode == "min" else -value, -s, s))
+            keep.update(s for _, _, s in sorted(scored)[: self.keep_best])
+        for s in committed:
+            if s in keep:
+                continue
+            # Manifest first: a crash midway leaves an uncommitted folder, never a
+            # committed one with files missing.
+            self.uncommit(s, newest)
+            self.delete_step(s, newest)
+
+    def rollback_refusal(self, step: int, rollback: bool, restored: Optional[int]) -> str:
+        """Rank 0: why saving ``step`` must not delete the higher committed steps, or "".
+
+        ``restored`` is the step the manager's ``restore`` loaded (None: none).
+        """
+        higher = sorted(s for s in self.committed_steps() if s > step)
+        if not higher or rollback or (restored is not None and restored <= step):
+            return ""
+        came = "never restored" if restored is None else f"restored step {restored}"
+        return (
+            f"CheckpointManager.save(step={step}): {self.directory} already has committed steps "
+            f"{higher} above it, and this manager {came}, so they may be another run's (a "
+            f"reused folder). Saving step {step} would roll back: delete them. To roll back on "
+            f"purpose, pass save({step}, ..., rollback=True) or restore(step=N) with N <= "
+            f"{step} first; otherwise save into another folder or continue above step "
+            f"{higher[-1]}. Nothing was written or deleted"
+        )
+
+    def uncommit(self, step: int, newest: int) -> None:
+        """Remove ``step``'s manifest (after ``newest`` was committed)."""
+        folder = self.checkpoint_path(step)
+        try:
+            storage.remove(
+                storage.join(folder, MANIFEST_NAME),
+                storage_options=self.storage_options,
+                missing_ok=True,
+            )
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"step {newest} {COMMITTED_BUT} deleting the old checkpoint {folder} "
+                f"failed ({error_text(exc)}); delete it by hand"
+            ) from exc
+
+    def delete_step(self, step: int, newest: int) -> None:
+        """Delete ``step``'s folder (after ``newest`` was committed)."""
+        folder = self.checkpoint_path(step)
+        try:
+            storage.remove(
+                folder, storage_options=self.storage_options, recursive=True, missing_ok=True
+            )
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"step {newest} {COMMITTED_BUT} deleting the old checkpoint {folder} "
+                f"failed ({error_text(exc)}); delete it by hand"
+            ) from exc
+        self._metrics.pop(step, None)
+
+    def write_failure(
+        self, step: int, folder: str, failures: list[tuple[int, str]]
+    ) -> CheckpointWriteError:
+        """The error every rank raises for a failed save of ``step`` (``failures``: rank, text)."""
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failures)
+        if any(COMMITTED_BUT in m for _, m in failures):
+            # The step itself was committed and a later part failed: the folder changed.
+            outcome = (
+                f"run `ddpstate verify {self.directory}` to see what is committed; restore() "
+                f"takes the newest committed step that verifies"
+            )
+        else:
+            outcome = "the checkpoints committed before it are untouched"
+        return CheckpointWriteError(
+            f"saving step {step} to {folder} failed ({detail}); {outcome}. Check free space, "
+            f"permissions and that {self.directory} is a writable folder"
+        )
+
+    def share_outcome(
+        self,
+        step: int,
+        folder: str,
+        error: Optional[DDPStateError],
+        cause: Optional[BaseException] = None,
+    ) -> None:
+        """Raise ``error`` (the writer's) on every rank, or return on every rank."""
+        if not is_distributed():
+            if error is not None:
+                raise error from cause
+            return
+        try:
+            share_outcome(error, name=f"CheckpointManager.save(step={step})", timeout=self.timeout)
+        except DDPStateError as shared:
+            if cause is not None and shared.__cause__ is error:
+                raise shared from cause
+            raise
+
+    def start_async(
+        self,
+        flight: InFlight,
+        step: int,
+        entries: dict[str, Entry],
+        rng_blobs: list[bytes],
+        metrics: dict[str, float],
+        events: list[Any],
+    ) -> None:
+        """Rank 0: write and commit ``step`` in a background thread (its error: ``flight``)."""
+        flight.error = None
+        flight.thread = threading.Thread(
+            target=self._write_in_thread,
+            args=(flight, step, entries, rng_blobs, metrics, events),
+            name=f"ddpstate-checkpoint-writer-step-{step}",
+            # Not a daemon: an interpreter exiting normally still finishes the write.
+            daemon=False,
+        )
+        flight.thread.start()
+
+    def _write_in_thread(
+        self,
+        flight: InFlight,
+        step: int,
+        entries: dict[str, Entry],
+        rng_blobs: list[bytes],
+        metrics: dict[str, float],
+        events: list[Any],
+    ) -> None:
+        try:
+            for event in events:
+                event.synchronize()
+            self.commit(step, entries, rng_states(rng_blobs), metrics)
+        except BaseException as exc:
+            flight.error = exc
+
+    def finish(self, flight: InFlight) -> None:
+        """Wait for the write in ``flight``; raise its error on every rank (a collective)."""
+        pending = flight.pending
+        if pending is None:
+            return
+        flight.pending = None
+        error: Optional[BaseException] = None
+        if flight.thread is not None:
+            flight.thread.join()
+            error = flight.error
+            flight.thread = None
+            flight.error = None
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt or SystemExit inside the writer
+        failure = (
+            None
+            if error is None
+            else error
+            if pending.shared and isinstance(error, DDPStateError)
+            else self.write_failure(pending.step, pending.folder, [(0, error_text(error))])
+        )
+        self.share_outcome(pending.step, pending.folder, failure, error)

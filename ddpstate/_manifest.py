@@ -1,0 +1,524 @@
+"""Step folders, manifests and their verification: the torch-free half of the manager.
+
+A :class:`~ddpstate.CheckpointManager` step folder is committed by its
+``manifest.json`` (written last), which records each file's size and CRC-32
+and its own CRC-32. This module knows that layout: step folder names, the
+``latest`` pointer, the manifest's bytes, the DCP file names a manifest may
+list, and :func:`verify_checkpoint`, which checks all of it. It never imports
+torch (``ddpstate verify DIR`` stays torch-free); the writers (manager, local
+tier, sharded saves) import it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import posixpath
+import re
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO, Any, Optional
+
+from ddpstate import _fs, storage
+from ddpstate._fs import PathLike
+from ddpstate._version import __version__
+from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError, DDPStateError
+from ddpstate.formats import DCP
+
+__all__ = ["CheckpointVerification", "verify_checkpoint"]
+
+STEP_DIGITS = 10
+#: The commit marker inside a step folder; written after every other file.
+MANIFEST_NAME = "manifest.json"
+#: The pointer file naming the most recently committed step folder.
+LATEST_NAME = "latest"
+# In write errors raised after the step's commit (the folder has changed).
+COMMITTED_BUT = "was committed, but"
+#: Every rank's RNG states; entry names cannot start with "_", so it never collides.
+RNG_FILE = "_rng.pt"
+#: Bumped when the manifest layout changes incompatibly.
+MANIFEST_VERSION = 1
+
+#: The manifest's own CRC-32 (over the manifest without this field), so that a
+#: damaged manifest is caught even where it still parses.
+MANIFEST_CRC_FIELD = "manifest_crc32"
+#: Suffixes of checkpoint files: such a file in a step folder that the manifest
+#: does not list fails verification (the manager never writes one); other
+#: unlisted files are only noted.
+PART_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_LATEST_RE = re.compile(r"step_\d+\n")
+_READ_CHUNK = 8 << 20
+
+#: The DCP checkpoint's folder inside a CheckpointManager step folder.
+DCP_SUBDIR = "dcp"
+#: DCP's index of every saved item, written by its coordinator (rank 0) after the shards.
+METADATA_NAME = ".metadata"
+#: Suffix of the data files DCP's FileSystemWriter writes (``__<rank>_<n>.distcp``).
+SHARD_SUFFIX = ".distcp"
+#: The ``format`` field of a ``save()`` DCP folder's manifest.
+FOLDER_FORMAT = DCP
+
+
+class ChecksumWriter:
+    """A write-only file wrapper that counts bytes and computes CRC-32 on the way through."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self.size = 0
+        self.crc = 0
+        # torch.save's C++ writer replaces an exception from write() with its own
+        # "unexpected pos" error; the real cause (disk full...) is kept here.
+        self.error: Optional[BaseException] = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            written = self._raw.write(view)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        count = view.nbytes if written is None else int(written)
+        self.crc = zlib.crc32(view[:count], self.crc)
+        self.size += count
+        return count
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def checksum_hex(crc: int) -> str:
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:0{STEP_DIGITS}d}"
+
+
+def parse_step(name: str) -> Optional[int]:
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def is_listed_name(name: Any) -> bool:
+    """Tell whether a manifest file name is a DCP file: ``.metadata`` or ``dcp/<file>``."""
+    if name == METADATA_NAME:
+        return True  # a save() DCP folder lists its index by its own name
+    if not isinstance(name, str) or not name.startswith(DCP_SUBDIR + "/"):
+        return False
+    rest = name[len(DCP_SUBDIR) + 1 :]
+    return rest == METADATA_NAME or (
+        bool(rest) and "/" not in rest and "\\" not in rest and not rest.startswith(".")
+    )
+
+
+def unlisted_shards(folder: str, files: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The ``.distcp`` and ``.metadata`` files in local ``folder`` that ``files`` does not list."""
+    if _fs.is_remote(folder) or not os.path.isdir(_fs.local_path(folder)):
+        return []
+    return sorted(
+        prefix + name
+        for name in os.listdir(_fs.local_path(folder))
+        if (name.endswith(SHARD_SUFFIX) or name == METADATA_NAME) and prefix + name not in files
+    )
+
+
+def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=2, sort_keys=True).encode()
+
+
+def manifest_for(
+    step: Optional[int],
+    metrics: Mapping[str, Any],
+    world_size: int,
+    entries: Optional[dict[str, dict[str, str]]],
+    files: dict[str, dict[str, Any]],
+    format: Optional[str] = None,
+) -> bytes:
+    """A step's manifest (the commit marker) as written, its own CRC-32 included.
+
+    With ``format`` (a ``save()`` DCP folder, see ``_dcp``) it has no entries and no RNG file.
+    """
+    import torch  # only writers get here; verifying stays torch-free
+
+    now = time.time()
+    manifest: dict[str, Any] = {
+        "manifest_version": MANIFEST_VERSION,
+        "step": step,
+        "metrics": dict(metrics),
+        "world_size": world_size,
+        "ddpstate_version": __version__,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+        "created_unix": now,
+        "checksum": "crc32",
+        "entries": entries,
+        "rng_file": RNG_FILE,
+        "files": files,
+    }
+    if format is not None:
+        manifest["format"] = format
+        del manifest["entries"], manifest["rng_file"], manifest["step"]
+    manifest[MANIFEST_CRC_FIELD] = manifest_crc(manifest)
+    return manifest_bytes(manifest)
+
+
+def manifest_crc(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC_FIELD}
+    return checksum_hex(zlib.crc32(manifest_bytes(body)))
+
+
+def _is_plain_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\\" not in name
+        and not name.startswith(".")
+    )
+
+
+def is_listed(name: Any) -> bool:
+    """A file name a manifest may list: a plain name, or one of a DCP checkpoint's files."""
+    return _is_plain_name(name) or is_listed_name(name)
+
+
+def read_manifest(
+    folder: str, opts: Optional[dict[str, Any]]
+) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """Read and check a step folder's manifest; return (manifest, None) or (None, problem)."""
+    path = storage.join(folder, MANIFEST_NAME)
+    if not storage.exists(path, storage_options=opts):
+        return None, (
+            f"it has no {MANIFEST_NAME}, so it is not committed (an interrupted save: killed, "
+            f"crashed or still running)"
+        )
+    try:
+        with storage.open_read(path, storage_options=opts) as f:
+            raw = f.read()
+        manifest = json.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError, OSError, DDPStateError) as exc:
+        return None, f"its {MANIFEST_NAME} cannot be read ({error_text(exc)})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None, f"its {MANIFEST_NAME} is not a ddpstate manifest"
+    version = manifest.get("manifest_version", 0)
+    if not isinstance(version, int) or version > MANIFEST_VERSION:
+        return None, (
+            f"its {MANIFEST_NAME} has version {version!r}, newer than this ddpstate "
+            f"{__version__} reads; upgrade ddpstate"
+        )
+    # Byte-exact: a damaged byte that leaves the JSON valid and equal in value
+    # (whitespace) is caught here, one that changes a value by the CRC below.
+    if raw != manifest_bytes(manifest):
+        return None, (
+            f"its {MANIFEST_NAME} is damaged or was edited: its bytes are not the ones ddpstate "
+            f"wrote"
+        )
+    if manifest.get(MANIFEST_CRC_FIELD) != manifest_crc(manifest):
+        return None, (
+            f"its {MANIFEST_NAME} fails its own checksum ({MANIFEST_CRC_FIELD} "
+            f"{manifest.get(MANIFEST_CRC_FIELD)!r}, computed {manifest_crc(manifest)}): it is "
+            f"damaged or was edited"
+        )
+    return manifest, None
+
+
+def manifest_problems(manifest: dict[str, Any], step: Optional[int]) -> list[str]:
+    problems = []
+    if step is not None and manifest.get("step") != step:
+        problems.append(f"its {MANIFEST_NAME} does not describe step {step}")
+    if manifest.get("format") == FOLDER_FORMAT and step is None:
+        return [  # a save() DCP folder: files only
+            f"its {MANIFEST_NAME} lists {name!r}, which is not a file here"
+            for name, expected in manifest["files"].items()
+            if not is_listed(name) or not isinstance(expected, dict)
+        ]
+    entries = manifest.get("entries")
+    if not isinstance(entries, dict):
+        return [*problems, f"its {MANIFEST_NAME} has no entries"]
+    files: dict[str, Any] = manifest["files"]
+    for filename, expected in files.items():
+        if not is_listed(filename) or not isinstance(expected, dict):
+            problems.append(f"its {MANIFEST_NAME} lists {filename!r}, which is not a file here")
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or entry.get("file") not in files:
+            problems.append(f"its {MANIFEST_NAME} gives entry {name!r} no checksummed file")
+    if manifest.get("rng_file", RNG_FILE) not in files:
+        problems.append(f"its {MANIFEST_NAME} gives the RNG states no checksummed file")
+    return problems
+
+
+@dataclass
+class FolderCheck:
+    manifest: Optional[dict[str, Any]]
+    problems: list[str]
+    notes: list[str]
+    files: int = 0
+    bytes_read: int = 0
+
+
+def check_file(
+    path: str,
+    filename: str,
+    expected: dict[str, Any],
+    check: FolderCheck,
+    opts: Optional[dict[str, Any]],
+) -> None:
+    try:
+        with storage.open_read(path, storage_options=opts) as f:
+            size, crc = storage.size_and_crc32(f, _READ_CHUNK)
+    except CheckpointNotFoundError:
+        check.problems.append(f"{filename} is missing")
+        return
+    except (OSError, DDPStateError) as exc:
+        check.problems.append(f"{filename} cannot be read ({error_text(exc)})")
+        return
+    check.files += 1
+    check.bytes_read += size
+    want = expected.get("size")
+    if size != want:
+        how = "truncated" if isinstance(want, int) and size < want else "the wrong size"
+        check.problems.append(f"{filename} is {how}: {size} bytes, the manifest says {want}")
+    elif checksum_hex(crc) != expected.get("crc32"):
+        check.problems.append(
+            f"{filename} fails its checksum (CRC-32 {checksum_hex(crc)}, the manifest says "
+            f"{expected.get('crc32')}): its bytes are damaged"
+        )
+
+
+def check_folder(folder: str, step: Optional[int], opts: Optional[dict[str, Any]]) -> FolderCheck:
+    """Check one step folder against its manifest, collecting every problem."""
+    manifest, problem = read_manifest(folder, opts)
+    if manifest is None:
+        return FolderCheck(None, [str(problem)], [])
+    check = FolderCheck(manifest, manifest_problems(manifest, step), [])
+    files: dict[str, Any] = manifest["files"]
+    for filename, expected in files.items():
+        if is_listed(filename) and isinstance(expected, dict):
+            check_file(storage.join(folder, filename), filename, expected, check, opts)
+    check_listing(folder, files, check, opts)
+    if check.problems:
+        check.manifest = None
+    return check
+
+
+def check_listing(
+    folder: str, files: dict[str, Any], check: FolderCheck, opts: Optional[dict[str, Any]]
+) -> None:
+    """Add the problems and notes of what lies in ``folder`` beside the listed ``files``."""
+    try:
+        present = storage.listdir(folder, storage_options=opts, include_temp=True)
+    except DDPStateError as exc:
+        check.problems.append(f"the folder cannot be listed ({error_text(exc)})")
+        present = []
+    for name in present:
+        if name in files or name == MANIFEST_NAME:
+            continue
+        if name == DCP_SUBDIR and any(is_listed_name(f) for f in files):
+            for extra in unlisted_shards(storage.join(folder, name), files, name + "/"):
+                check.problems.append(
+                    f"{extra} is not listed in {MANIFEST_NAME}: a shard this save did not write "
+                    f"(copied in, or left from another save); move it out of the folder"
+                )
+            continue
+        if storage.is_temp_name(name):
+            check.notes.append(
+                f"{name} is a temporary file left by an interrupted write (not part of the "
+                f"checkpoint; the next save deletes it)"
+            )
+        elif name.endswith((*PART_SUFFIXES, SHARD_SUFFIX)):
+            check.problems.append(
+                f"{name} is not listed in {MANIFEST_NAME}: a checkpoint file this save did not "
+                f"write (copied in, or left from another save); move it out of the folder"
+            )
+        else:
+            check.notes.append(f"{name} is not part of the checkpoint (ignored)")
+
+
+@dataclass(frozen=True)
+class CheckpointVerification:
+    """What :func:`verify_checkpoint` found in a step folder or a manager directory.
+
+    Attributes:
+        path: The folder checked.
+        problems: What is wrong, one line each naming the file; empty when good.
+        notes: Remarks that are not failures (temporary files left by an
+            interrupted write, uncommitted step folders in a directory).
+        steps: The committed steps checked, whether or not they verified.
+        files: Files read and compared with their manifest.
+        bytes_read: Bytes read to compare them.
+    """
+
+    path: str
+    problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    steps: tuple[int, ...] = ()
+    files: int = 0
+    bytes_read: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
+
+def verify_checkpoint(
+    path: PathLike, *, storage_options: Optional[dict[str, Any]] = None
+) -> CheckpointVerification:
+    """Check a CheckpointManager step folder, or a whole manager directory, and list every problem.
+
+    A step folder (``<directory>/step_NNNNNNNNNN``) is good when its
+    ``manifest.json`` (the commit marker) is present, byte for byte what
+    ddpstate wrote (the manifest carries its own CRC-32), and describes this
+    step; every file it lists exists with the recorded size and CRC-32; and
+    no unlisted checkpoint file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``,
+    ``.safetensors``) lies beside them. Temporary files of interrupted writes
+    and other unlisted files are noted, not failures. A folder without a
+    manifest is "not committed (an interrupted save)": a failure here.
+    :meth:`CheckpointManager.restore` accepts exactly the folders this passes.
+
+    A manager directory is good when every committed step folder is good and
+    the ``latest`` pointer names the newest committed step; uncommitted step
+    folders there are only noted (the next save deletes them), and each
+    problem is prefixed with its step folder's name.
+
+    Not a collective; reads every byte of every file once.
+
+    Args:
+        path: A step folder or a manager directory (local or fsspec URL).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        A :class:`CheckpointVerification`; ``.ok`` is the verdict and
+        ``.problems`` says what is wrong.
+
+    Raises:
+        CheckpointNotFoundError: Nothing exists at ``path``.
+        CheckpointFormatError: ``path`` is a file, or a folder with no
+            manifest, no ``step_*`` folders and no ``latest`` pointer.
+
+    Example:
+        >>> import tempfile, torch, ddpstate
+        >>> from ddpstate.manager import verify_checkpoint
+        >>> manager = ddpstate.CheckpointManager(tempfile.mkdtemp())
+        >>> manager.save(1, {"model": torch.nn.Linear(2, 2)})
+        >>> verify_checkpoint(manager.checkpoint_path(1)).ok
+        True
+        >>> verify_checkpoint(manager.directory).steps
+        (1,)
+    """
+    text = os.fspath(path)
+    opts = storage_options
+    if not storage.exists(text, storage_options=opts):
+        raise CheckpointNotFoundError(f"{text}: no such folder")
+    if not storage.isdir(text, storage_options=opts):
+        raise CheckpointFormatError(
+            f"{text} is a file, not a CheckpointManager folder; pass a step folder or the "
+            f"manager's directory (`ddpstate verify` checks single files too)"
+        )
+    name = posixpath.basename(text.replace(os.sep, "/").rstrip("/"))
+    step = parse_step(name)
+    if step is not None or storage.exists(storage.join(text, MANIFEST_NAME), storage_options=opts):
+        check = check_folder(text, step, opts)
+        committed = storage.exists(storage.join(text, MANIFEST_NAME), storage_options=opts)
+        found = (step,) if committed and step is not None else ()
+        return CheckpointVerification(
+            path=text,
+            problems=tuple(check.problems),
+            notes=tuple(check.notes),
+            steps=found,
+            files=check.files,
+            bytes_read=check.bytes_read,
+        )
+    return _verify_directory(text, opts)
+
+
+def _verify_directory(text: str, opts: Optional[dict[str, Any]]) -> CheckpointVerification:
+    names = storage.listdir(text, storage_options=opts, include_temp=True)
+    step_dirs = sorted(
+        (s, n)
+        for n in names
+        if (s := parse_step(n)) is not None
+        and storage.isdir(storage.join(text, n), storage_options=opts)
+    )
+    if not step_dirs and LATEST_NAME not in names:
+        raise CheckpointFormatError(
+            f"{text} is not a CheckpointManager folder: it has no {MANIFEST_NAME}, no step_* "
+            f"folders and no {LATEST_NAME} pointer"
+        )
+    problems: list[str] = []
+    notes: list[str] = []
+    committed: list[int] = []
+    files = read = 0
+    for s, n in step_dirs:
+        folder = storage.join(text, n)
+        if not storage.exists(storage.join(folder, MANIFEST_NAME), storage_options=opts):
+            notes.append(f"{n}: not committed (an interrupted save; the next save deletes it)")
+            continue
+        committed.append(s)
+        check = check_folder(folder, s, opts)
+        problems.extend(f"{n}: {p}" for p in check.problems)
+        notes.extend(f"{n}: {p}" for p in check.notes)
+        files += check.files
+        read += check.bytes_read
+    for n in names:
+        if storage.is_temp_name(n):
+            notes.append(
+                f"{n} is a temporary file left by an interrupted write (the next save deletes it)"
+            )
+    problems.extend(_latest_problems(text, names, committed, notes, opts))
+    return CheckpointVerification(
+        path=text,
+        problems=tuple(problems),
+        notes=tuple(notes),
+        steps=tuple(committed),
+        files=files,
+        bytes_read=read,
+    )
+
+
+def _latest_problems(
+    text: str,
+    names: list[str],
+    committed: list[int],
+    notes: list[str],
+    opts: Optional[dict[str, Any]],
+) -> list[str]:
+    if LATEST_NAME not in names:
+        if committed:
+            notes.append(
+                f"{LATEST_NAME} is missing (restore() does not need it; the next save writes it)"
+            )
+        return []
+    try:
+        with storage.open_read(storage.join(text, LATEST_NAME), storage_options=opts) as f:
+            raw = f.read(256)
+    except (OSError, DDPStateError) as exc:
+        return [f"{LATEST_NAME} cannot be read ({error_text(exc)})"]
+    content = raw.decode("ascii", errors="replace")
+    if not _LATEST_RE.fullmatch(content):
+        return [f"{LATEST_NAME} is damaged: {raw!r} is not a step folder name and a newline"]
+    pointed = content[:-1]
+    step = parse_step(pointed)
+    if step not in committed:
+        exists = storage.exists(storage.join(text, pointed), storage_options=opts)
+        return [
+            f"{LATEST_NAME} names {pointed}, which "
+            + ("is not committed" if exists else "does not exist")
+        ]
+    if committed and step != max(committed):
+        return [
+            f"{LATEST_NAME} names {pointed}, but {step_name(max(committed))} is the newest "
+            f"committed step (a save was interrupted between its commit and the pointer update, "
+            f"or {LATEST_NAME} was edited); restore() takes the newest step that verifies, and "
+            f"the next save rewrites {LATEST_NAME}"
+        ]
+    return []
