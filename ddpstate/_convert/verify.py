@@ -144,7 +144,7 @@ def _verify_zip_records(
 
 def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> VerifyResult:
     # One implementation: the manager's restore() accepts exactly what this passes.
-    from ddpstate.manager import verify_checkpoint
+    from ddpstate._manifest import verify_checkpoint
 
     found = verify_checkpoint(path, storage_options=storage_options)
     steps = ", ".join(str(s) for s in found.steps) or "none"

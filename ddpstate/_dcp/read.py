@@ -1,6 +1,6 @@
 """Reading torch.distributed.checkpoint folders: safe metadata, a data-free skeleton, sharded loads.
 
-The ``.metadata`` pickle is read once, through ``_torch_io``'s unpickler that
+The ``.metadata`` pickle is read once, through ``_io.torch_io``'s unpickler that
 allows only DCP's metadata classes; everything here (key matching, ``inspect``,
 ``verify``, loading into an FSDP2 model) works from that parsed object.
 """

@@ -1,7 +1,7 @@
 """The everyday types ddpstate saves and restores with ``weights_only``, by global name.
 
 Torch-free, so the streaming engine (``ddpstate inspect``/``convert``/``verify``)
-accepts the same files ``ddpstate.save`` writes; ``_savecheck`` resolves these
+accepts the same files ``ddpstate.save`` writes; ``_io.savecheck`` resolves these
 names to the objects it adds to torch's weights_only list while loading.
 """
 

@@ -304,7 +304,7 @@ def restore(
     if found is not None and found[0].step is not None:
         choice = (found[0].step, found[1])
     choose_error: Optional[Exception] = None
-    # Several ranks: each checksums a share of the candidate's files (_verify_split).
+    # Several ranks: each checksums a share of the candidate's files (_manager.verify_split).
     split = found is None and is_distributed() and get_world_size() > 1
     if found is None and get_rank() == 0:
         try:

@@ -74,7 +74,7 @@ class _Emitter(pickle._Pickler):
         self._storage_keys: dict[int, str] = {}
         self._globals: dict[str, int] = {}
         # Memo slot numbers are the memo's size plus this: a pickle written into
-        # the middle of another continues its numbering (see _pickle_rewrite).
+        # the middle of another continues its numbering (see pickle_rewrite).
         self._memo_base = memo_base
 
     def memoize(self, obj: Any) -> None:

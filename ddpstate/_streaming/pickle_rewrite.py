@@ -3,7 +3,7 @@
 ``convert`` used to rebuild ``data.pkl`` from the scanned object tree with a
 pure-Python pickler: about 100 µs a tensor. For the pickles torch.save writes
 (protocol 2, CPython's pickler) that pickler reproduces the source byte for byte
-(``_pickle_emit`` was built to), so a key rename only has to change the bytes of
+(``pickle_emit`` was built to), so a key rename only has to change the bytes of
 the key strings. :func:`walk` checks, in one pass over the opcodes, that the
 pickle has the shape under which that holds, and :func:`rename_keys` then
 splices the new key strings in (and a state dict's changed ``_metadata``,
@@ -12,7 +12,7 @@ that shape (other protocols, other globals, shared containers, memo slots out of
 order, one-character strings the unpickler would merge) makes :func:`walk` or
 :func:`rename_keys` return None, and the caller goes back to the scan-and-re-emit
 path. No opcode is interpreted beyond what this needs; the full scan
-(``_pickle_scan``) still reads the same bytes for its safety and damage checks.
+(``pickle_scan``) still reads the same bytes for its safety and damage checks.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ _MEMOIZED = frozenset(
     )
 )  # fmt: skip
 
-# The globals ``_pickle_emit`` writes back under the very name it read.
+# The globals ``pickle_emit`` writes back under the very name it read.
 _GLOBALS = frozenset(
     [
         "collections.OrderedDict",
