@@ -37,12 +37,15 @@ def load_fitting(
     name: str,
     strict: bool,
     ignore_mismatched: bool,
+    stacklevel: int = 3,
 ) -> list[str]:
     """``model.load_state_dict`` with shape mismatches named, or skipped and returned.
 
     ``state_dict``'s keys are already the model's (see ``adapt_state_dict``).
     Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
     through here, so a wrong shape is always :class:`ShapeMismatchError`.
+    ``stacklevel`` (counted from this function) points the ``ignore_mismatched``
+    warning at the user's call: 3 when a public function calls this directly.
     """
     mismatched = shape_mismatches(
         state_dict,
@@ -50,6 +53,7 @@ def load_fitting(
         name=name,
         target=type(model).__name__,
         ignore_mismatched=ignore_mismatched,
+        stacklevel=stacklevel + 1,
     )
     if mismatched:
         skip = {k for k, _, _ in mismatched}

@@ -186,6 +186,8 @@ def load_into(
                 name=f"{file} (entry {name!r})",
                 strict=True,
                 ignore_mismatched=ignore_mismatched,
+                # load_fitting <- load_into <- restore() <- CheckpointManager.restore <- user
+                stacklevel=5,
             )
             params = dict(target.named_parameters())
             skipped.update(id(params[k]) for k in keys if k in params)
