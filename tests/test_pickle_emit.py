@@ -9,6 +9,8 @@ CPython's cached one-character strings) is the same for both.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import pickle
 import random
 from typing import Any
@@ -309,3 +311,62 @@ def test_dump_within_refuses_storages() -> None:
 def test_a_name_that_could_smuggle_opcodes_is_refused() -> None:
     with pytest.raises(pickle.PicklingError, match="refusing to write the global name"):
         dump_checkpoint_pickle({"f": GlobalRef("os", "system\ncposix")})
+
+
+class _Outer:
+    class Inner:  # a nested global: protocol 2 writes getattr(_Outer, "Inner")
+        pass
+
+
+@dataclasses.dataclass
+class _Point:  # object.__reduce_ex__(2): copyreg.__newobj__ and a state
+    x: int
+    y: Any
+
+
+class _Named:
+    def __reduce__(self) -> str:
+        return "_NAMED"  # "save me as the module global of this name"
+
+
+_NAMED = _Named()
+
+
+class _WithSetter:
+    def __init__(self) -> None:
+        self.value = 1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_WithSetter, (), {"value": self.value}, None, None, _set_state)
+
+
+def _set_state(obj: Any, state: Any) -> None:
+    obj.__dict__.update(state)
+
+
+def test_real_python_objects_give_the_same_bytes() -> None:
+    # Not what a scan makes, but what a caller's rewrite could put in the tree.
+    point = _Point(1, [2, 3])
+    tree = {
+        "nested": [_Outer.Inner, _Outer.Inner, _Outer],
+        "point": [point, point, _Point(4, point)],
+        "named": _NAMED,
+        "setter": _WithSetter(),
+        "complex": complex(1, 2),  # copyreg.dispatch_table
+        "function": [_set_state, len, collections.OrderedDict, set],
+        "types": [type(None), type(NotImplemented), type(...), int, type],
+        "counter": collections.Counter("abracadabra"),
+        "partial": functools.partial(max, 1, key=abs),
+    }
+    data = _expect_same(tree)
+    assert pickle.loads(data)["point"][2].y == point
+
+
+def test_a_local_class_is_refused_as_pickle_refuses_it() -> None:
+    class Local:
+        pass
+
+    with pytest.raises(pickle.PicklingError):
+        reference_dump_checkpoint_pickle({"c": Local})
+    with pytest.raises(pickle.PicklingError):
+        dump_checkpoint_pickle({"c": Local})

@@ -20,6 +20,7 @@ import io
 import pickle
 import re
 import struct
+import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
@@ -97,20 +98,39 @@ def _int_op(value: int) -> bytes:
     return pickle.LONG4 + _I32.pack(len(data)) + data
 
 
-def _global_op(obj: Any) -> tuple[bytes, bool]:
+def _global_op(obj: Any) -> Optional[tuple[bytes, bool]]:
     """``(opcode, memoize?)`` naming a real class or function, as pickle names it.
 
     ``pickle.dumps`` resolves the module the way the pickler does (including
     protocol 2's Python 2 names, ``__builtin__.set``); its answer is cut out of
-    the one-object pickle it writes.
+    the one-object pickle it writes. None for a nested name (``Outer.Inner``),
+    which protocol 2 writes as ``getattr(Outer, "Inner")``.
     """
-    data = pickle.dumps(obj, _PROTOCOL)
+    try:
+        data = pickle.dumps(obj, _PROTOCOL)
+    except (AttributeError, TypeError, ImportError) as error:
+        # CPython's C pickler says AttributeError where the pure-Python one
+        # (which this writer matches) says PicklingError.
+        raise pickle.PicklingError(f"Can't pickle {obj!r}: {error}") from error
     body = data[len(_PREFIX) :]
     if body[:1] == pickle.GLOBAL and body.endswith(_GLOBAL_TAIL) and body.count(b"\n") == 2:
         return body[: -len(_GLOBAL_TAIL)], True
     if body[:1] in _EXT and body.endswith(pickle.STOP):
         return body[:-1], False  # a copyreg extension code is not memoized
-    raise pickle.PicklingError(f"cannot write {obj!r}: not a top-level global")
+    return None
+
+
+def _nested_parent(obj: Any) -> tuple[Any, str]:
+    """``(Outer, "Inner")`` for ``Outer.Inner``, found the way pickle finds it."""
+    qualname = getattr(obj, "__qualname__", None) or obj.__name__
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    *path, last = qualname.split(".")
+    parent: Any = module
+    for part in path:
+        parent = getattr(parent, part, None)
+    if module is None or "<locals>" in path or getattr(parent, last, None) is not obj:
+        raise pickle.PicklingError(f"Can't pickle {obj!r}: it's not found as {qualname}")
+    return parent, last
 
 
 def _storage_ref(record: StorageRecord) -> GlobalRef:
@@ -404,7 +424,12 @@ class _Emitter:
         if hit is not None:
             self.write(_get(hit[0]))
             return
-        op, memoize = _global_op(obj)
+        found = _global_op(obj)
+        if found is None:
+            self._save_reduce(getattr, _nested_parent(obj))
+            self._memoize(obj)
+            return
+        op, memoize = found
         self.write(op)
         if memoize:
             self._memoize(obj)
