@@ -17,6 +17,7 @@ import collections
 import copyreg
 import functools
 import io
+import itertools
 import pickle
 import re
 import struct
@@ -370,38 +371,42 @@ class _Emitter:
 
     def _append_items(self, items: Iterable[Any]) -> None:
         # APPENDS in batches of 1,000; a batch of one is a single APPEND.
-        values = list(items)
         save = self.save
         write = self.write
-        for start in range(0, len(values), _BATCH):
-            batch = values[start : start + _BATCH]
+        values = iter(items)
+        while True:
+            batch = list(itertools.islice(values, _BATCH))
             if len(batch) == 1:
                 save(batch[0])
                 write(pickle.APPEND)
-                continue
-            write(pickle.MARK)
-            for value in batch:
-                save(value)
-            write(pickle.APPENDS)
+            elif batch:
+                write(pickle.MARK)
+                for value in batch:
+                    save(value)
+                write(pickle.APPENDS)
+            if len(batch) < _BATCH:
+                return
 
     def _set_items(self, items: Iterable[Any]) -> None:
         # SETITEMS in batches of 1,000; a batch of one is a single SETITEM.
-        pairs = list(items)
         save = self.save
         write = self.write
-        for start in range(0, len(pairs), _BATCH):
-            batch = pairs[start : start + _BATCH]
+        pairs = iter(items)
+        while True:
+            batch = list(itertools.islice(pairs, _BATCH))
             if len(batch) == 1:
                 key, value = batch[0]
                 save(key)
                 save(value)
                 write(pickle.SETITEM)
-                continue
-            write(pickle.MARK)
-            for key, value in batch:
-                save(key)
-                save(value)
-            write(pickle.SETITEMS)
+            elif batch:
+                write(pickle.MARK)
+                for key, value in batch:
+                    save(key)
+                    save(value)
+                write(pickle.SETITEMS)
+            if len(batch) < _BATCH:
+                return
 
     # -- globals ------------------------------------------------------------
 
