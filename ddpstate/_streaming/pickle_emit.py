@@ -1,13 +1,29 @@
-"""Writing a scanned object tree back as a torch.save pickle, storages renumbered, tagged CPU."""
+"""Writing a scanned object tree back as a torch.save pickle, storages renumbered, tagged CPU.
+
+The writer is this module's own protocol-2 pickler, built from :mod:`pickle`'s
+public opcode constants and :mod:`struct` alone. Its output is byte for byte
+what a pure-Python ``pickle.Pickler`` at protocol 2 writes for the same tree
+(with tensors and placeholders reduced as below): the same opcodes, the same
+batches of 1,000 items per ``APPENDS``/``SETITEMS``, and the same memo slot
+numbers, including one slot for every temporary object the reduction of a
+tensor creates. ``_streaming/pickle_rewrite.py`` relies on that numbering when
+it re-emits part of an existing pickle (:func:`dump_within`).
+"""
 
 from __future__ import annotations
 
+import codecs
 import collections
 import copyreg
+import functools
 import io
+import itertools
 import pickle
 import re
-from collections.abc import Mapping
+import struct
+import sys
+import types
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
 from ddpstate._streaming.pickle_scan import (
@@ -17,6 +33,7 @@ from ddpstate._streaming.pickle_scan import (
     OpaqueCall,
     StandIn,
     StorageRecord,
+    StorageTypeRef,
     TensorRecord,
     has_state,
 )
@@ -30,145 +47,97 @@ _NEWOBJ_EX = GlobalRef("copyreg", "__newobj_ex__")
 # torch.save's default pickle protocol; torch.load reads any, older tools expect 2.
 _PROTOCOL = 2
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*\Z")
-# Exact built-in types that are never a storage, a placeholder or reduced by
-# reducer_override, so ``_Emitter.save`` skips those questions for them. Scalars
-# are never memoized: their opcodes are what ``pickle.dumps`` writes for them,
-# less its PROTO header and STOP. A string is memoized: the same, less the
-# BINPUT 0 that ends it, then a PUT of the emitter's own slot number.
-_SCALARS = frozenset({int, float, bool, type(None)})
-_HEADER = len(pickle.PROTO) + 1
-_STR_TAIL = len(pickle.BINPUT) + 1 + len(pickle.STOP)
-# The containers go through the memo first, then to the pickler's writer for
-# their type (which saves each item through ``_Emitter.save``).
-_CONTAINERS: dict[type, str] = {tuple: "save_tuple", list: "save_list", dict: "save_dict"}
+# Items per APPENDS/SETITEMS opcode: what CPython's picklers write, so the same.
+_BATCH = 1000
+# The opcodes are precomputed for the small arguments nearly every pickle uses.
+_PUTS = tuple(pickle.BINPUT + bytes((i,)) for i in range(256))
+_GETS = tuple(pickle.BINGET + bytes((i,)) for i in range(256))
+_SMALL_INTS = tuple(pickle.BININT1 + bytes((i,)) for i in range(256))
+_SHORT_TUPLES = (pickle.EMPTY_TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
+_U16 = struct.Struct("<H")
+_I32 = struct.Struct("<i")
+_U32 = struct.Struct("<I")
+_F64 = struct.Struct(">d")
+# pickle.dumps(global) is PROTO 2, GLOBAL module\nname\n, BINPUT 0, STOP.
+_PREFIX = pickle.PROTO + bytes((_PROTOCOL,))
+_GLOBAL_TAIL = pickle.BINPUT + b"\x00" + pickle.STOP
+_EXT = (pickle.EXT1, pickle.EXT2, pickle.EXT4)
+# The types whose class pickle writes as a call, not a name (type(None)...).
+_SINGLETON_TYPES: dict[type, Any] = {
+    type(None): None,
+    type(NotImplemented): NotImplemented,
+    type(...): ...,
+}
 
 
-class _PlainTensor:
-    """The tensor inside a Parameter, written without the Parameter wrapper."""
+def _put(index: int) -> bytes:
+    if index < 256:
+        return _PUTS[index]
+    return pickle.LONG_BINPUT + _U32.pack(index)
 
-    __slots__ = ("record",)
 
-    def __init__(self, record: TensorRecord) -> None:
-        self.record = record
+def _get(index: int) -> bytes:
+    if index < 256:
+        return _GETS[index]
+    return pickle.LONG_BINGET + _U32.pack(index)
+
+
+def _int_op(value: int) -> bytes:
+    """The opcode writing ``value``: BININT1/BININT2/BININT, else LONG1/LONG4."""
+    if 0 <= value <= 0xFF:
+        return _SMALL_INTS[value]
+    if 0 <= value <= 0xFFFF:
+        return pickle.BININT2 + _U16.pack(value)
+    if -0x80000000 <= value <= 0x7FFFFFFF:
+        return pickle.BININT + _I32.pack(value)
+    # Two's complement, little-endian, in as few bytes as keep the sign.
+    data = value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
+    if value < 0 and len(data) > 1 and data[-1] == 0xFF and data[-2] & 0x80:
+        data = data[:-1]
+    if len(data) < 256:
+        return pickle.LONG1 + bytes((len(data),)) + data
+    return pickle.LONG4 + _I32.pack(len(data)) + data
+
+
+def _global_op(obj: Any) -> Optional[tuple[bytes, bool]]:
+    """``(opcode, memoize?)`` naming a real class or function, as pickle names it.
+
+    ``pickle.dumps`` resolves the module the way the pickler does (including
+    protocol 2's Python 2 names, ``__builtin__.set``); its answer is cut out of
+    the one-object pickle it writes. None for a nested name (``Outer.Inner``),
+    which protocol 2 writes as ``getattr(Outer, "Inner")``.
+    """
+    try:
+        data = pickle.dumps(obj, _PROTOCOL)
+    except (AttributeError, TypeError, ImportError) as error:
+        # CPython's C pickler says AttributeError where the pure-Python one
+        # (which this writer matches) says PicklingError.
+        raise pickle.PicklingError(f"Can't pickle {obj!r}: {error}") from error
+    body = data[len(_PREFIX) :]
+    if body[:1] == pickle.GLOBAL and body.endswith(_GLOBAL_TAIL) and body.count(b"\n") == 2:
+        return body[: -len(_GLOBAL_TAIL)], True
+    if body[:1] in _EXT and body.endswith(pickle.STOP):
+        return body[:-1], False  # a copyreg extension code is not memoized
+    return None
+
+
+def _nested_parent(obj: Any) -> tuple[Any, str]:
+    """``(Outer, "Inner")`` for ``Outer.Inner``, found the way pickle finds it."""
+    qualname = getattr(obj, "__qualname__", None) or obj.__name__
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    *path, last = qualname.split(".")
+    parent: Any = module
+    for part in path:
+        parent = getattr(parent, part, None)
+    if module is None or "<locals>" in path or getattr(parent, last, None) is not obj:
+        raise pickle.PicklingError(f"Can't pickle {obj!r}: it's not found as {qualname}")
+    return parent, last
 
 
 def _storage_ref(record: StorageRecord) -> GlobalRef:
     if record.type_name == "UntypedStorage":
         return GlobalRef("torch.storage", "UntypedStorage")
     return GlobalRef("torch", record.type_name)
-
-
-class _Emitter(pickle._Pickler):
-    """A pure-Python Pickler that writes placeholders back under their original names."""
-
-    def __init__(
-        self,
-        file: io.BytesIO,
-        memo_base: int = 0,
-        replace: Optional[Mapping[int, TensorRecord]] = None,
-    ) -> None:
-        super().__init__(file, protocol=_PROTOCOL)
-        # Tensor records written in place of others (by id): convert --dtype's casts.
-        self._replace = replace or {}
-        self.storages: list[StorageRecord] = []
-        self._storage_keys: dict[int, str] = {}
-        self._globals: dict[str, int] = {}
-        # Memo slot numbers are the memo's size plus this: a pickle written into
-        # the middle of another continues its numbering (see pickle_rewrite).
-        self._memo_base = memo_base
-
-    def memoize(self, obj: Any) -> None:
-        index = self._memo_base + len(self.memo)  # type: ignore[attr-defined]
-        self.write(self.put(index))  # type: ignore[attr-defined]
-        self.memo[id(obj)] = (index, obj)  # type: ignore[attr-defined]
-
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, StorageRecord):
-            return None
-        key = self._storage_keys.get(id(obj))
-        if key is None:
-            # torch.save numbers storages 0, 1, ... in first-use order and writes
-            # them in that order; torch.load's offset shortcut relies on it.
-            key = str(len(self.storages))
-            self._storage_keys[id(obj)] = key
-            self.storages.append(obj)
-        # "cpu": the output must load on a machine without the original GPU.
-        return ("storage", _storage_ref(obj), key, "cpu", obj.numel)
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        # Fast path: a 100,000-tensor checkpoint makes ~2 million save calls, and
-        # pickle's generic path asks persistent_id and reducer_override about
-        # each one (half the time of ``convert`` at that size). For these exact
-        # types both answers are known, so skip straight to the type's writer.
-        # Protocol 2 has no frames, so pickle's commit_frame() has nothing to do.
-        kind = type(obj)
-        if kind in _SCALARS:
-            self.write(pickle.dumps(obj, _PROTOCOL)[_HEADER:-1])  # type: ignore[attr-defined]
-            return
-        if kind is str or kind in _CONTAINERS:
-            memo = self.memo.get(id(obj))  # type: ignore[attr-defined]
-            if memo is not None:
-                self.write(self.get(memo[0]))  # type: ignore[attr-defined]
-            elif kind is str:
-                self.write(pickle.dumps(obj, _PROTOCOL)[_HEADER:-_STR_TAIL])  # type: ignore[attr-defined]
-                self.memoize(obj)
-            else:
-                getattr(self, _CONTAINERS[kind])(obj)
-            return
-        ref: Optional[GlobalRef] = None
-        if isinstance(obj, GlobalRef):
-            ref = obj
-        elif isinstance(obj, StandIn) or (isinstance(obj, type) and issubclass(obj, Opaque)):
-            ref = obj.ref
-        if ref is None:
-            super().save(obj, save_persistent_id)  # type: ignore[misc]
-            return
-        index = self._globals.get(ref.qualname)
-        if index is not None:
-            self.write(self.get(index))  # type: ignore[attr-defined]
-            return
-        if not (_NAME.match(ref.module) and _NAME.match(ref.name)):
-            # A newline in a name would let it smuggle opcodes into the output.
-            raise pickle.PicklingError(f"refusing to write the global name {ref.qualname!r}")
-        self.write(  # type: ignore[attr-defined]
-            pickle.GLOBAL + ref.module.encode("utf-8") + b"\n" + ref.name.encode("utf-8") + b"\n"
-        )
-        # Memo slots are numbered by the memo's size, so the entry goes in there.
-        index = self._memo_base + len(self.memo)  # type: ignore[attr-defined]
-        self.write(self.put(index))  # type: ignore[attr-defined]
-        self.memo[id(ref)] = (index, ref)  # type: ignore[attr-defined]
-        self._globals[ref.qualname] = index
-
-    def reducer_override(self, obj: object) -> Any:
-        if isinstance(obj, TensorRecord):
-            return _tensor_reduce(self._replace.get(id(obj), obj))
-        if isinstance(obj, _PlainTensor):
-            return _plain_reduce(obj.record)
-        if isinstance(obj, Opaque):
-            return _opaque_reduce(obj)
-        return NotImplemented
-
-
-def _plain_reduce(record: TensorRecord) -> tuple[Any, tuple[Any, ...]]:
-    hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-    extra = (record.metadata,) if record.metadata else ()
-    base = (record.storage, record.offset, record.shape, record.stride, record.requires_grad, hooks)
-    if record.rebuild == "v3":
-        return _REBUILD_V3, (*base, DtypeRef("torch", record.dtype), *extra)
-    return _REBUILD_V2, (*base, *extra)
-
-
-def _tensor_reduce(record: TensorRecord) -> tuple[Any, tuple[Any, ...]]:
-    if record.from_type is not None:
-        func, args = _plain_reduce(record)
-        return _REBUILD_FROM_TYPE, (func, record.from_type[0], args, record.from_type[1])
-    if record.parameter:
-        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        inner = _PlainTensor(record)
-        if record.param_state is None:
-            return _REBUILD_PARAM, (inner, record.param_requires_grad, hooks)
-        return _REBUILD_PARAM_STATE, (inner, record.param_requires_grad, hooks, record.param_state)
-    return _plain_reduce(record)
 
 
 def _opaque_reduce(obj: Opaque) -> tuple[Any, ...]:
@@ -180,10 +149,457 @@ def _opaque_reduce(obj: Opaque) -> tuple[Any, ...]:
     if obj.kwargs:
         return (_NEWOBJ_EX, (type(obj), obj.args, obj.kwargs), state, listitems, dictitems)
     if obj.how == "new":
-        # pickle writes NEWOBJ for a reduce whose function is named __newobj__.
+        # Named __newobj__, the reduction is written as NEWOBJ (cls, args).
         newobj = copyreg.__newobj__  # type: ignore[attr-defined]
         return (newobj, (type(obj), *obj.args), state, listitems, dictitems)
     return (type(obj), obj.args, state, listitems, dictitems)
+
+
+class _Emitter:
+    """A protocol-2 pickler that writes placeholders back under their original names.
+
+    Tensors are written as torch.save writes them (``_rebuild_tensor_v2`` and
+    friends on persistent storage ids), placeholder globals under the names
+    they were read with, other objects as pickle writes them.
+    """
+
+    def __init__(
+        self, memo_base: int = 0, replace: Optional[Mapping[int, TensorRecord]] = None
+    ) -> None:
+        self._buffer = io.BytesIO()
+        self.write: Callable[[bytes], int] = self._buffer.write
+        # id -> (slot, object); the object is held so that its id stays unique.
+        self.memo: dict[int, tuple[int, Any]] = {}
+        # The next memo slot: a pickle written into the middle of another
+        # continues its numbering (see pickle_rewrite).
+        self.next_slot = memo_base
+        # Tensor records written in place of others (by id): convert --dtype's casts.
+        self._replace = replace or {}
+        self.storages: list[StorageRecord] = []
+        self._storage_keys: dict[int, str] = {}
+        # Slot of each placeholder global written, by qualname.
+        self.global_slots: dict[str, int] = {}
+        # Exact types with a writer of their own; anything else takes _save_other.
+        self._writers: dict[type, Callable[[Any], None]] = {
+            int: self._save_int,
+            float: self._save_float,
+            bool: self._save_bool,
+            type(None): self._save_none,
+            str: self._save_str,
+            tuple: self._save_tuple,
+            list: self._save_list,
+            dict: self._save_dict,
+            TensorRecord: self._save_tensor,
+            StorageRecord: self._save_storage,
+            GlobalRef: self._save_ref,
+            DtypeRef: self._save_ref,
+            StorageTypeRef: self._save_ref,
+        }
+
+    def getvalue(self) -> bytes:
+        """The bytes written so far."""
+        return self._buffer.getvalue()
+
+    # -- memo ---------------------------------------------------------------
+
+    def _memoize(self, obj: Any) -> None:
+        index = self.next_slot
+        self.next_slot = index + 1
+        self.write(_put(index))
+        self.memo[id(obj)] = (index, obj)
+
+    def _fresh_slot(self) -> None:
+        """A memo slot for a temporary object nothing else can refer to.
+
+        pickle memoizes the tuples and hook dicts a tensor's reduction creates;
+        the slot numbers must match, but the objects need not exist.
+        """
+        index = self.next_slot
+        self.next_slot = index + 1
+        self.write(_put(index))
+
+    def _after_reduce(self, obj: Any) -> None:
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            # Built again inside its own arguments: drop this copy, use the first.
+            self.write(pickle.POP + _get(hit[0]))
+        else:
+            self._memoize(obj)
+
+    # -- dispatch -----------------------------------------------------------
+
+    def save(self, obj: Any) -> None:
+        """Write the opcodes that push ``obj``."""
+        writer = self._writers.get(type(obj))
+        if writer is not None:
+            writer(obj)
+        else:
+            self._save_other(obj)
+
+    def _save_other(self, obj: Any) -> None:
+        if isinstance(obj, GlobalRef):
+            self._save_ref(obj)
+            return
+        if isinstance(obj, StandIn) or (isinstance(obj, type) and issubclass(obj, Opaque)):
+            self._save_ref(obj.ref)
+            return
+        if isinstance(obj, StorageRecord):
+            self._save_storage(obj)
+            return
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(_get(hit[0]))
+            return
+        if isinstance(obj, TensorRecord):
+            self._write_tensor(obj)
+            return
+        if isinstance(obj, Opaque):
+            self._save_reduce(*_opaque_reduce(obj), obj=obj)
+            return
+        kind = type(obj)
+        if kind is bytes:
+            if obj:
+                self._save_reduce(codecs.encode, (str(obj, "latin1"), "latin1"), obj=obj)
+            else:
+                self._save_reduce(bytes, (), obj=obj)
+            return
+        if kind is bytearray:
+            self._save_reduce(bytearray, (bytes(obj),) if obj else (), obj=obj)
+            return
+        if kind is set or kind is frozenset:
+            self._save_reduce(kind, (list(obj),), obj=obj)
+            return
+        if kind is types.FunctionType:
+            self._save_global(obj)
+            return
+        if kind is type:
+            self._save_type(obj)
+            return
+        if kind is pickle.PickleBuffer:
+            raise pickle.PicklingError("PickleBuffer can only be pickled with protocol >= 5")
+        self._save_reduced(obj, kind)
+
+    def _save_reduced(self, obj: Any, kind: type) -> None:
+        reducer = copyreg.dispatch_table.get(kind)
+        if reducer is not None:
+            rv = reducer(obj)
+        elif issubclass(kind, type):
+            self._save_global(obj)
+            return
+        else:
+            reduce_ex = getattr(obj, "__reduce_ex__", None)
+            if reduce_ex is not None:
+                rv = reduce_ex(_PROTOCOL)
+            else:
+                reduce = getattr(obj, "__reduce__", None)
+                if reduce is None:
+                    raise pickle.PicklingError(f"Can't pickle {kind.__name__!r} object: {obj!r}")
+                rv = reduce()
+        if isinstance(rv, str):
+            self._save_global(obj)
+            return
+        if not isinstance(rv, tuple) or not 2 <= len(rv) <= 6:
+            raise pickle.PicklingError(f"the reduction of {kind.__name__} is not a 2 to 6-tuple")
+        self._save_reduce(*rv, obj=obj)
+
+    # -- scalars and strings ------------------------------------------------
+
+    def _save_int(self, obj: int) -> None:
+        self.write(_SMALL_INTS[obj] if 0 <= obj <= 0xFF else _int_op(obj))
+
+    def _save_float(self, obj: float) -> None:
+        self.write(pickle.BINFLOAT + _F64.pack(obj))
+
+    def _save_bool(self, obj: bool) -> None:
+        self.write(pickle.NEWTRUE if obj else pickle.NEWFALSE)
+
+    def _save_none(self, obj: None) -> None:
+        self.write(pickle.NONE)
+
+    def _save_str(self, obj: str) -> None:
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(_get(hit[0]))
+            return
+        encoded = obj.encode("utf-8", "surrogatepass")
+        self.write(pickle.BINUNICODE + _U32.pack(len(encoded)) + encoded)
+        self._memoize(obj)
+
+    # -- containers ---------------------------------------------------------
+
+    def _save_tuple(self, obj: tuple[Any, ...]) -> None:
+        if not obj:
+            self.write(pickle.EMPTY_TUPLE)  # the one empty tuple; never memoized
+            return
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(_get(hit[0]))
+            return
+        size = len(obj)
+        if size > 3:
+            self.write(pickle.MARK)
+        save = self.save
+        for item in obj:
+            save(item)
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            # The tuple holds itself (through a list or dict): its items were
+            # written for nothing; drop them and use the copy already made.
+            drop = pickle.POP_MARK if size > 3 else pickle.POP * size
+            self.write(drop + _get(hit[0]))
+            return
+        self.write(_SHORT_TUPLES[size] if size <= 3 else pickle.TUPLE)
+        self._memoize(obj)
+
+    def _save_list(self, obj: list[Any]) -> None:
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(_get(hit[0]))
+            return
+        self.write(pickle.EMPTY_LIST)
+        self._memoize(obj)
+        self._append_items(obj)
+
+    def _save_dict(self, obj: dict[Any, Any]) -> None:
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(_get(hit[0]))
+            return
+        self.write(pickle.EMPTY_DICT)
+        self._memoize(obj)
+        self._set_items(obj.items())
+
+    def _append_items(self, items: Iterable[Any]) -> None:
+        # APPENDS in batches of 1,000; a batch of one is a single APPEND.
+        save = self.save
+        write = self.write
+        values = iter(items)
+        while True:
+            batch = list(itertools.islice(values, _BATCH))
+            if len(batch) == 1:
+                save(batch[0])
+                write(pickle.APPEND)
+            elif batch:
+                write(pickle.MARK)
+                for value in batch:
+                    save(value)
+                write(pickle.APPENDS)
+            if len(batch) < _BATCH:
+                return
+
+    def _set_items(self, items: Iterable[Any]) -> None:
+        # SETITEMS in batches of 1,000; a batch of one is a single SETITEM.
+        save = self.save
+        write = self.write
+        pairs = iter(items)
+        while True:
+            batch = list(itertools.islice(pairs, _BATCH))
+            if len(batch) == 1:
+                key, value = batch[0]
+                save(key)
+                save(value)
+                write(pickle.SETITEM)
+            elif batch:
+                write(pickle.MARK)
+                for key, value in batch:
+                    save(key)
+                    save(value)
+                write(pickle.SETITEMS)
+            if len(batch) < _BATCH:
+                return
+
+    # -- globals ------------------------------------------------------------
+
+    def _save_ref(self, ref: GlobalRef) -> None:
+        index = self.global_slots.get(ref.qualname)
+        if index is not None:
+            self.write(_get(index))
+            return
+        if not (_NAME.match(ref.module) and _NAME.match(ref.name)):
+            # A newline in a name would let it smuggle opcodes into the output.
+            raise pickle.PicklingError(f"refusing to write the global name {ref.qualname!r}")
+        self.write(
+            pickle.GLOBAL + ref.module.encode("utf-8") + b"\n" + ref.name.encode("utf-8") + b"\n"
+        )
+        self._memoize(ref)
+        self.global_slots[ref.qualname] = self.next_slot - 1
+
+    def _save_global(self, obj: Any) -> None:
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(_get(hit[0]))
+            return
+        found = _global_op(obj)
+        if found is None:
+            self._save_reduce(getattr, _nested_parent(obj))
+            self._memoize(obj)
+            return
+        op, memoize = found
+        self.write(op)
+        if memoize:
+            self._memoize(obj)
+
+    def _save_type(self, obj: type) -> None:
+        if obj in _SINGLETON_TYPES:
+            self._save_reduce(type, (_SINGLETON_TYPES[obj],), obj=obj)
+        else:
+            self._save_global(obj)
+
+    # -- reductions ---------------------------------------------------------
+
+    def _save_reduce(
+        self,
+        func: Any,
+        args: Any,
+        state: Any = None,
+        listitems: Any = None,
+        dictitems: Any = None,
+        state_setter: Any = None,
+        *,
+        obj: Any = None,
+    ) -> None:
+        """Write ``func(*args)``, then its items and state (``__reduce__``'s tuple)."""
+        if not isinstance(args, tuple):
+            raise pickle.PicklingError("args from save_reduce() must be a tuple")
+        if not callable(func):
+            raise pickle.PicklingError("func from save_reduce() must be callable")
+        save = self.save
+        name = getattr(func, "__name__", "")
+        if name == "__newobj_ex__":
+            cls, args, kwargs = args
+            self._check_newobj(cls, obj, name)
+            # Protocol 2 has no NEWOBJ_EX: the keyword arguments go in a partial.
+            save(functools.partial(cls.__new__, cls, *args, **kwargs))
+            save(())
+            self.write(pickle.REDUCE)
+        elif name == "__newobj__":
+            cls = args[0]
+            self._check_newobj(cls, obj, name)
+            save(cls)
+            save(args[1:])
+            self.write(pickle.NEWOBJ)
+        else:
+            save(func)
+            save(args)
+            self.write(pickle.REDUCE)
+        if obj is not None:
+            self._after_reduce(obj)
+        if listitems is not None:
+            self._append_items(listitems)
+        if dictitems is not None:
+            self._set_items(dictitems)
+        if state is not None:
+            if state_setter is None:
+                save(state)
+                self.write(pickle.BUILD)
+            else:
+                save(state_setter)
+                save(obj)
+                save(state)
+                self.write(pickle.TUPLE2 + pickle.REDUCE + pickle.POP)
+
+    @staticmethod
+    def _check_newobj(cls: Any, obj: Any, name: str) -> None:
+        if not hasattr(cls, "__new__"):
+            raise pickle.PicklingError(f"args[0] from {name} args has no __new__")
+        if obj is not None and cls is not obj.__class__:
+            raise pickle.PicklingError(f"args[0] from {name} args has the wrong class")
+
+    # -- storages and tensors -----------------------------------------------
+
+    def _save_storage(self, obj: StorageRecord) -> None:
+        key = self._storage_keys.get(id(obj))
+        if key is None:
+            # torch.save numbers storages 0, 1, ... in first-use order and writes
+            # them in that order; torch.load's offset shortcut relies on it.
+            key = str(len(self.storages))
+            self._storage_keys[id(obj)] = key
+            self.storages.append(obj)
+        # The persistent id ("storage", class, key, "cpu", numel), a new tuple
+        # each time. "cpu": the output must load on a machine without the GPU.
+        self.write(pickle.MARK)
+        self._save_str("storage")
+        self._save_ref(_storage_ref(obj))
+        self._save_str(key)
+        self._save_str("cpu")
+        self.save(obj.numel)
+        self.write(pickle.TUPLE)
+        self._fresh_slot()
+        self.write(pickle.BINPERSID)
+
+    def _save_tensor(self, obj: TensorRecord) -> None:
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(_get(hit[0]))
+        else:
+            self._write_tensor(obj)
+
+    def _write_tensor(self, obj: TensorRecord) -> None:
+        """``obj`` the way torch's ``Tensor.__reduce_ex__`` has pickle write it.
+
+        The reduction's argument tuples, its empty backward-hooks OrderedDicts
+        and a Parameter's inner tensor are written straight from the record,
+        each taking the memo slot pickle gives it.
+        """
+        record = self._replace.get(id(obj), obj)
+        save = self.save
+        if record.from_type is not None:
+            self._save_ref(_REBUILD_FROM_TYPE)
+            self.write(pickle.MARK)
+            self._save_ref(_REBUILD_V3 if record.rebuild == "v3" else _REBUILD_V2)
+            save(record.from_type[0])
+            self._save_rebuild_args(record)
+            save(record.from_type[1])
+            self.write(pickle.TUPLE)
+            self._fresh_slot()
+        elif record.parameter:
+            with_state = record.param_state is not None
+            self._save_ref(_REBUILD_PARAM_STATE if with_state else _REBUILD_PARAM)
+            if with_state:
+                self.write(pickle.MARK)
+            self._save_plain(record)  # the tensor inside, without the Parameter
+            save(record.param_requires_grad)
+            self._save_hooks()
+            if with_state:
+                save(record.param_state)
+                self.write(pickle.TUPLE)
+            else:
+                self.write(pickle.TUPLE3)
+            self._fresh_slot()
+        else:
+            self._save_ref(_REBUILD_V3 if record.rebuild == "v3" else _REBUILD_V2)
+            self._save_rebuild_args(record)
+        self.write(pickle.REDUCE)
+        self._after_reduce(obj)
+
+    def _save_plain(self, record: TensorRecord) -> None:
+        self._save_ref(_REBUILD_V3 if record.rebuild == "v3" else _REBUILD_V2)
+        self._save_rebuild_args(record)
+        self.write(pickle.REDUCE)
+        self._fresh_slot()
+
+    def _save_rebuild_args(self, record: TensorRecord) -> None:
+        """``(storage, offset, shape, stride, requires_grad, hooks[, dtype][, metadata])``."""
+        save = self.save
+        self.write(pickle.MARK)
+        save(record.storage)
+        save(record.offset)
+        save(record.shape)
+        save(record.stride)
+        save(record.requires_grad)
+        self._save_hooks()
+        if record.rebuild == "v3":
+            self._save_ref(GlobalRef("torch", record.dtype))
+        if record.metadata:
+            save(record.metadata)
+        self.write(pickle.TUPLE)
+        self._fresh_slot()
+
+    def _save_hooks(self) -> None:
+        # An empty OrderedDict reduces to OrderedDict() with no items or state.
+        self._save_global(collections.OrderedDict)
+        self.write(pickle.EMPTY_TUPLE + pickle.REDUCE)
+        self._fresh_slot()
 
 
 def dump_within(
@@ -200,18 +616,20 @@ def dump_within(
     Returns:
         ``(bytes, number of memo slots the bytes fill)``.
 
+    Raises:
+        pickle.PicklingError: ``obj`` holds a storage, or something pickle cannot write.
+
     Example:
         >>> dump_within({"a": 1}, 5, {}, {})
         (b'}q\\x05X\\x01\\x00\\x00\\x00aq\\x06K\\x01s', 2)
     """
-    buffer = io.BytesIO()
-    emitter = _Emitter(buffer, memo_base - len(memo))
-    emitter.memo.update(memo)  # type: ignore[attr-defined]
-    emitter._globals.update(global_slots)
+    emitter = _Emitter(memo_base)
+    emitter.memo.update(memo)
+    emitter.global_slots.update(global_slots)
     emitter.save(obj)
     if emitter.storages:
         raise pickle.PicklingError("dump_within writes no storages")
-    return buffer.getvalue(), len(emitter.memo) - len(memo)  # type: ignore[attr-defined]
+    return emitter.getvalue(), emitter.next_slot - memo_base
 
 
 def dump_checkpoint_pickle(
@@ -232,12 +650,16 @@ def dump_checkpoint_pickle(
     Returns:
         ``(data.pkl bytes, storages)``: storage ``i`` of the list has key ``str(i)``.
 
+    Raises:
+        pickle.PicklingError: The tree holds something pickle cannot write.
+
     Example:
         >>> data, storages = dump_checkpoint_pickle({"epoch": 3})
         >>> storages
         []
     """
-    buffer = io.BytesIO()
-    emitter = _Emitter(buffer, replace=replace)
-    emitter.dump(obj)
-    return buffer.getvalue(), emitter.storages
+    emitter = _Emitter(replace=replace)
+    emitter.write(_PREFIX)
+    emitter.save(obj)
+    emitter.write(pickle.STOP)
+    return emitter.getvalue(), emitter.storages
