@@ -99,9 +99,15 @@ def ddp_syncs_buffers(ddp: DistributedDataParallel) -> bool:
         Its ``forward_sync_buffers`` (torch >= 2.13), else its ``broadcast_buffers``.
 
     Example:
-        >>> # ddp = DistributedDataParallel(model, broadcast_buffers=False)
-        >>> ddp_syncs_buffers(ddp)  # doctest: +SKIP
+        >>> import torch, torch.distributed as dist
+        >>> from torch.nn.parallel import DistributedDataParallel
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> off = {BUFFER_SYNC_KWARG: False}  # this torch's name for broadcast_buffers
+        >>> ddp_syncs_buffers(DistributedDataParallel(torch.nn.Linear(2, 2), **off))
         False
+        >>> ddp_syncs_buffers(DistributedDataParallel(torch.nn.Linear(2, 2)))
+        True
+        >>> dist.destroy_process_group()
     """
     value = ddp.__dict__.get("forward_sync_buffers")
     if value is None:

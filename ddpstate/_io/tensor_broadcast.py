@@ -90,8 +90,12 @@ def broadcast_with_tensors(
         ``obj`` rebuilt on this rank; identical views of one tensor stay shared.
 
     Example:
-        >>> # On every rank of an initialised process group (rank 0 read the file):
-        >>> state = broadcast_with_tensors(obj, {}, 0, None, None)  # doctest: +SKIP
+        >>> import torch, torch.distributed as dist
+        >>> # Every rank of a process group calls it; here a group of one, in memory.
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> broadcast_with_tensors({"w": torch.ones(2)}, {}, 0, torch.device("cpu"), None)
+        {'w': tensor([1., 1.])}
+        >>> dist.destroy_process_group()
     """
     rank = get_rank()
     if rank == src_rank:

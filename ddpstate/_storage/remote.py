@@ -61,9 +61,15 @@ def atomic_write_object_store(fs: Any, url: str, path: str) -> Iterator[IO[bytes
             previous object is untouched.
 
     Example:
-        >>> # fs, path = fsspec.core.url_to_fs("s3://bucket/ckpt.pt")
-        >>> with atomic_write_object_store(fs, url, path) as f:  # doctest: +SKIP
-        ...     f.write(b"all or nothing")
+        >>> import fsspec
+        >>> # On s3:// the object appears at commit; memory:// has no uploads to hold back.
+        >>> url = "memory://doc-remote/ckpt.pt"
+        >>> fs, path = fsspec.core.url_to_fs(url)
+        >>> with atomic_write_object_store(fs, url, path) as f:
+        ...     _ = f.write(b"all or nothing")
+        >>> fs.cat(path)
+        b'all or nothing'
+        >>> fs.rm(path)
     """
     # autocommit=False is fsspec's transaction protocol: the upload becomes the
     # object only on commit(), and discard() aborts it (e.g. the S3 multipart upload).
