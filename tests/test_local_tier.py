@@ -321,6 +321,9 @@ def _four_ranks_two_nodes(rank: int, world: int, root: str) -> dict[str, Any]:
                 model.module.weight.fill_(float(step))
             m.save_local(step, {"model": model})
         draws = _draws()
+    # close() waits for this rank's own local write only: node 1's writer (rank 2) may
+    # still be finishing its step 6, so the "replacement" waits for every node's close.
+    torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(os.path.join(root, "shm", "node1"))  # node 1 is replaced
     # Every rank waits until the wipe is done before restoring.
