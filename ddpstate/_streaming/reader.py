@@ -9,7 +9,7 @@ import pickle
 import struct
 import zipfile
 import zlib
-from typing import IO, Any, Optional
+from typing import IO, Any, NamedTuple, Optional
 
 from ddpstate import formats
 from ddpstate._layout.safetensors import parse_header, restore_extras
@@ -46,8 +46,7 @@ from ddpstate.formats import FormatName
 _LEGACY_PROTOCOL = 1001
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ZipRecord:
+class ZipRecord(NamedTuple):
     """One zip entry: where its data starts and what the central directory says of it."""
 
     name: str
@@ -257,14 +256,15 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
                 f"zip entry {entry.name} has another name in its local header; the names differ"
             )
         data_offset = entry.header_offset + LOCAL.size + fields[9] + fields[10]
+        # Positional: this runs once per tensor.
         records[entry.name] = ZipRecord(
-            name=entry.name,
-            header_offset=entry.header_offset,
-            data_offset=data_offset,
-            size=entry.size,
-            compressed_size=entry.compressed_size,
-            crc32=entry.crc32,
-            method=entry.method,
+            entry.name,
+            entry.header_offset,
+            data_offset,
+            entry.size,
+            entry.compressed_size,
+            entry.crc32,
+            entry.method,
         )
         if data_offset + entry.compressed_size > source.size:
             problems.append(
