@@ -180,12 +180,16 @@ def extent_problems(ckpt: Checkpoint) -> list[str]:
     """A line per tensor whose view reaches past the end of its storage."""
     # A damaged shape, stride or offset can make a view reach past its storage;
     # torch.load refuses such a file, so copying it through would hide the damage.
-    return [
-        f"tensor {dotted(path)} reaches byte {rec.extent() * rec.itemsize} of a "
-        f"{rec.storage.nbytes}-byte storage"
-        for path, rec in iter_tensors(ckpt.obj)
-        if isinstance(rec, TensorRecord) and rec.extent() * rec.itemsize > rec.storage.nbytes
-    ]
+    problems = []
+    for path, rec in iter_tensors(ckpt.obj):
+        if isinstance(rec, TensorRecord):
+            reach = rec.extent() * rec.itemsize
+            if reach > rec.storage.nbytes:
+                problems.append(
+                    f"tensor {dotted(path)} reaches byte {reach} of a "
+                    f"{rec.storage.nbytes}-byte storage"
+                )
+    return problems
 
 
 def raise_problems(ckpt: Checkpoint) -> None:

@@ -29,6 +29,7 @@ from ddpstate._convert.writers import (
     write_sharded_safetensors,
 )
 from ddpstate._fs import PathLike
+from ddpstate._gc import gc_paused
 from ddpstate._streaming.cast import Casts, target_dtype
 from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import (
@@ -176,7 +177,12 @@ def convert_file(
         if from_dcp:
             return _dcp_convert.convert_from_dcp(src_text, dst_text, to=to, **options)
         return _dcp_convert.convert_to_dcp(src_text, dst_text, **options)
-    with read_checkpoint(src_text, unsafe=unsafe, storage_options=storage_options) as ckpt:
+    # The scan makes a few objects per tensor, none in a cycle: without the collector
+    # held off, full collections over them took a seventh of the time at 100,000 tensors.
+    with (
+        gc_paused(),
+        read_checkpoint(src_text, unsafe=unsafe, storage_options=storage_options) as ckpt,
+    ):
         raise_problems(ckpt)
         dst_format = (
             to or format_from_name(dst) or (SAFETENSORS if ckpt.format == SAFETENSORS else PT)

@@ -10,15 +10,13 @@ headers read without the data.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import gc
 import io
 import json
 import os
 import stat
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import IO, Any, Optional, Union
 
 import safetensors
@@ -26,6 +24,7 @@ import safetensors.torch
 import torch
 
 from ddpstate import storage
+from ddpstate._gc import gc_paused
 from ddpstate._layout.safetensors import (
     ALIASES_KEY,
     DTYPES,
@@ -369,8 +368,8 @@ def write_safetensors(
         )
     if local is not None:
         # save_file writes a temp file of its own and renames it onto the path;
-        # it and _storable make an object or two per tensor (see _gc_paused).
-        with _gc_paused(), storage.write_by_name(fileobj) as path:
+        # it and _storable make an object or two per tensor (see gc_paused).
+        with gc_paused(), storage.write_by_name(fileobj) as path:
             tensors = _storable(state_dict, aliases, overlapping)
             safetensors.torch.save_file(tensors, path, metadata=meta or None)
         return aliases
@@ -478,26 +477,9 @@ def _damage(path: str, name: str, exc: BaseException) -> BaseException:
     return _corrupt(name, f"{type(exc).__name__}: {exc}")
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Hold off the cyclic garbage collector while a large, acyclic result is built.
-
-    Each tensor object counts towards the collector's thresholds, so building
-    100,000 of them ran full collections over everything alive: about a third
-    of the load time on a 100,000-tensor file (nothing built here has cycles).
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _load_local(path: str, device: str, mmap: bool, name: str) -> Any:
     """Read a local file with the safetensors library: mapped, or read into fresh memory."""
-    with _gc_paused():
+    with gc_paused():
         return _load_local_unpaused(path, device, mmap, name)
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import struct
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
 
@@ -228,9 +228,11 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
     return problems
 
 
-@dataclasses.dataclass(frozen=True)
-class View:
+class View(NamedTuple):
     """Where one tensor's bytes lie in memory (or in a file), for finding tied tensors.
+
+    A named tuple: one is made per tensor (100,000 for as many tensors), and a
+    tuple is made several times faster than a frozen dataclass.
 
     Attributes:
         key: The state-dict key.

@@ -268,7 +268,8 @@ class TensorRecord:
 
     def extent(self) -> int:
         """One past the last storage element (of ``dtype``) the view touches."""
-        if self.numel == 0:
+        # ``0 in shape``: numel is 0 (the scan admits only ints >= 0), without the product.
+        if 0 in self.shape:
             return self.offset
         return (
             self.offset + 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))

@@ -9,7 +9,7 @@ import pickle
 import struct
 import zipfile
 import zlib
-from typing import IO, Any, Optional
+from typing import IO, Any, NamedTuple, Optional
 
 from ddpstate import formats
 from ddpstate._layout.safetensors import parse_header, restore_extras
@@ -46,8 +46,7 @@ from ddpstate.formats import FormatName
 _LEGACY_PROTOCOL = 1001
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ZipRecord:
+class ZipRecord(NamedTuple):
     """One zip entry: where its data starts and what the central directory says of it."""
 
     name: str
@@ -257,14 +256,15 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
                 f"zip entry {entry.name} has another name in its local header; the names differ"
             )
         data_offset = entry.header_offset + LOCAL.size + fields[9] + fields[10]
+        # Positional: this runs once per tensor.
         records[entry.name] = ZipRecord(
-            name=entry.name,
-            header_offset=entry.header_offset,
-            data_offset=data_offset,
-            size=entry.size,
-            compressed_size=entry.compressed_size,
-            crc32=entry.crc32,
-            method=entry.method,
+            entry.name,
+            entry.header_offset,
+            data_offset,
+            entry.size,
+            entry.compressed_size,
+            entry.crc32,
+            entry.method,
         )
         if data_offset + entry.compressed_size > source.size:
             problems.append(
@@ -290,31 +290,47 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
     storages: dict[str, StorageRecord] = {}
 
     def persistent_load(pid: Any) -> Any:
-        if not isinstance(pid, tuple) or len(pid) != 5 or _text(pid[0]) != "storage":
+        # Once per storage (100,000 calls for as many tensors): the checks of _text,
+        # _count and _storage_type inlined for the types torch.save writes, those
+        # helpers called (to convert or refuse) for any other.
+        if not isinstance(pid, tuple) or len(pid) != 5:
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        storage_type = _storage_type(pid[1], path)
-        key = _text(pid[2])
+        tag, storage_type, key, location, numel = pid
+        if tag != "storage" and _text(tag) != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        if type(storage_type) is not StorageTypeRef:
+            storage_type = _storage_type(storage_type, path)
+        if type(key) is not str:
+            key = _text(key)
         found = storages.get(key)
         if found is not None:
             return found
+        if type(location) is not str:
+            location = _text(location)
+        if type(numel) is not int or numel < 0:
+            numel = _count(numel)
         name = f"{prefix}data/{key}"
         entry = records.get(name)
-        record = StorageRecord(
-            key=key,
-            type_name=storage_type.name,
-            dtype=storage_type.dtype,
-            location=_text(pid[3]),
-            numel=_count(pid[4]),
-            # The zip entry's own name object: one string, not two, per storage.
-            record_name=name if entry is None else entry.name,
-        )
         if entry is None:
+            record = StorageRecord(
+                key, storage_type.name, storage_type.dtype, location, numel, record_name=name
+            )
             problems.append(f"tensor data record data/{key} is missing")
         else:
-            record.data_offset = entry.data_offset
-            record.stored_size = entry.size
-            record.crc32 = entry.crc32
-            record.compressed = entry.method != zipfile.ZIP_STORED
+            # Positional, in field order; the zip entry's own name object: one string,
+            # not two, per storage.
+            record = StorageRecord(
+                key,
+                storage_type.name,
+                storage_type.dtype,
+                location,
+                numel,
+                entry.data_offset,
+                entry.size,
+                entry.crc32,
+                entry.method != zipfile.ZIP_STORED,
+                entry.name,
+            )
             if entry.size != record.nbytes:
                 problems.append(
                     f"tensor data record data/{key} holds {entry.size} bytes, "

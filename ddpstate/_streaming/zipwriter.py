@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterable
-from typing import Callable, NamedTuple
+from typing import Callable, ClassVar, NamedTuple
 
 from ddpstate._layout.zip import (
     CENTRAL,
@@ -108,8 +108,16 @@ class CopyCandidate(NamedTuple):
     write_data: Callable[[Sink], int]
 
 
-class _Window:
-    """Reads of a source served from one read-ahead block while they fall inside it."""
+class ReadWindow:
+    """Reads of a source served from one read-ahead block while they fall inside it.
+
+    For gathering many small stretches of a source that lie close together in
+    order (a checkpoint's small tensor records): one read per :attr:`BLOCK`
+    bytes instead of one per stretch. Stretches under :attr:`SMALL` bytes pay off.
+    """
+
+    SMALL: ClassVar[int] = _SMALL
+    BLOCK: ClassVar[int] = _BLOCK
 
     def __init__(self, source: Source) -> None:
         self._source = source
@@ -230,7 +238,7 @@ class ZipWriter:
         """
         sink = self._sink
         entries = self._entries
-        window = _Window(source)
+        window = ReadWindow(source)
         crcs: list[int] = []
         block = bytearray()
         copied = 0  # source data in ``block``
