@@ -37,6 +37,14 @@ def local_world_size() -> int:
     A wrong value costs a round, never a wrong verdict: the gathered findings
     show which shares were checked, and a node whose shares leave a file
     unchecked checks again.
+
+    Returns:
+        ``LOCAL_WORLD_SIZE`` when it is a positive int, else 1.
+
+    Example:
+        >>> from ddpstate._manager.local_check import local_world_size
+        >>> local_world_size()  # no launcher here
+        1
     """
     value = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(value) if value.isdigit() and int(value) > 0 else 1
@@ -49,6 +57,22 @@ def check_share_of_step(
 
     Share 0 also reports what one rank reads once: the manifest's own problems
     (``head``), the folder listing's (``tail``) and the manifest's file order.
+
+    Args:
+        directory: The node's local tier folder.
+        step: The step to check (None: nothing to check).
+        share: (index, count): this rank's share among ``count`` checkers.
+
+    Returns:
+        The findings, small and picklable, for the gather round; never raises
+        (a failure is a finding, so the other ranks are not left waiting).
+
+    Example:
+        >>> import tempfile
+        >>> from ddpstate._manager.local_check import check_share_of_step
+        >>> found = check_share_of_step(tempfile.mkdtemp(), 3, (0, 1))
+        >>> (found["step"], len(found["head"]))  # no manifest: one problem
+        (3, 1)
     """
     if step is None:
         return {"step": None}
@@ -112,6 +136,15 @@ def newest_on_nodes(
 
     Returns:
         ({node's local main rank: its newest sound step or None}, rank 0's ``durable``).
+
+    Raises:
+        BarrierTimeoutError: Some ranks did not arrive in time (named).
+
+    Example:
+        >>> import tempfile
+        >>> from ddpstate._manager.local_check import newest_on_nodes
+        >>> newest_on_nodes(tempfile.mkdtemp(), [], 7, None)
+        ({0: None}, 7)
     """
     rank = get_rank()
     local = get_local_rank()

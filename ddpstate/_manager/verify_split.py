@@ -51,6 +51,16 @@ def check_share(
 
     The shares are :func:`assign`'s over the files ``check_folder`` reads; an
     ``index`` outside ``range(count)`` checks nothing.
+
+    Args:
+        folder: The step folder.
+        manifest: Its manifest, as read.
+        opts: fsspec storage options, or None.
+        index: This checker's share.
+        count: How many checkers split the files.
+
+    Returns:
+        (file, problem) pairs for the files of this share, in manifest order.
     """
     files = _checked(manifest)
     sizes = {n: e["size"] if isinstance(e.get("size"), int) else 0 for n, e in files.items()}
@@ -70,7 +80,13 @@ def check_share(
 
 
 def in_file_order(order: list[str], shares: Iterable[list[tuple[str, str]]]) -> list[str]:
-    """The shares' problems in manifest order (``order``), as one rank checking them all reports."""
+    """The shares' problems in manifest order (``order``), as one rank checking them all reports.
+
+    Example:
+        >>> from ddpstate._manager.verify_split import in_file_order
+        >>> in_file_order(["a.pt", "b.pt"], [[("b.pt", "b bad")], [("a.pt", "a bad")]])
+        ['a bad', 'b bad']
+    """
     rank_of = {n: i for i, n in enumerate(order)}
     pairs = (pair for share in shares for pair in share)
     found = sorted(pairs, key=lambda f: rank_of.get(f[0], len(rank_of)))
