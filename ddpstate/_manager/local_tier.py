@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ddpstate import _manifest, storage
+from ddpstate._manager import local_check
 from ddpstate._manager.entries import Entry, Timeout
 from ddpstate._manager.snapshot import Snapshot
 from ddpstate.dist import (
@@ -336,20 +337,15 @@ class LocalTier:
     ) -> Optional[tuple[RestoreSource, dict[str, Any]]]:
         """A collective: the local step to restore on this rank, or None for the durable tier.
 
-        Each node's local main process verifies its newest local step; the
-        ranks gather the findings and agree on the newest step any node holds,
+        Each node's ranks verify shares of its newest local step
+        (``local_check``); the ranks gather the findings and agree on the
+        newest step any node holds,
         unless the durable tier has a newer committed step (``latest_step``,
         called on rank 0). Nodes that lack the step receive its files from the
         lowest rank that has it.
         """
         self.wait()
         rank = get_rank()
-        mine = None
-        if is_local_main_process():
-            try:
-                mine = self._newest_verified()
-            except Exception as exc:  # an unreadable local tier is an empty one
-                self._skip_restore(exc)
         durable: Optional[float] = None
         if rank == 0:
             try:
@@ -357,23 +353,34 @@ class LocalTier:
             except Exception:
                 # The durable path below reads the folder again and raises the real error.
                 durable = math.inf
-        report = {
-            "main": is_local_main_process(),
-            "node": _node_main(rank),
-            "step": None if mine is None else mine[0],
-            "durable": durable,
-        }
-        gathered = all_gather_object(report, timeout=self.timeout)
-        held = {r: g["step"] for r, g in enumerate(gathered) if g["main"]}
+        held: dict[int, Optional[int]] = {}
+        if not is_distributed():
+            mine = None
+            if is_local_main_process():
+                try:
+                    mine = self._newest_verified()
+                except Exception as exc:  # an unreadable local tier is an empty one
+                    self._skip_restore(exc)
+                held[0] = None if mine is None else mine[0]
+        else:
+            # Every rank of a node checks a share of the node's newest local step.
+            committed: Optional[list[int]] = None
+            try:
+                committed = self._committed()
+            except Exception as exc:  # an unreadable local tier is an empty one
+                if is_local_main_process():
+                    self._skip_restore(exc)
+            held, durable = local_check.newest_on_nodes(
+                self.directory, committed, durable, self.timeout
+            )
         steps = [s for s in held.values() if s is not None]
-        durable = gathered[0]["durable"]
         if not steps or (durable is not None and durable > max(steps)):
             return None
         best = max(steps)
         holders = sorted(r for r, s in held.items() if s == best)
         lacking = sorted(r for r, s in held.items() if s != best)
         folder = os.path.join(self.directory, _manifest.step_name(best))
-        node = report["node"]
+        node = _node_main(rank)
         if lacking:
             error = self._transfer(best, holders[0], lacking)
             outcomes = all_gather_object(error, timeout=self.timeout)

@@ -13,7 +13,7 @@ candidate order, same fallback, same warning text). The other ranks follow
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 from ddpstate import _manifest, storage
@@ -44,13 +44,27 @@ def _checked(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {n: e for n, e in files.items() if _manifest.is_listed(n) and isinstance(e, dict)}
 
 
-def _check_share(
-    folder: str, manifest: dict[str, Any], opts: Optional[dict[str, Any]]
+def check_share(
+    folder: str, manifest: dict[str, Any], opts: Optional[dict[str, Any]], index: int, count: int
 ) -> list[tuple[str, str]]:
-    """Check this rank's share of ``manifest``'s files; return (file, problem) pairs."""
+    """Check share ``index`` of ``count`` of ``manifest``'s files; return (file, problem) pairs.
+
+    The shares are :func:`assign`'s over the files ``check_folder`` reads; an
+    ``index`` outside ``range(count)`` checks nothing.
+
+    Args:
+        folder: The step folder.
+        manifest: Its manifest, as read.
+        opts: fsspec storage options, or None.
+        index: This checker's share.
+        count: How many checkers split the files.
+
+    Returns:
+        (file, problem) pairs for the files of this share, in manifest order.
+    """
     files = _checked(manifest)
     sizes = {n: e["size"] if isinstance(e.get("size"), int) else 0 for n, e in files.items()}
-    mine = set(assign(sizes, get_world_size())[get_rank()])
+    mine = set(assign(sizes, count)[index]) if 0 <= index < count else set()
     check = _manifest.FolderCheck(manifest, [], [])
     found: list[tuple[str, str]] = []
     for filename, expected in files.items():
@@ -59,10 +73,30 @@ def _check_share(
         before = len(check.problems)
         try:
             _manifest.check_file(storage.join(folder, filename), filename, expected, check, opts)
-        except Exception as exc:  # still join the round: rank 0 would wait for this rank
+        except Exception as exc:  # still join the round: the others would wait for this rank
             check.problems.append(f"{filename} cannot be checked ({type(exc).__name__}: {exc})")
         found.extend((filename, p) for p in check.problems[before:])
     return found
+
+
+def in_file_order(order: list[str], shares: Iterable[list[tuple[str, str]]]) -> list[str]:
+    """The shares' problems in manifest order (``order``), as one rank checking them all reports.
+
+    Example:
+        >>> from ddpstate._manager.verify_split import in_file_order
+        >>> in_file_order(["a.pt", "b.pt"], [[("b.pt", "b bad")], [("a.pt", "a bad")]])
+        ['a bad', 'b bad']
+    """
+    rank_of = {n: i for i, n in enumerate(order)}
+    pairs = (pair for share in shares for pair in share)
+    found = sorted(pairs, key=lambda f: rank_of.get(f[0], len(rank_of)))
+    return [p for _, p in found]
+
+
+def _check_share(
+    folder: str, manifest: dict[str, Any], opts: Optional[dict[str, Any]]
+) -> list[tuple[str, str]]:
+    return check_share(folder, manifest, opts, get_rank(), get_world_size())
 
 
 def verify(
@@ -83,9 +117,8 @@ def verify(
 
     gather_and_decide(_check_share(folder, manifest, opts), collect, name=_NAME, timeout=timeout)
     # Back in manifest order, so the text is what one rank checking the whole folder reports.
-    order = {n: i for i, n in enumerate(manifest["files"])}
-    found = sorted((pair for share in shares for pair in share), key=lambda f: order[f[0]])
-    problems = [*check.problems, *(p for _, p in found), *listing.problems]
+    found = in_file_order(list(manifest["files"]), shares)
+    problems = [*check.problems, *found, *listing.problems]
     return (None, "; ".join(problems)) if problems else (manifest, None)
 
 

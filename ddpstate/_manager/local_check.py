@@ -1,0 +1,205 @@
+"""The node-local tier's restore check, split across the ranks of each node.
+
+Restoring from the local tier verifies each node's newest local step first,
+and reading every byte for its CRC-32 is most of that cost. So every rank of a
+node checks a share of the node's candidate folder (``verify_split.assign``
+over the node's ranks, as the durable restore splits its check over the job),
+and the shares' findings travel in the all-gather the ranks need anyway to
+agree on a step. Every rank then decides each node's verdict from the same
+gathered findings, exactly as one process checking the folder would (same
+problems, in the same order, same warning text).
+
+Rounds: one all-gather (four store operations per rank) when every node's
+newest step is sound and ``LOCAL_WORLD_SIZE`` (set by torchrun) names the
+node's size. A node whose candidate fails moves to its next older step in a
+further round, and a node whose ranks did not cover the candidate between them
+(no ``LOCAL_WORLD_SIZE``, or a rank that listed another newest step) checks it
+again in the next round, split by the node membership the first round showed.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+from ddpstate import _manifest
+from ddpstate._manager import verify_split
+from ddpstate._manager.entries import Timeout
+from ddpstate.dist import all_gather_object, get_local_rank, get_rank
+
+__all__ = ["local_world_size", "check_share_of_step", "newest_on_nodes"]
+
+
+def local_world_size() -> int:
+    """The number of ranks on this node as the launcher says (``LOCAL_WORLD_SIZE``), else 1.
+
+    A wrong value costs a round, never a wrong verdict: the gathered findings
+    show which shares were checked, and a node whose shares leave a file
+    unchecked checks again.
+
+    Returns:
+        ``LOCAL_WORLD_SIZE`` when it is a positive int, else 1.
+
+    Example:
+        >>> from ddpstate._manager.local_check import local_world_size
+        >>> local_world_size()  # no launcher here
+        1
+    """
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def check_share_of_step(
+    directory: str, step: Optional[int], share: tuple[int, int]
+) -> dict[str, Any]:
+    """This rank's findings on share ``share`` (index, count) of local step ``step``.
+
+    Share 0 also reports what one rank reads once: the manifest's own problems
+    (``head``), the folder listing's (``tail``) and the manifest's file order.
+
+    Args:
+        directory: The node's local tier folder.
+        step: The step to check (None: nothing to check).
+        share: (index, count): this rank's share among ``count`` checkers.
+
+    Returns:
+        The findings, small and picklable, for the gather round; never raises
+        (a failure is a finding, so the other ranks are not left waiting).
+
+    Example:
+        >>> import tempfile
+        >>> from ddpstate._manager.local_check import check_share_of_step
+        >>> found = check_share_of_step(tempfile.mkdtemp(), 3, (0, 1))
+        >>> (found["step"], len(found["head"]))  # no manifest: one problem
+        (3, 1)
+    """
+    if step is None:
+        return {"step": None}
+    index, _ = share
+    folder = os.path.join(directory, _manifest.step_name(step))
+    found: dict[str, Any] = {
+        "step": step,
+        "share": share,
+        "head": [],
+        "files": [],
+        "tail": [],
+        "order": [],
+    }
+    try:
+        manifest, problem = _manifest.read_manifest(folder, None)
+        if manifest is None:
+            found["head"] = [str(problem)] if index == 0 else []
+            return found
+        found["files"] = verify_split.check_share(folder, manifest, None, *share)
+        if index == 0:
+            found["head"] = _manifest.manifest_problems(manifest, step)
+            listing = _manifest.FolderCheck(manifest, [], [])
+            _manifest.check_listing(folder, manifest["files"], listing, None)
+            found["tail"] = listing.problems
+            found["order"] = list(manifest["files"])
+    except Exception as exc:  # still join the round: the others would wait for this rank
+        found["files"] = [
+            *found["files"],
+            ("", f"it cannot be checked ({_manifest.error_text(exc)})"),
+        ]
+    return found
+
+
+def _verdict(reports: list[dict[str, Any]], step: int) -> Optional[list[str]]:
+    """The node's problems with ``step`` from its ranks' reports; None when not all checked."""
+    zero = [g for g in reports if g["step"] == step and g["share"][0] == 0]
+    if not zero:
+        return None
+    count = zero[0]["share"][1]
+    by_share = {g["share"][0]: g for g in reports if g["step"] == step and g["share"][1] == count}
+    if any(i not in by_share for i in range(count)):
+        return None
+    first = by_share[0]
+    files = verify_split.in_file_order(first["order"], (g["files"] for g in by_share.values()))
+    return [*first["head"], *files, *first["tail"]]
+
+
+def newest_on_nodes(
+    directory: str,
+    committed: Optional[list[int]],
+    durable: Optional[float],
+    timeout: Timeout,
+) -> tuple[dict[int, Optional[int]], Optional[float]]:
+    """A collective: each node's newest sound local step, checked by all its ranks.
+
+    Args:
+        directory: This node's local tier folder.
+        committed: This rank's committed local steps, oldest first (None: unreadable).
+        durable: Rank 0's newest durable step (ignored on the other ranks).
+        timeout: As for the collectives.
+
+    Returns:
+        ({node's local main rank: its newest sound step or None}, rank 0's ``durable``).
+
+    Raises:
+        BarrierTimeoutError: Some ranks did not arrive in time (named).
+
+    Example:
+        >>> import tempfile
+        >>> from ddpstate._manager.local_check import newest_on_nodes
+        >>> newest_on_nodes(tempfile.mkdtemp(), [], 7, None)
+        ({0: None}, 7)
+    """
+    rank = get_rank()
+    local = get_local_rank()
+    node = rank - local  # launchers number a node's ranks contiguously from its local rank 0
+    report = {
+        "main": local == 0,
+        "node": node,
+        "committed": committed if local == 0 else None,
+        "durable": durable,
+        **check_share_of_step(
+            directory, committed[-1] if committed else None, (local, local_world_size())
+        ),
+    }
+    gathered = all_gather_object(report, timeout=timeout)
+    durable = gathered[0]["durable"]
+    members = {
+        m: [q for q, g in enumerate(gathered) if g["node"] == m]
+        for m, g in enumerate(gathered)
+        if g["main"]
+    }
+    left = {m: list(gathered[m]["committed"] or []) for m in members}
+    held: dict[int, Optional[int]] = {}
+    while True:
+        again: dict[int, int] = {}  # node -> the step its ranks check in the next round
+        for m, ranks in members.items():
+            if m in held:
+                continue
+            if not left[m]:
+                held[m] = None
+                continue
+            step = left[m][-1]
+            problems = _verdict([gathered[q] for q in ranks], step)
+            if problems is None:  # a share went unchecked: check it again, split by membership
+                again[m] = step
+                continue
+            if not problems:
+                held[m] = step
+                continue
+            if rank in ranks:
+                folder = os.path.join(directory, _manifest.step_name(step))
+                warnings.warn(
+                    f"CheckpointManager.restore: skipping the local {folder}: "
+                    f"{'; '.join(problems)}",
+                    UserWarning,
+                    stacklevel=5,
+                )
+            left[m].pop()
+            if left[m]:
+                again[m] = left[m][-1]
+            else:
+                held[m] = None
+        if not again:
+            return held, durable
+        mine: dict[str, Any] = {"step": None}
+        if node in again and rank in members[node]:
+            ranks = members[node]
+            mine = check_share_of_step(directory, again[node], (ranks.index(rank), len(ranks)))
+        gathered = all_gather_object(mine, timeout=timeout)

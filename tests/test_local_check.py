@@ -1,0 +1,169 @@
+"""The local tier's restore check split across a node's ranks (_manager/local_check.py).
+
+Real gloo groups and real files: a byte flipped in a file that a non-zero local
+rank checks must make that node skip the step, with the warning one process
+checking the whole folder gives, on every rank of the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from ddpstate import _manifest
+from ddpstate._manager import verify_split
+from ddpstate.manager import MANIFEST_NAME, CheckpointManager
+from tests.multiproc import run_ranks
+
+_LOCAL_STEP = 4
+
+
+def _state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {
+        "model": nn.Linear(64, 64),
+        "head": nn.Linear(64, 8),
+        "extra": {"momentum": torch.randn(512)},
+        "epoch": seed,
+    }
+
+
+def _place(rank: int, per_node: int, lws: Optional[str], root: str) -> str:
+    """Set this rank's node environment; return its node's local folder."""
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+    if lws is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = lws
+    else:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    return os.path.join(root, "shm", f"node{rank // per_node}")
+
+
+def _save(rank: int, world: int, root: str, per_node: int, lws: Optional[str]) -> None:
+    local = _place(rank, per_node, lws, root)
+    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
+        m.save(2, _state(2))
+        m.save_local(_LOCAL_STEP, _state(_LOCAL_STEP))
+
+
+def _restore(rank: int, world: int, root: str, per_node: int, lws: Optional[str]) -> dict[str, Any]:
+    local = _place(rank, per_node, lws, root)
+    checked: list[tuple[int, int, int, list[str]]] = []
+    real = verify_split.check_share
+
+    def recording(folder: str, manifest: Any, opts: Any, index: int, count: int) -> Any:
+        found = real(folder, manifest, opts, index, count)
+        checked.append((manifest["step"], index, count, [f for f, _ in found]))
+        return found
+
+    verify_split.check_share = recording  # a spy: the real check runs
+    state = _state(99)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
+            step = m.restore(state)
+            source = m.restored_from
+    assert source is not None
+    return {
+        "step": step,
+        "tier": source.tier,
+        "sender": source.sender,
+        "epoch": state["epoch"],
+        "momentum": state["extra"]["momentum"].tolist(),
+        "warnings": [str(w.message) for w in caught if "local" in str(w.message)],
+        "checked": checked,
+    }
+
+
+def _flip_a_file_of_local_rank_1(folder: Path) -> str:
+    files = json.loads((folder / MANIFEST_NAME).read_text())["files"]
+    shares = verify_split.assign({n: e["size"] for n, e in files.items()}, 2)
+    assert shares[0] and shares[1], shares  # both ranks have work, or the test proves nothing
+    victim = shares[1][0]
+    data = bytearray((folder / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / victim).write_bytes(bytes(data))
+    return victim
+
+
+def _local_shares(result: dict[str, Any]) -> list[tuple[int, int]]:
+    # The durable restore's split check goes through check_share too (step 2).
+    return [(index, count) for step, index, count, _ in result["checked"] if step == _LOCAL_STEP]
+
+
+def _expected_warning(folder: Path) -> str:
+    # What one process checking the whole folder reports (the text before the split).
+    problems = _manifest.check_folder(str(folder), _LOCAL_STEP, None).problems
+    assert problems
+    return f"CheckpointManager.restore: skipping the local {folder}: {'; '.join(problems)}"
+
+
+@pytest.mark.parametrize("lws", ["2", None, "4"], ids=["launcher", "unset", "wrong"])
+def test_a_flip_in_local_rank_1s_share_falls_back_to_durable(
+    tmp_path: Path, lws: Optional[str]
+) -> None:
+    args = (str(tmp_path), 2, lws)
+    run_ranks(_save, 2, args=args)
+    folder = tmp_path / "shm" / "node0" / _manifest.step_name(_LOCAL_STEP)
+    victim = _flip_a_file_of_local_rank_1(folder)
+    expected = _expected_warning(folder)
+    after = run_ranks(_restore, 2, args=args)
+    durable_momentum = _state(2)["extra"]["momentum"].tolist()
+    for result in after:
+        assert (result["step"], result["tier"], result["epoch"]) == (2, "durable", 2)
+        assert result["momentum"] == durable_momentum
+        assert result["warnings"] == [expected]  # the same text, on every rank of the node
+    if lws is not None:
+        # Local rank 1 checked its share of the node's step and found the flipped file
+        # (under a wrong LOCAL_WORLD_SIZE, in the second round, split by the real membership).
+        assert (_LOCAL_STEP, 1, 2, [victim]) in after[1]["checked"]
+    if lws == "2":
+        assert _local_shares(after[0]) == [(0, 2)]
+    elif lws is None:
+        # Without LOCAL_WORLD_SIZE the node's local rank 0 checks it all in the one round
+        # (share 0 of 1; local rank 1 holds share 1 of 1, which is empty).
+        assert (_local_shares(after[0]), _local_shares(after[1])) == ([(0, 1)], [(1, 1)])
+        assert victim in after[0]["checked"][0][3]
+    else:
+        # A LOCAL_WORLD_SIZE of 4 left shares 2 and 3 unchecked: a second round.
+        assert _local_shares(after[1]) == [(1, 4), (1, 2)]
+
+
+def test_sound_local_step_takes_one_round_split_by_local_rank(tmp_path: Path) -> None:
+    args = (str(tmp_path), 2, "2")
+    run_ranks(_save, 2, args=args)
+    after = run_ranks(_restore, 2, args=args)
+    expected_momentum = _state(_LOCAL_STEP)["extra"]["momentum"].tolist()
+    for rank, result in enumerate(after):
+        assert (result["step"], result["tier"], result["warnings"]) == (_LOCAL_STEP, "local", [])
+        assert result["momentum"] == expected_momentum
+        assert _local_shares(result) == [(rank, 2)]
+
+
+def test_four_ranks_a_node_with_a_flipped_share_receives_the_other_nodes_copy(
+    tmp_path: Path,
+) -> None:
+    args = (str(tmp_path), 2, "2")  # ranks 0-1 on node 0, ranks 2-3 on node 1
+    run_ranks(_save, 4, args=args)
+    folder = tmp_path / "shm" / "node1" / _manifest.step_name(_LOCAL_STEP)
+    victim = _flip_a_file_of_local_rank_1(folder)
+    expected = _expected_warning(folder)
+    after = run_ranks(_restore, 4, args=args)
+    assert [(r["tier"], r["sender"]) for r in after] == [
+        ("local", None),
+        ("local", None),
+        ("peer", 0),
+        ("peer", 0),
+    ]
+    expected_momentum = _state(_LOCAL_STEP)["extra"]["momentum"].tolist()
+    assert all(r["step"] == _LOCAL_STEP and r["momentum"] == expected_momentum for r in after)
+    assert [r["warnings"] for r in after] == [[], [], [expected], [expected]]
+    assert (_LOCAL_STEP, 1, 2, [victim]) in after[3]["checked"]  # node 1's local rank 1
+    # The received copy replaced the damaged one and checks clean.
+    assert _manifest.check_folder(str(folder), _LOCAL_STEP, None).problems == []
