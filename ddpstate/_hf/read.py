@@ -58,6 +58,11 @@ class _ShardsSource(Source):
         i = max(bisect.bisect_right(self.bases, offset) - 1, 0)
         return self.sources[i], offset - self.bases[i]
 
+    def segment_end(self, offset: int) -> int:
+        """The end, in this address space, of the shard holding ``offset``."""
+        source, inner = self._locate(offset)
+        return offset - inner + source.size
+
     def read_at(self, offset: int, length: int) -> bytes:
         source, inner = self._locate(offset)
         return source.read_at(inner, length)

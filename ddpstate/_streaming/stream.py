@@ -63,6 +63,14 @@ class Source:
         """Close the underlying file."""
         self.file.close()
 
+    def segment_end(self, offset: int) -> int:
+        """Where the stretch of bytes holding ``offset`` ends: the file's size here.
+
+        A source made of several files (a sharded checkpoint's shards) ends a
+        stretch at each file's end, so read-ahead never runs into the next file.
+        """
+        return self.size
+
     def read_at(self, offset: int, length: int) -> bytes:
         """Read exactly ``length`` bytes at ``offset``.
 

@@ -127,7 +127,8 @@ class ReadWindow:
     def read(self, offset: int, length: int) -> bytes:
         end = offset + length
         if offset < self._start or end > self._start + len(self._data):
-            ahead = min(_BLOCK, self._source.size - offset)
+            # Never past the end of the file holding offset (a shard of a sharded source).
+            ahead = min(_BLOCK, self._source.segment_end(offset) - offset)
             # read_at raises on a source that ends before ``end``.
             self._data = self._source.read_at(offset, max(length, ahead))
             self._start = offset
