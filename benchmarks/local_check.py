@@ -2,12 +2,14 @@
 
 Two gloo ranks on one node restore the same local step again and again,
 interleaved: with ``LOCAL_WORLD_SIZE=2`` (as torchrun sets it) each rank checks
-a share of the step's files; without it the node's local rank 0 checks them
-all while the other waits (what every restore did before the split). The state
-is Adam-like: ``model``, ``exp_avg`` and ``exp_avg_sq`` of equal size, so three
-files (the split is per file: two checkers take 2/3 and 1/3 of the bytes).
+a share of the step's bytes; without it the node's local rank 0 checks them
+all while the other waits (what every restore did before the split). The
+shares are byte ranges (``verify_split.assign``), so one large file is split
+too. The state is ``--files`` entries of equal size: 1 (a model: the restart
+benchmark's shape) or 3 (Adam-like: ``model``, ``exp_avg``, ``exp_avg_sq``).
 
-    python -m benchmarks.local_check --size 768M --repeats 5
+    python -m benchmarks.local_check --size 1G --files 1 --repeats 5
+    python -m benchmarks.local_check --size 768M --files 3 --repeats 5
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ def _child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
     from ddpstate.manager import CheckpointManager
 
     _join(rank, port)
-    part = max(1, opts["size_mib"] // 3)
-    names = ("model", "exp_avg", "exp_avg_sq")
+    names = ("model", "exp_avg", "exp_avg_sq")[: opts["files"]]
+    part = max(1, opts["size_mib"] // len(names))
     state = {n: _state(part, 1.0) for n in names}
     times: dict[str, list[float]] = {v: [] for v in _VARIANTS}
     with CheckpointManager(opts["durable"], local_dir=opts["shm"], local_every=1) as manager:
@@ -55,6 +57,7 @@ def _child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=_size_mib, default=768, help="state per rank (MiB)")
+    parser.add_argument("--files", type=int, choices=(1, 2, 3), default=1, help="state files")
     parser.add_argument("--repeats", type=int, default=5, help="restores per variant")
     parser.add_argument("--work", default=None, help="folder for the durable tier")
     args = parser.parse_args(argv)
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         opts = {
             "size_mib": args.size,
             "repeats": args.repeats,
+            "files": args.files,
             "durable": os.path.join(work, "run"),
             "shm": os.path.join(shm, "tier"),
         }
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     }
     base, split = medians.values()
     print(
-        f"2 gloo ranks on one node, {args.size} MiB state per rank in 3 files, "
+        f"2 gloo ranks on one node, {args.size} MiB state per rank in {args.files} file(s), "
         f"restore() from /dev/shm, median of {args.repeats} (slower rank), interleaved"
     )
     print("| variant | restore() | ratio |")

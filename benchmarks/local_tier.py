@@ -21,7 +21,10 @@ part, ``--work DIR`` for the durable tier's disk).
    on the local disk, read cold (each file fsynced and evicted from the page
    cache with ``POSIX_FADV_DONTNEED``, as after the node dropped it) and
    warm. Target: kill (or spawn) to first step, local <= 0.5 x durable; the
-   ``restore()`` call alone is reported too.
+   ``restore()`` call alone is reported too, and the lower bound: the local
+   restart's time with its ``restore()`` taken out (what an instant restore
+   would give; the agent, Python, ``import torch`` and building the model are
+   the same in both tiers).
 3. **Peer send.** Two "nodes" (``LOCAL_RANK=0`` on both ranks, one local
    folder each, as the tests), node 1's folder empty (a replaced node): the
    ``restore()`` call on node 1, which receives the step from node 0 over the
@@ -415,6 +418,17 @@ def _print_restart(rows: dict[str, dict[str, float]], repeats: int, monitor: flo
             lines.append(
                 (measure, f"{ours:.2f} s", f"{base} {theirs:.2f} s", f"{ours / theirs:.2f}", target)
             )
+        # What the local tier could reach at best: its restart with restore() taking no time.
+        floor = local["first_step"] - (local["restored"] - local["built"])
+        lines.append(
+            (
+                "lower bound: kill to first step with a 0 s restore()",
+                f"{floor:.2f} s",
+                f"{base} {durable['first_step']:.2f} s",
+                f"{floor / durable['first_step']:.2f}",
+                "",
+            )
+        )
     _table(lines)
 
 

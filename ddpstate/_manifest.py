@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any, Optional
 
-from ddpstate import _fs, storage
+from ddpstate import _checksum, _fs, storage
+from ddpstate._checksum import checksum_hex, error_text
 from ddpstate._fs import PathLike
 from ddpstate._version import __version__
 from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError, DDPStateError
@@ -91,10 +92,6 @@ class ChecksumWriter:
         self._raw.flush()
 
 
-def checksum_hex(crc: int) -> str:
-    return f"{crc & 0xFFFFFFFF:08x}"
-
-
 def step_name(step: int) -> str:
     return f"step_{step:0{STEP_DIGITS}d}"
 
@@ -102,10 +99,6 @@ def step_name(step: int) -> str:
 def parse_step(name: str) -> Optional[int]:
     match = _STEP_RE.match(name)
     return int(match.group(1)) if match else None
-
-
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def is_listed_name(name: Any) -> bool:
@@ -265,46 +258,33 @@ class FolderCheck:
     bytes_read: int = 0
 
 
-def check_file(
-    path: str,
-    filename: str,
-    expected: dict[str, Any],
-    check: FolderCheck,
-    opts: Optional[dict[str, Any]],
-) -> None:
-    try:
-        with storage.open_read(path, storage_options=opts) as f:
-            size, crc = storage.size_and_crc32(f, _READ_CHUNK)
-    except CheckpointNotFoundError:
-        check.problems.append(f"{filename} is missing")
-        return
-    except (OSError, DDPStateError) as exc:
-        check.problems.append(f"{filename} cannot be read ({error_text(exc)})")
-        return
-    check.files += 1
-    check.bytes_read += size
-    want = expected.get("size")
-    if size != want:
-        how = "truncated" if isinstance(want, int) and size < want else "the wrong size"
-        check.problems.append(f"{filename} is {how}: {size} bytes, the manifest says {want}")
-    elif checksum_hex(crc) != expected.get("crc32"):
-        check.problems.append(
-            f"{filename} fails its checksum (CRC-32 {checksum_hex(crc)}, the manifest says "
-            f"{expected.get('crc32')}): its bytes are damaged"
-        )
+def checked_files(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The manifest's listed files that a check reads, in manifest order.
+
+    The rest (a name that is not a file here, an entry that is not a dict) are
+    manifest problems (:func:`manifest_problems`).
+    """
+    files: dict[str, Any] = manifest["files"]
+    return {n: e for n, e in files.items() if is_listed(n) and isinstance(e, dict)}
 
 
-def check_folder(folder: str, step: Optional[int], opts: Optional[dict[str, Any]]) -> FolderCheck:
-    """Check one step folder against its manifest, collecting every problem."""
+def check_folder(
+    folder: str, step: Optional[int], opts: Optional[dict[str, Any]], workers: Optional[int] = None
+) -> FolderCheck:
+    """Check one step folder against its manifest, collecting every problem.
+
+    ``workers`` threads share the checksum pass (None: ``_checksum.check_files``
+    picks from the CPU count and the bytes).
+    """
     manifest, problem = read_manifest(folder, opts)
     if manifest is None:
         return FolderCheck(None, [str(problem)], [])
     check = FolderCheck(manifest, manifest_problems(manifest, step), [])
-    files: dict[str, Any] = manifest["files"]
-    for filename, expected in files.items():
-        if is_listed(filename) and isinstance(expected, dict):
-            check_file(storage.join(folder, filename), filename, expected, check, opts)
-    check_listing(folder, files, check, opts)
+    found, check.files, check.bytes_read = _checksum.check_files(
+        folder, checked_files(manifest), opts, workers
+    )
+    check.problems.extend(found)
+    check_listing(folder, manifest["files"], check, opts)
     if check.problems:
         check.manifest = None
     return check

@@ -218,21 +218,34 @@ def atomic_write(
         yield remote_file
 
 
-def size_and_crc32(f: IO[bytes], chunk_size: int = 8 << 20) -> tuple[int, int]:
-    """Read ``f`` to its end: ``(bytes read, CRC-32 of them)``, ``chunk_size`` at a time.
+def size_and_crc32(
+    f: IO[bytes], chunk_size: int = 8 << 20, limit: Optional[int] = None
+) -> tuple[int, int]:
+    """Read ``f`` to its end (or ``limit`` bytes): ``(bytes read, CRC-32 of them)``.
+
+    Args:
+        f: A binary file object, read from where it stands.
+        chunk_size: Bytes per read.
+        limit: Read at most this many bytes (None: to the end).
+
+    Returns:
+        The number of bytes read and their ``zlib.crc32``.
 
     Example:
         >>> import io
         >>> size_and_crc32(io.BytesIO(b"abc"))
         (3, 891568578)
+        >>> size_and_crc32(io.BytesIO(b"abcdef"), limit=3)
+        (3, 891568578)
     """
     size, crc = 0, 0
-    while True:
-        chunk = f.read(chunk_size)
+    while limit is None or size < limit:
+        chunk = f.read(chunk_size if limit is None else min(chunk_size, limit - size))
         if not chunk:
-            return size, crc
+            break
         size += len(chunk)
         crc = zlib.crc32(chunk, crc)
+    return size, crc
 
 
 def open_read(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) -> IO[bytes]:

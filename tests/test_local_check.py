@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpstate import _manifest
+from ddpstate import _checksum, _manifest
 from ddpstate._manager import verify_split
 from ddpstate.manager import MANIFEST_NAME, CheckpointManager
 from tests.multiproc import run_ranks
@@ -59,7 +59,7 @@ def _restore(rank: int, world: int, root: str, per_node: int, lws: Optional[str]
 
     def recording(folder: str, manifest: Any, opts: Any, index: int, count: int) -> Any:
         found = real(folder, manifest, opts, index, count)
-        checked.append((manifest["step"], index, count, [f for f, _ in found]))
+        checked.append((manifest["step"], index, count, [f for f, _ in found]))  # files read
         return found
 
     verify_split.check_share = recording  # a spy: the real check runs
@@ -83,11 +83,11 @@ def _restore(rank: int, world: int, root: str, per_node: int, lws: Optional[str]
 
 def _flip_a_file_of_local_rank_1(folder: Path) -> str:
     files = json.loads((folder / MANIFEST_NAME).read_text())["files"]
-    shares = verify_split.assign({n: e["size"] for n, e in files.items()}, 2)
+    shares = _checksum.assign({n: e["size"] for n, e in files.items()}, 2)
     assert shares[0] and shares[1], shares  # both ranks have work, or the test proves nothing
-    victim = shares[1][0]
+    victim, start, stop = shares[1][0]
     data = bytearray((folder / victim).read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[(start + (len(data) if stop is None else stop)) // 2] ^= 0xFF  # in rank 1's piece
     (folder / victim).write_bytes(bytes(data))
     return victim
 
@@ -122,7 +122,7 @@ def test_a_flip_in_local_rank_1s_share_falls_back_to_durable(
     if lws is not None:
         # Local rank 1 checked its share of the node's step and found the flipped file
         # (under a wrong LOCAL_WORLD_SIZE, in the second round, split by the real membership).
-        assert (_LOCAL_STEP, 1, 2, [victim]) in after[1]["checked"]
+        assert any(c[:3] == (_LOCAL_STEP, 1, 2) and victim in c[3] for c in after[1]["checked"])
     if lws == "2":
         assert _local_shares(after[0]) == [(0, 2)]
     elif lws is None:
@@ -164,6 +164,69 @@ def test_four_ranks_a_node_with_a_flipped_share_receives_the_other_nodes_copy(
     expected_momentum = _state(_LOCAL_STEP)["extra"]["momentum"].tolist()
     assert all(r["step"] == _LOCAL_STEP and r["momentum"] == expected_momentum for r in after)
     assert [r["warnings"] for r in after] == [[], [], [expected], [expected]]
-    assert (_LOCAL_STEP, 1, 2, [victim]) in after[3]["checked"]  # node 1's local rank 1
+    # Node 1's local rank 1 read the victim.
+    assert any(c[:3] == (_LOCAL_STEP, 1, 2) and victim in c[3] for c in after[3]["checked"])
     # The received copy replaced the damaged one and checks clean.
     assert _manifest.check_folder(str(folder), _LOCAL_STEP, None).problems == []
+
+
+def _big(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {"weights": torch.randn(5 << 20), "epoch": seed}  # 20 MiB: split across ranks
+
+
+def _save_big(rank: int, world: int, root: str) -> None:
+    local = _place(rank, 2, "2", root)
+    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
+        m.save(2, _big(2))
+        m.save_local(_LOCAL_STEP, _big(_LOCAL_STEP))
+
+
+def _restore_big(rank: int, world: int, root: str) -> dict[str, Any]:
+    local = _place(rank, 2, "2", root)
+    reads: list[tuple[int, str, int, int]] = []
+    real = verify_split.check_share
+
+    def recording(folder: str, manifest: Any, opts: Any, index: int, count: int) -> Any:
+        found = real(folder, manifest, opts, index, count)
+        reads.extend((manifest["step"], f, r.start, r.size) for f, r in found)
+        return found
+
+    verify_split.check_share = recording
+    state = _big(99)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
+            step = m.restore(state)
+            source = m.restored_from
+    assert source is not None
+    return {
+        "step": step,
+        "tier": source.tier,
+        "exact": bool(torch.equal(state["weights"], _big(step)["weights"])),
+        "warnings": [str(w.message) for w in caught if "local" in str(w.message)],
+        "reads": [r[1:] for r in reads if r[0] == _LOCAL_STEP and r[1] == "weights.pt"],
+    }
+
+
+@pytest.mark.parametrize("flip", [False, True], ids=["sound", "flipped"])
+def test_one_large_local_file_is_checked_half_by_each_local_rank(
+    tmp_path: Path, flip: bool
+) -> None:
+    run_ranks(_save_big, 2, args=(str(tmp_path),))
+    folder = tmp_path / "shm" / "node0" / _manifest.step_name(_LOCAL_STEP)
+    size = (folder / "weights.pt").stat().st_size
+    expected: list[str] = []
+    if flip:
+        victim = _flip_a_file_of_local_rank_1(folder)
+        assert victim == "weights.pt"
+        expected.append(_expected_warning(folder))
+    after = run_ranks(_restore_big, 2, args=(str(tmp_path),))
+    for result in after:
+        want = (2, "durable", True) if flip else (_LOCAL_STEP, "local", True)
+        assert (result["step"], result["tier"], result["exact"]) == want
+        assert result["warnings"] == expected
+    # Each local rank read its own part of the one file, the two parts adding up to it.
+    (first,), (second,) = after[0]["reads"], after[1]["reads"]
+    assert first[1] == 0 and second[1] == first[2] > 0
+    assert first[2] + second[2] == size

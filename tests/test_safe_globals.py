@@ -27,4 +27,3 @@ def test_safe_globals_match_torchs_weights_only_allowlist() -> None:
         f"allowlist: torch accepts but ddpstate refuses {only_torch}; ddpstate accepts but "
         f"torch refuses {only_ddpstate}"
     )
-

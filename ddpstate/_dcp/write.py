@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from ddpstate import _fs, _manifest, storage
+from ddpstate._checksum import error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._manager.entries import rng_states
 from ddpstate._manifest import (
@@ -60,7 +61,6 @@ from ddpstate._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
     SHARD_SUFFIX,
-    error_text,
 )
 from ddpstate.dist import get_rank, is_distributed
 from ddpstate.errors import (

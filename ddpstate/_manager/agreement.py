@@ -13,10 +13,10 @@ from typing import Any, Optional
 
 from torch import nn
 
+from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._manager.entries import Timeout
 from ddpstate._manager.writer import WRITER_RANK
-from ddpstate._manifest import error_text
 from ddpstate.errors import CheckpointWriteError, DDPStateError, InvalidArgumentError
 
 

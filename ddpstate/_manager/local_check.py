@@ -2,8 +2,10 @@
 
 Restoring from the local tier verifies each node's newest local step first,
 and reading every byte for its CRC-32 is most of that cost. So every rank of a
-node checks a share of the node's candidate folder (``verify_split.assign``
-over the node's ranks, as the durable restore splits its check over the job),
+node checks a share of the bytes of the node's candidate folder
+(``_checksum.assign`` over the node's ranks: byte ranges, so a single large
+file is read by all of them; as the durable restore splits its check over the
+job),
 and the shares' findings travel in the all-gather the ranks need anyway to
 agree on a step. Every rank then decides each node's verdict from the same
 gathered findings, exactly as one process checking the folder would (same
@@ -23,7 +25,7 @@ import os
 import warnings
 from typing import Any, Optional
 
-from ddpstate import _manifest
+from ddpstate import _checksum, _manifest
 from ddpstate._manager import verify_split
 from ddpstate._manager.entries import Timeout
 from ddpstate.dist import all_gather_object, get_local_rank, get_rank
@@ -56,7 +58,8 @@ def check_share_of_step(
     """This rank's findings on share ``share`` (index, count) of local step ``step``.
 
     Share 0 also reports what one rank reads once: the manifest's own problems
-    (``head``), the folder listing's (``tail``) and the manifest's file order.
+    (``head``), the folder listing's (``tail``) and the files it lists
+    (``expected``, in manifest order).
 
     Args:
         directory: The node's local tier folder.
@@ -84,7 +87,7 @@ def check_share_of_step(
         "head": [],
         "files": [],
         "tail": [],
-        "order": [],
+        "expected": {},
     }
     try:
         manifest, problem = _manifest.read_manifest(folder, None)
@@ -97,12 +100,10 @@ def check_share_of_step(
             listing = _manifest.FolderCheck(manifest, [], [])
             _manifest.check_listing(folder, manifest["files"], listing, None)
             found["tail"] = listing.problems
-            found["order"] = list(manifest["files"])
+            found["expected"] = _manifest.checked_files(manifest)
     except Exception as exc:  # still join the round: the others would wait for this rank
-        found["files"] = [
-            *found["files"],
-            ("", f"it cannot be checked ({_manifest.error_text(exc)})"),
-        ]
+        text = f"it cannot be checked ({_checksum.error_text(exc)})"
+        found["files"] = [*found["files"], ("", _checksum.PieceRead(0, 0, 0, text))]
     return found
 
 
@@ -116,7 +117,7 @@ def _verdict(reports: list[dict[str, Any]], step: int) -> Optional[list[str]]:
     if any(i not in by_share for i in range(count)):
         return None
     first = by_share[0]
-    files = verify_split.in_file_order(first["order"], (g["files"] for g in by_share.values()))
+    files = _checksum.file_problems(first["expected"], (g["files"] for g in by_share.values()))
     return [*first["head"], *files, *first["tail"]]
 
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ddpstate import _manifest, storage
+from ddpstate import _checksum, _manifest, storage
 from ddpstate._manager import local_check
 from ddpstate._manager.entries import Entry, Timeout
 from ddpstate._manager.snapshot import Snapshot
@@ -266,13 +266,13 @@ class LocalTier:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _skip(self, step: int, exc: BaseException) -> None:
-        self.skipped.append((step, _manifest.error_text(exc)))
+        self.skipped.append((step, _checksum.error_text(exc)))
         if self._warned:
             return
         self._warned = True
         warnings.warn(
             f"CheckpointManager: the node-local tier skipped step {step} on rank {get_rank()} "
-            f"({_manifest.error_text(exc)}); training goes on and the durable checkpoints are "
+            f"({_checksum.error_text(exc)}); training goes on and the durable checkpoints are "
             f"untouched. "
             f"{self.directory} needs free space for local_keep + 1 copies of the state; "
             f"later local failures are not warned about again (see manager.local_skipped)",
@@ -326,7 +326,7 @@ class LocalTier:
     def _skip_restore(self, exc: BaseException) -> None:
         warnings.warn(
             f"CheckpointManager.restore: the node-local tier {self.directory} cannot be read "
-            f"on rank {get_rank()} ({_manifest.error_text(exc)}); this node counts as holding "
+            f"on rank {get_rank()} ({_checksum.error_text(exc)}); this node counts as holding "
             f"no local step",
             UserWarning,
             stacklevel=5,
@@ -419,7 +419,7 @@ class LocalTier:
                 with open(os.path.join(folder, _manifest.MANIFEST_NAME), "rb") as f:
                     raw_manifest = f.read()
             except OSError as exc:
-                raw_manifest = _manifest.error_text(exc)
+                raw_manifest = _checksum.error_text(exc)
         raw_manifest = broadcast_object(raw_manifest, src=src, timeout=self.timeout)
         if not isinstance(raw_manifest, bytes):  # the sender lost its copy: every rank gives up
             return f"rank {src} could not read its local step {step}: {raw_manifest}"
@@ -469,7 +469,7 @@ class _Sink:
             action()
         except Exception as exc:
             # A failed receive costs the fast path, never the job: restore falls back.
-            self.error = _manifest.error_text(exc)
+            self.error = _checksum.error_text(exc)
             self.close()
             if self.folder is not None:
                 shutil.rmtree(self.folder, ignore_errors=True)
@@ -488,7 +488,7 @@ class _Sink:
     def finish(self, filename: str, crc32: str) -> None:
         def check() -> None:
             self.close()
-            if _manifest.checksum_hex(self._crc) != crc32:
+            if _checksum.checksum_hex(self._crc) != crc32:
                 raise OSError(f"{filename}: the received bytes fail their CRC-32 ({crc32})")
 
         if self.folder is not None:
@@ -517,7 +517,7 @@ def _write_file(path: str, obj: Any) -> dict[str, Any]:
             if writer.error is not None and writer.error is not exc:
                 raise writer.error from exc
             raise
-    return {"size": writer.size, "crc32": _manifest.checksum_hex(writer.crc)}
+    return {"size": writer.size, "crc32": _checksum.checksum_hex(writer.crc)}
 
 
 def _write_bytes(path: str, data: bytes) -> None:

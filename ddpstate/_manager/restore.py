@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ddpstate import checkpoint, storage
+from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._dcp import write as _dcp
 from ddpstate._io import model_state
@@ -23,7 +24,7 @@ from ddpstate._manager import verify_split as _verify_split
 from ddpstate._manager.entries import Timeout, check_state, check_step, has_state_dict
 from ddpstate._manager.local_tier import LocalTier, RestoreSource
 from ddpstate._manager.writer import StepWriter
-from ddpstate._manifest import MANIFEST_NAME, RNG_FILE, check_folder, error_text, parse_step
+from ddpstate._manifest import MANIFEST_NAME, RNG_FILE, check_folder, parse_step
 from ddpstate.dist import (
     broadcast_object,
     get_rank,

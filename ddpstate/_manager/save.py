@@ -15,6 +15,7 @@ import pickle
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from ddpstate._checksum import error_text
 from ddpstate._dcp import write as _dcp
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._manager.agreement import (
@@ -34,7 +35,6 @@ from ddpstate._manager.entries import (
 )
 from ddpstate._manager.snapshot import Snapshot
 from ddpstate._manager.writer import WRITER_RANK, InFlight, Pending, StepWriter
-from ddpstate._manifest import error_text
 from ddpstate.dist import gather_and_decide, get_rank, is_distributed
 from ddpstate.errors import DDPStateError, InvalidArgumentError
 from ddpstate.rng import capture_rng_state

@@ -4,7 +4,9 @@
 Reading every byte of every file for its CRC-32 is most of restore's cost, so
 in a multi-rank job rank 0 reads the manifest and lists the folder (cheap),
 proposes the step to the others, and every rank checksums its share of the
-listed files; the shares' problems meet on rank 0 in one gather round, where
+listed files' bytes (``_checksum.assign``: consecutive byte ranges, so one large file
+is read by several ranks at once and its CRC-32 put together from the pieces'
+with ``_crc``); the shares' findings meet on rank 0 in one gather round, where
 ``restore.choose`` decides exactly as it does alone (same
 candidate order, same fallback, same warning text). The other ranks follow
 :func:`follow` until rank 0 ends the loop with :func:`finish`.
@@ -12,90 +14,49 @@ candidate order, same fallback, same warning text). The other ranks follow
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
-from ddpstate import _manifest, storage
+from ddpstate import _checksum, _manifest, storage
 from ddpstate._manager.entries import Timeout
 from ddpstate.dist import broadcast_object, gather_and_decide, get_rank, get_world_size
 
 _NAME = "CheckpointManager.restore (verify)"
 
 
-def assign(sizes: Mapping[str, int], world: int) -> list[list[str]]:
-    """Split files across ``world`` ranks, balanced by bytes; the same on every rank.
-
-    Largest file first, each to the rank with the fewest bytes so far (the
-    lowest rank on a tie); files of equal size go in name order.
-    """
-    shares: list[list[str]] = [[] for _ in range(world)]
-    load = [(0, r) for r in range(world)]
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        total, rank = heapq.heappop(load)
-        shares[rank].append(name)
-        heapq.heappush(load, (total + sizes[name], rank))
-    return shares
-
-
-def _checked(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The manifest's listed files that ``check_folder`` reads (the rest are manifest problems)."""
-    files: dict[str, Any] = manifest["files"]
-    return {n: e for n, e in files.items() if _manifest.is_listed(n) and isinstance(e, dict)}
-
-
 def check_share(
     folder: str, manifest: dict[str, Any], opts: Optional[dict[str, Any]], index: int, count: int
-) -> list[tuple[str, str]]:
-    """Check share ``index`` of ``count`` of ``manifest``'s files; return (file, problem) pairs.
+) -> list[_checksum.Finding]:
+    """Checksum share ``index`` of ``count`` of ``manifest``'s file bytes (:func:`assign`).
 
-    The shares are :func:`assign`'s over the files ``check_folder`` reads; an
-    ``index`` outside ``range(count)`` checks nothing.
+    An ``index`` outside ``range(count)`` checks nothing.
 
     Args:
         folder: The step folder.
         manifest: Its manifest, as read.
         opts: fsspec storage options, or None.
         index: This checker's share.
-        count: How many checkers split the files.
+        count: How many checkers split the bytes.
 
     Returns:
-        (file, problem) pairs for the files of this share, in manifest order.
+        (file, read) per piece of this share; ``_checksum.file_problems`` judges them.
     """
-    files = _checked(manifest)
+    files = _manifest.checked_files(manifest)
     sizes = {n: e["size"] if isinstance(e.get("size"), int) else 0 for n, e in files.items()}
-    mine = set(assign(sizes, count)[index]) if 0 <= index < count else set()
-    check = _manifest.FolderCheck(manifest, [], [])
-    found: list[tuple[str, str]] = []
-    for filename, expected in files.items():
-        if filename not in mine:
-            continue
-        before = len(check.problems)
+    pieces = _checksum.assign(sizes, count)[index] if 0 <= index < count else []
+    found: list[_checksum.Finding] = []
+    for filename, start, stop in pieces:
         try:
-            _manifest.check_file(storage.join(folder, filename), filename, expected, check, opts)
+            read = _checksum.read_piece(storage.join(folder, filename), filename, start, stop, opts)
         except Exception as exc:  # still join the round: the others would wait for this rank
-            check.problems.append(f"{filename} cannot be checked ({type(exc).__name__}: {exc})")
-        found.extend((filename, p) for p in check.problems[before:])
+            text = f"{filename} cannot be checked ({type(exc).__name__}: {exc})"
+            read = _checksum.PieceRead(start, 0, 0, text)
+        found.append((filename, read))
     return found
-
-
-def in_file_order(order: list[str], shares: Iterable[list[tuple[str, str]]]) -> list[str]:
-    """The shares' problems in manifest order (``order``), as one rank checking them all reports.
-
-    Example:
-        >>> from ddpstate._manager.verify_split import in_file_order
-        >>> in_file_order(["a.pt", "b.pt"], [[("b.pt", "b bad")], [("a.pt", "a bad")]])
-        ['a bad', 'b bad']
-    """
-    rank_of = {n: i for i, n in enumerate(order)}
-    pairs = (pair for share in shares for pair in share)
-    found = sorted(pairs, key=lambda f: rank_of.get(f[0], len(rank_of)))
-    return [p for _, p in found]
 
 
 def _check_share(
     folder: str, manifest: dict[str, Any], opts: Optional[dict[str, Any]]
-) -> list[tuple[str, str]]:
+) -> list[_checksum.Finding]:
     return check_share(folder, manifest, opts, get_rank(), get_world_size())
 
 
@@ -110,14 +71,14 @@ def verify(
     listing = _manifest.FolderCheck(manifest, [], [])
     _manifest.check_listing(folder, manifest["files"], listing, opts)
     broadcast_object((folder, manifest), src=0, timeout=timeout)
-    shares: list[list[tuple[str, str]]] = []
+    shares: list[list[_checksum.Finding]] = []
 
     def collect(payloads: list[Any]) -> None:
         shares.extend(payloads)
 
     gather_and_decide(_check_share(folder, manifest, opts), collect, name=_NAME, timeout=timeout)
     # Back in manifest order, so the text is what one rank checking the whole folder reports.
-    found = in_file_order(list(manifest["files"]), shares)
+    found = _checksum.file_problems(_manifest.checked_files(manifest), shares)
     problems = [*check.problems, *found, *listing.problems]
     return (None, "; ".join(problems)) if problems else (manifest, None)
 

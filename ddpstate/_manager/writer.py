@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ddpstate import _fs, storage
+from ddpstate._checksum import checksum_hex, error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._manager.entries import KIND_MODULE, Entry, Timeout, is_flat_tensor_dict, rng_states
@@ -30,8 +31,6 @@ from ddpstate._manifest import (
     MANIFEST_NAME,
     RNG_FILE,
     ChecksumWriter,
-    checksum_hex,
-    error_text,
     manifest_for,
     parse_step,
     read_manifest,

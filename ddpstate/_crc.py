@@ -1,0 +1,109 @@
+"""CRC-32 arithmetic: the CRC of a whole file from the CRCs of its consecutive pieces.
+
+Checking a step folder reads every byte for its CRC-32 (``zlib.crc32``, the
+checksum the manifest records). Several readers can share one large file by
+each checksumming a byte range; :func:`crc32_combine` then gives the CRC of the
+concatenation from the pieces' CRCs and the later piece's length alone, with
+no second pass over the bytes. It is zlib's ``crc32_combine``, which Python's
+``zlib`` module does not expose, done with polynomial arithmetic over GF(2)
+(``len2`` zero bytes appended to the first piece multiply its CRC by
+``x^(8*len2)`` modulo the CRC polynomial), about 60 short multiplications for
+a 1 TiB piece. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["crc32_combine", "crc32_of_pieces"]
+
+# zlib's CRC-32 polynomial, bit-reversed: bit 31 stands for x^0, bit 0 for x^31.
+_POLY = 0xEDB88320
+_X0 = 1 << 31  # the polynomial 1
+
+
+def _multiply(a: int, b: int) -> int:
+    """``a(x) * b(x)`` modulo the CRC polynomial, both in the reversed bit order."""
+    product = 0
+    bit = _X0
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers() -> list[int]:
+    """``x^(2^k)`` modulo the polynomial for k = 0..31 (they repeat with period 32 onwards)."""
+    table = [_X0 >> 1]  # x^1
+    for _ in range(31):
+        table.append(_multiply(table[-1], table[-1]))
+    return table
+
+
+_X_TO_2_TO_K = _powers()
+
+
+def _x_to_8n(n: int) -> int:
+    """``x^(8n)`` modulo the polynomial: the operator "append n zero bytes" on a CRC."""
+    result = _X0
+    k = 3  # 8n = n * 2^3
+    while n:
+        if n & 1:
+            result = _multiply(_X_TO_2_TO_K[k & 31], result)
+        n >>= 1
+        k += 1
+    return result
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len(b)``.
+
+    Args:
+        crc1: ``zlib.crc32`` of the first piece.
+        crc2: ``zlib.crc32`` of the second piece.
+        len2: The second piece's length in bytes (0 or more).
+
+    Returns:
+        ``zlib.crc32(a + b)``, without reading ``a`` or ``b``.
+
+    Raises:
+        ValueError: ``len2`` is negative.
+
+    Example:
+        >>> import zlib
+        >>> from ddpstate._crc import crc32_combine
+        >>> a, b = b"step folder ", b"checksums"
+        >>> crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        True
+    """
+    if len2 < 0:
+        raise ValueError(f"crc32_combine: len2 must be 0 or more, not {len2}")
+    if len2 == 0:
+        return crc1
+    return _multiply(_x_to_8n(len2), crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
+
+
+def crc32_of_pieces(pieces: Iterable[tuple[int, int]]) -> int:
+    """The CRC-32 of consecutive pieces given as ``(crc32, length)`` in file order.
+
+    Args:
+        pieces: Each piece's ``zlib.crc32`` and length, first piece first.
+
+    Returns:
+        ``zlib.crc32`` of the pieces' concatenation (0 for no pieces).
+
+    Example:
+        >>> import zlib
+        >>> from ddpstate._crc import crc32_of_pieces
+        >>> data = bytes(range(256)) * 40
+        >>> parts = [data[:1000], data[1000:1000], data[1000:]]
+        >>> crc32_of_pieces((zlib.crc32(p), len(p)) for p in parts) == zlib.crc32(data)
+        True
+    """
+    crc = 0
+    for piece_crc, length in pieces:
+        crc = crc32_combine(crc, piece_crc, length)
+    return crc
