@@ -297,3 +297,25 @@ def test_a_sound_large_file_restores_from_pieces(tmp_path: Path) -> None:
     read = sum(n for r in results for f, _, n in r["pieces"] if f == "weights.pt")
     assert read == sizes["weights.pt"]  # every byte once, split over the two ranks
     assert all(any(f == "weights.pt" and n > 0 for f, _, n in r["pieces"]) for r in results)
+
+
+def test_threads_share_a_remote_file_in_pieces() -> None:
+    import random
+    import uuid
+    import zlib
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"memory://pieces-{uuid.uuid4().hex}"
+    blob = random.Random(3).randbytes(100_000)
+    with fs.open(f"{root}/model.pt", "wb") as f:
+        f.write(blob)
+    files = {"model.pt": {"size": len(blob), "crc32": _checksum.checksum_hex(zlib.crc32(blob))}}
+    assert len(_checksum.assign({"model.pt": len(blob)}, 4, 1000)) == 4
+    assert _checksum.check_files(root, files, None, 4, min_piece=1000) == ([], 1, len(blob))
+    with fs.open(f"{root}/model.pt", "wb") as f:
+        f.write(blob[:60_000])  # truncated: the last two pieces read nothing
+    problems, _, read = _checksum.check_files(root, files, None, 4, min_piece=1000)
+    assert problems == ["model.pt is truncated: 60000 bytes, the manifest says 100000"]
+    assert read == 60_000
