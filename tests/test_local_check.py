@@ -52,18 +52,17 @@ def _save(rank: int, world: int, root: str, per_node: int, lws: Optional[str]) -
         m.save_local(_LOCAL_STEP, _state(_LOCAL_STEP))
 
 
-def _restore(rank: int, world: int, root: str, per_node: int, lws: Optional[str]) -> dict[str, Any]:
-    local = _place(rank, per_node, lws, root)
-    checked: list[tuple[int, int, int, list[str]]] = []
+def _spied_restore(root: str, local: str, state: dict[str, Any]) -> dict[str, Any]:
+    """Restore ``state``, spying on each share: (step, index, count, [(file, start, size)])."""
+    checked: list[tuple[int, int, int, list[tuple[str, int, int]]]] = []
     real = verify_split.check_share
 
     def recording(folder: str, manifest: Any, opts: Any, index: int, count: int) -> Any:
         found = real(folder, manifest, opts, index, count)
-        checked.append((manifest["step"], index, count, [f for f, _ in found]))  # files read
+        checked.append((manifest["step"], index, count, [(f, r.start, r.size) for f, r in found]))
         return found
 
     verify_split.check_share = recording  # a spy: the real check runs
-    state = _state(99)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
@@ -74,10 +73,20 @@ def _restore(rank: int, world: int, root: str, per_node: int, lws: Optional[str]
         "step": step,
         "tier": source.tier,
         "sender": source.sender,
-        "epoch": state["epoch"],
-        "momentum": state["extra"]["momentum"].tolist(),
         "warnings": [str(w.message) for w in caught if "local" in str(w.message)],
         "checked": checked,
+    }
+
+
+def _restore(rank: int, world: int, root: str, per_node: int, lws: Optional[str]) -> dict[str, Any]:
+    state = _state(99)
+    result = _spied_restore(root, _place(rank, per_node, lws, root), state)
+    return {
+        **result,
+        "epoch": state["epoch"],
+        "momentum": state["extra"]["momentum"].tolist(),
+        # The files each share read.
+        "checked": [(*share, [f for f, _, _ in reads]) for *share, reads in result["checked"]],
     }
 
 
@@ -183,29 +192,18 @@ def _save_big(rank: int, world: int, root: str) -> None:
 
 
 def _restore_big(rank: int, world: int, root: str) -> dict[str, Any]:
-    local = _place(rank, 2, "2", root)
-    reads: list[tuple[int, str, int, int]] = []
-    real = verify_split.check_share
-
-    def recording(folder: str, manifest: Any, opts: Any, index: int, count: int) -> Any:
-        found = real(folder, manifest, opts, index, count)
-        reads.extend((manifest["step"], f, r.start, r.size) for f, r in found)
-        return found
-
-    verify_split.check_share = recording
     state = _big(99)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
-            step = m.restore(state)
-            source = m.restored_from
-    assert source is not None
+    result = _spied_restore(root, _place(rank, 2, "2", root), state)
     return {
-        "step": step,
-        "tier": source.tier,
-        "exact": bool(torch.equal(state["weights"], _big(step)["weights"])),
-        "warnings": [str(w.message) for w in caught if "local" in str(w.message)],
-        "reads": [r[1:] for r in reads if r[0] == _LOCAL_STEP and r[1] == "weights.pt"],
+        **result,
+        "exact": bool(torch.equal(state["weights"], _big(result["step"])["weights"])),
+        "reads": [
+            read
+            for step, _, _, reads in result["checked"]
+            if step == _LOCAL_STEP
+            for read in reads
+            if read[0] == "weights.pt"
+        ],
     }
 
 
