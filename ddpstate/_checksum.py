@@ -214,11 +214,19 @@ def file_problems(
     return [p for p in problems if p]
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def _workers(total: int) -> int:
     """Threads for a pass over ``total`` bytes: one per CPU (at most 8), one for small folders."""
     if total < 2 * MIN_PIECE:
         return 1
-    return max(1, min(8, os.cpu_count() or 1, total // MIN_PIECE))
+    return max(1, min(8, _cpus(), total // MIN_PIECE))
 
 
 def check_files(

@@ -425,3 +425,92 @@ def test_restore_does_not_import_torch_dynamo(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False"
+
+
+def _restore_with_a_failing_receive(rank: int, world: int, directory: str, local_base: str) -> Any:
+    local = _local_dir(local_base, rank, 2)
+    if rank == 1:
+        # Node 1 lacks the step and cannot write what it receives: EFBIG past 4 KiB.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 10, resource.RLIM_INFINITY))
+    state, _ = _build(seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(directory, local_dir=local, local_every=5) as manager:
+            step = manager.restore(state)
+            source = manager.restored_from
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert source is not None
+    return {
+        "step": step,
+        "tier": source.tier,
+        "warnings": [str(w.message) for w in caught if "sending local step" in str(w.message)],
+    }
+
+
+def test_a_failed_receive_falls_back_to_durable_on_every_rank(tmp_path: Path) -> None:
+    args = (str(tmp_path / "run"), str(tmp_path / "shm"), 2, str(tmp_path))
+    run_ranks(_train_with_tiers, 2, args=args, env={"LOCAL_RANK": "0"})
+    shutil.rmtree(tmp_path / "shm" / "node1")  # a replaced node
+    after = run_ranks(
+        _restore_with_a_failing_receive,
+        2,
+        args=(str(tmp_path / "run"), str(tmp_path / "shm")),
+        env={"LOCAL_RANK": "0"},
+    )
+    assert [(a["step"], a["tier"]) for a in after] == [(2, "durable"), (2, "durable")]
+    (warning,) = after[0]["warnings"]  # rank 0 names the rank whose receive failed
+    assert warning.startswith("CheckpointManager.restore: sending local step 5 to the nodes")
+    assert "rank 1: " in warning and "restoring from the durable tier instead" in warning
+    assert after[1]["warnings"] == []
+    assert not (tmp_path / "shm" / "node1" / "step_0000000005").exists()
+
+
+def _agree_counting_reads(rank: int, world: int, root: str) -> dict[str, Any]:
+    from ddpstate import dist as ddp_dist
+    from ddpstate._manager.local_check import newest_on_nodes
+    from tests.test_collectives_threads import Counting
+
+    class Reads(Counting):
+        """Counts operations, and the bytes ``get`` returns."""
+
+        read = 0
+
+        def __getattr__(self, name: str) -> Any:
+            call = super().__getattr__(name)
+            if name != "get":
+                return call
+
+            def get(*args: Any) -> Any:
+                value = call(*args)
+                self.read += len(value)
+                return value
+
+            return get
+
+    counting = Reads(ddp_dist._default_store())
+    ddp_dist._default_store = lambda: counting
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ["LOCAL_RANK"] = str(rank % 2)
+    local = os.path.join(root, f"node{rank // 2}")
+    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=1) as m:
+        m.save_local(3, {"model": nn.Linear(64, 64), "extra": torch.zeros(1000)})
+    torch.distributed.barrier()
+    counting.ops.clear()
+    counting.read = 0
+    held, durable = newest_on_nodes(local, [3], 1 if rank == 0 else None, None)
+    return {"held": held, "durable": durable, "ops": dict(counting.ops), "read": counting.read}
+
+
+def test_the_local_agreement_reads_one_answer_on_every_rank_but_rank_0(tmp_path: Path) -> None:
+    results = run_ranks(_agree_counting_reads, 4, args=(str(tmp_path),))
+    for result in results:
+        assert (result["held"], result["durable"]) == ({0: 3, 2: 3}, 1)
+    for rank, result in enumerate(results[1:], start=1):
+        ops = dict(result["ops"])
+        tidying = {k: ops.pop(k) for k in ("set", "delete_key") if k in ops}
+        assert ops == {"append": 1, "add": 1, "wait": 1, "get": 1}, (rank, result["ops"])
+        assert tidying in ({}, {"set": 1}, {"set": 1, "delete_key": 4}), (rank, result["ops"])
+    # Rank 0 reads every rank's findings; the others read only its answer, a fraction of that.
+    reads = [r["read"] for r in results]
+    assert all(read * 3 < reads[0] for read in reads[1:]), reads

@@ -5,17 +5,19 @@ and reading every byte for its CRC-32 is most of that cost. So every rank of a
 node checks a share of the bytes of the node's candidate folder
 (``_checksum.assign`` over the node's ranks: byte ranges, so a single large
 file is read by all of them; as the durable restore splits its check over the
-job),
-and the shares' findings travel in the all-gather the ranks need anyway to
-agree on a step. Every rank then decides each node's verdict from the same
-gathered findings, exactly as one process checking the folder would (same
-problems, in the same order, same warning text).
+job), and the shares' findings go to rank 0 in the round the ranks need anyway to
+agree on a step. Rank 0 decides each node's verdict from them exactly as one
+process checking the folder would (same problems, in the same order, same
+warning text) and answers every rank at once: the steps the nodes hold, or
+which nodes check again. No other rank reads another's findings, so a rank
+costs four store operations a round and reads an answer the size of the node
+count, however many ranks the job has.
 
-Rounds: one all-gather (four store operations per rank) when every node's
-newest step is sound and ``LOCAL_WORLD_SIZE`` (set by torchrun) names the
-node's size. A node whose candidate fails moves to its next older step in a
-further round, and a node whose ranks did not cover the candidate between them
-(no ``LOCAL_WORLD_SIZE``, or a rank that listed another newest step) checks it
+Rounds: one when every node's newest step is sound and ``LOCAL_WORLD_SIZE``
+(set by torchrun) names the node's size. A node whose candidate fails moves to
+its next older step in a further round (its ranks warn with the problems rank
+0 found), and a node whose ranks did not cover the candidate between them (no
+``LOCAL_WORLD_SIZE``, or a rank that listed another newest step) checks it
 again in the next round, split by the node membership the first round showed.
 """
 
@@ -28,7 +30,7 @@ from typing import Any, Optional
 from ddpstate import _checksum, _manifest
 from ddpstate._manager import verify_split
 from ddpstate._manager.entries import Timeout
-from ddpstate.dist import all_gather_object, get_local_rank, get_rank
+from ddpstate.dist import gather_to_receivers, get_local_rank, get_rank
 
 __all__ = ["local_world_size", "check_share_of_step", "newest_on_nodes"]
 
@@ -159,48 +161,85 @@ def newest_on_nodes(
             directory, committed[-1] if committed else None, (local, local_world_size())
         ),
     }
-    gathered = all_gather_object(report, timeout=timeout)
-    durable = gathered[0]["durable"]
-    members = {
-        m: [q for q, g in enumerate(gathered) if g["node"] == m]
-        for m, g in enumerate(gathered)
-        if g["main"]
-    }
-    left = {m: list(gathered[m]["committed"] or []) for m in members}
-    held: dict[int, Optional[int]] = {}
+    agreement = _Agreement()  # used on rank 0 only, the one receiver
+    answer = gather_to_receivers(report, agreement.first, dst=0, name=_NAME, timeout=timeout)
     while True:
-        again: dict[int, int] = {}  # node -> the step its ranks check in the next round
-        for m, ranks in members.items():
-            if m in held:
+        for step, problems in answer["failed"].get(node, []):
+            folder = os.path.join(directory, _manifest.step_name(step))
+            warnings.warn(
+                f"CheckpointManager.restore: skipping the local {folder}: {'; '.join(problems)}",
+                UserWarning,
+                stacklevel=5,
+            )
+        if not answer["again"]:
+            return answer["held"], answer["durable"]
+        mine: dict[str, Any] = {"step": None}
+        if node in answer["again"]:
+            step, ranks = answer["again"][node]
+            if rank in ranks:
+                mine = check_share_of_step(directory, step, (ranks.index(rank), len(ranks)))
+        answer = gather_to_receivers(mine, agreement.next, dst=0, name=_NAME, timeout=timeout)
+
+
+_NAME = "CheckpointManager.restore (local tier)"
+
+
+class _Agreement:
+    """Rank 0's side of :func:`newest_on_nodes`: every node's verdict, round after round.
+
+    Each round rank 0 reads every rank's findings and answers every rank at
+    once with what is small: the steps each node holds (when all are known),
+    the nodes that check again (with the step and their ranks), and each
+    failed node's problems for its ranks to warn with. No rank reads another
+    rank's findings but rank 0 (four store operations each).
+    """
+
+    def __init__(self) -> None:
+        self.durable: Optional[float] = None
+        self.members: dict[int, list[int]] = {}
+        self.left: dict[int, list[int]] = {}
+        self.held: dict[int, Optional[int]] = {}
+        self.checking: dict[int, int] = {}  # node -> the step its ranks check this round
+
+    def first(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        self.durable = reports[0]["durable"]
+        self.members = {
+            m: [q for q, g in enumerate(reports) if g["node"] == m]
+            for m, g in enumerate(reports)
+            if g["main"]
+        }
+        self.left = {m: list(reports[m]["committed"] or []) for m in self.members}
+        return self._round(reports)
+
+    def next(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._round(reports)
+
+    def _round(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        again: dict[int, tuple[int, list[int]]] = {}
+        failed: dict[int, list[tuple[int, list[str]]]] = {}
+        for m, ranks in self.members.items():
+            if m in self.held:
                 continue
-            if not left[m]:
-                held[m] = None
+            if not self.left[m]:
+                self.held[m] = None
                 continue
-            step = left[m][-1]
-            problems = _verdict([gathered[q] for q in ranks], step)
+            step = self.left[m][-1]
+            problems = _verdict([reports[q] for q in ranks], step)
             if problems is None:  # a share went unchecked: check it again, split by membership
-                again[m] = step
+                again[m] = (step, ranks)
                 continue
             if not problems:
-                held[m] = step
+                self.held[m] = step
                 continue
-            if rank in ranks:
-                folder = os.path.join(directory, _manifest.step_name(step))
-                warnings.warn(
-                    f"CheckpointManager.restore: skipping the local {folder}: "
-                    f"{'; '.join(problems)}",
-                    UserWarning,
-                    stacklevel=5,
-                )
-            left[m].pop()
-            if left[m]:
-                again[m] = left[m][-1]
+            failed[m] = [(step, problems)]
+            self.left[m].pop()
+            if self.left[m]:
+                again[m] = (self.left[m][-1], ranks)
             else:
-                held[m] = None
-        if not again:
-            return held, durable
-        mine: dict[str, Any] = {"step": None}
-        if node in again and rank in members[node]:
-            ranks = members[node]
-            mine = check_share_of_step(directory, again[node], (ranks.index(rank), len(ranks)))
-        gathered = all_gather_object(mine, timeout=timeout)
+                self.held[m] = None
+        return {
+            "again": again,
+            "failed": failed,
+            "held": None if again else dict(self.held),
+            "durable": self.durable,
+        }

@@ -38,7 +38,6 @@ from ddpstate._manager import local_check
 from ddpstate._manager.entries import Entry, Timeout
 from ddpstate._manager.snapshot import Snapshot
 from ddpstate.dist import (
-    all_gather_object,
     broadcast_object,
     compare_across_ranks,
     gather_to_receivers,
@@ -383,8 +382,14 @@ class LocalTier:
         node = _node_main(rank)
         if lacking:
             error = self._transfer(best, holders[0], lacking)
-            outcomes = all_gather_object(error, timeout=self.timeout)
-            failed = [(r, e) for r, e in enumerate(outcomes) if e]
+            # Rank 0 reads every rank's outcome; the others read only the failures.
+            failed = gather_to_receivers(
+                error,
+                lambda errors: [(r, e) for r, e in enumerate(errors) if e],
+                dst=0,
+                name=f"CheckpointManager.restore (sending local step {best})",
+                timeout=self.timeout,
+            )
             if failed:
                 if rank == 0:
                     warnings.warn(
