@@ -199,7 +199,6 @@ class _Agreement:
         self.members: dict[int, list[int]] = {}
         self.left: dict[int, list[int]] = {}
         self.held: dict[int, Optional[int]] = {}
-        self.checking: dict[int, int] = {}  # node -> the step its ranks check this round
 
     def first(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
         self.durable = reports[0]["durable"]
@@ -209,12 +208,9 @@ class _Agreement:
             if g["main"]
         }
         self.left = {m: list(reports[m]["committed"] or []) for m in self.members}
-        return self._round(reports)
+        return self.next(reports)
 
     def next(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
-        return self._round(reports)
-
-    def _round(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
         again: dict[int, tuple[int, list[int]]] = {}
         failed: dict[int, list[tuple[int, list[str]]]] = {}
         for m, ranks in self.members.items():
