@@ -53,7 +53,6 @@ PART_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _LATEST_RE = re.compile(r"step_\d+\n")
-_READ_CHUNK = 8 << 20
 
 #: The DCP checkpoint's folder inside a CheckpointManager step folder.
 DCP_SUBDIR = "dcp"
