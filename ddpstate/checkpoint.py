@@ -18,7 +18,7 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
-from ddpstate._io.model_state import IncompatibleKeys, load_fitting
+from ddpstate._io.model_state import IncompatibleKeys, load_fitting, warn_if_little_matched
 from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate._keys.wrappers import unwrapped_state_dict
@@ -735,6 +735,7 @@ def load_model_state(
     if strict:
         return IncompatibleKeys(skipped, [])
     match = match_keys(state_dict, model)
+    warn_if_little_matched(match, state_dict, name=name, stacklevel=2)
     return IncompatibleKeys(
         [*skipped, *match.missing],
         [k if isinstance(k, str) else repr(k) for k in match.unexpected],
