@@ -621,6 +621,7 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         ['bias', 'weight']
     """
     from ddpstate.batchnorm import warn_if_stats_differ
+
     state = unwrapped_state_dict(model)
     save(state, path, **save_kwargs)
     if save_kwargs.get("barrier", True):

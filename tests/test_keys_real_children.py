@@ -33,7 +33,7 @@ def test_save_model_state_of_an_averaged_model_keeps_its_module_child(
     assert "module.0.weight" in saved and "n_averaged" in saved
     fresh = AveragedModel(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
     fresh.load_state_dict(saved)  # plain torch, strict
-    for a, b in zip(fresh.state_dict().values(), ema.state_dict().values()):
+    for a, b in zip(fresh.state_dict().values(), ema.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     again = AveragedModel(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
     assert ddpstate.load_model_state(again, path) == ([], [])

@@ -46,7 +46,8 @@ for path in sys.argv[1:]:
     names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     with torch.serialization.safe_globals([resolve(n) for n in names]):
         loaded = torch.load(path, weights_only=True)
-    report[path] = {"globals": names, "keys": sorted(map(str, loaded)) if isinstance(loaded, dict) else []}
+    keys = sorted(map(str, loaded)) if isinstance(loaded, dict) else []
+    report[path] = {"globals": names, "keys": keys}
 print(json.dumps(report))
 """
 
@@ -92,7 +93,8 @@ def test_save_save_model_state_and_manager_steps_open_with_plain_torch(tmp_path:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model(torch.randn(5, 3)).sum().backward()
     opt.step()
-    ddpstate.save({**EVERYDAY, "model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "all.pt")
+    everything = {**EVERYDAY, "model": model.state_dict(), "optim": opt.state_dict()}
+    ddpstate.save(everything, tmp_path / "all.pt")
     files.append(tmp_path / "all.pt")
     ddpstate.save_model_state(model, tmp_path / "weights.pt")
     files.append(tmp_path / "weights.pt")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import ddpstate
 class TinyLM(nn.Module):
     """An LM head tied to the embedding, as Hugging Face ties them."""
 
-    _tied_weights_keys = ["lm_head.weight"]
+    _tied_weights_keys: ClassVar[list[str]] = ["lm_head.weight"]
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,7 +68,7 @@ def test_an_untied_missing_weight_is_still_missing(tmp_path: Path) -> None:
     model.lm_head.weight = nn.Parameter(model.embed.weight.detach().clone())  # untied
     path = tmp_path / "lm.pt"
     ddpstate.save(_stored_once(TinyLM()), path)
-    with pytest.raises(ddpstate.KeyMismatchError, match="lm_head.weight"):
+    with pytest.raises(ddpstate.KeyMismatchError, match=r"lm_head\.weight"):
         ddpstate.load_model_state(model, path)
 
 

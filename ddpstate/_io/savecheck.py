@@ -340,8 +340,10 @@ _GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
 def _pickle_module(extra: Sequence[Any]) -> Any:
     from torch import _weights_only_unpickler as wou
 
+    # torch's built-in allowlist has no public getter; what users added has one.
     allowed = {id(v) for v in wou._get_allowed_globals().values()}
-    allowed |= {id(v) for v in wou._get_user_allowed_globals().values()}  # type: ignore[no-untyped-call]
+    for item in torch.serialization.get_safe_globals():
+        allowed.add(id(item[0] if isinstance(item, tuple) else item))
     for item in allowed_globals(extra):
         allowed.add(id(item[0] if isinstance(item, tuple) else item))
     # Storage classes travel in torch's persistent ids, which its loader handles itself.

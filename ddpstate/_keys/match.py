@@ -6,7 +6,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from ddpstate._keys.rename import (
     _REPORT_LIMIT,
@@ -352,7 +352,7 @@ def match_keys(
     src, non_str = _source_side(state_dict)
     match, _ = _match(src, _target_side(target))
     if is_module(target):
-        match = _with_ties(match, target)
+        match = _with_ties(match, cast("nn.Module", target))
     if non_str:
         match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
     return match
@@ -383,8 +383,9 @@ def prefix_hint(source: Sequence[str], target: Sequence[str]) -> str:
 
     Example:
         >>> from ddpstate._keys.match import prefix_hint
-        >>> prefix_hint(["model.fc.w", "lm_head.w"], ["fc.w"])
-        "the file's keys start with 'model.' where the model's do not: strip it with ddpstate.strip_prefix(state_dict, 'model.')"
+        >>> hint = prefix_hint(["model.fc.w", "lm_head.w"], ["fc.w"])
+        >>> hint.startswith("the file's keys start with 'model.' where the model's do not")
+        True
     """
     own, theirs = set(source), set(target)
     best: tuple[int, str] = (0, "")
@@ -528,7 +529,7 @@ def adapt_state_dict(
     tgt = _target_side(target)
     match, attempt = _match(src, tgt)
     if is_module(target):
-        match = _with_ties(match, target)
+        match = _with_ties(match, cast("nn.Module", target))
     if non_str:
         match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
     if strict and not match.complete:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpstate._keys.wrappers import unwrapped_state_dict
 from ddpstate._manager.entries import (
     KIND_MODULE,
     KIND_STATEFUL,
@@ -23,7 +24,6 @@ from ddpstate._manager.entries import (
     Entry,
     has_state_dict,
 )
-from ddpstate._keys.wrappers import unwrapped_state_dict
 
 
 class Snapshot:
