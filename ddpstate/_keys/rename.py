@@ -142,12 +142,12 @@ def _warn_deep_strip(prefix: str, levels: int, key: str) -> None:
     # Two wrappers of one kind nest rarely (DataParallel(DataParallel(m))); a second
     # leading `module.` is more often a real submodule of that name, e.g. the
     # averaged model of torch's AveragedModel, which loading then cannot find.
+    example = " (AveragedModel's averaged model is one)" if prefix == "module." else ""
     warnings.warn(
         f"strip_prefix({prefix!r}) removed {levels} leading {prefix!r} from {key!r} (and "
         f"any key so led): only the outer one is certainly a wrapper's; if the model has a "
-        f"real submodule named {prefix[:-1]!r} (AveragedModel, an EMA wrapper), strip one "
-        f"level instead: {{k[len({prefix!r}):] if k.startswith({prefix!r}) else k: v for k, "
-        f"v in sd.items()}}",
+        f"real submodule named {prefix[:-1]!r}{example}, strip one level instead: "
+        f"{{k[len({prefix!r}):] if k.startswith({prefix!r}) else k: v for k, v in sd.items()}}",
         UserWarning,
         stacklevel=3,
     )
