@@ -28,13 +28,10 @@ def _sampler(**kwargs: Any) -> ddpstate.ResumableDistributedSampler:
     return ddpstate.ResumableDistributedSampler(Numbers(), num_replicas=1, rank=0, **kwargs)
 
 
-@pytest.mark.parametrize("workers", [2, 0])
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize(("workers", "persistent"), [(2, False), (2, True), (0, False)])
 def test_the_default_sampler_resumes_mid_epoch_exactly_under_workers(
     workers: int, persistent: bool, tmp_path: Path
 ) -> None:
-    if persistent and not workers:
-        pytest.skip("persistent_workers needs workers")
     sampler = _sampler()
     loader = _loader(sampler, workers, persistent_workers=persistent)
     seen: list[int] = []
