@@ -88,22 +88,25 @@ def named_call(describe: Callable[..., str]) -> Callable[[Callable[_P, _R]], Cal
     return decorate
 
 
-def identity(name: str) -> str:
-    """This round's identity: the public call, the round number within it, the round's name."""
+def identity(name: str, kind: str) -> str:
+    """This round's identity: the public call, its round number, the round's name and kind.
+
+    ``kind`` is the store collective (``barrier``, ``agree``...): ranks in the
+    same public call but at different rounds of it differ there.
+    """
     call = _CALL.get()
     if call is None:
-        return f"{name[:_MAX_IDENTITY]}\x1f1\x1f"
+        return f"{name[:_MAX_IDENTITY]}\x1f1\x1f{name[:_MAX_IDENTITY]}\x1f{kind}"
     call.rounds += 1
-    return f"{call.text}\x1f{call.rounds}\x1f{name[:_MAX_IDENTITY]}"
+    return f"{call.text}\x1f{call.rounds}\x1f{name[:_MAX_IDENTITY]}\x1f{kind}"
 
 
-def _shown(identity: str) -> str:
-    """How a rank's call reads in a message."""
-    text, _, rest = identity.partition("\x1f")
-    rounds, _, name = rest.partition("\x1f")
-    if rounds in ("", "1"):
+def _shown(identity: str, detailed: bool = False) -> str:
+    """How a rank's call reads in a message (``detailed``: with its round, name and kind)."""
+    text, rounds, name, kind = [*identity.split("\x1f"), "", "", ""][:4]
+    if rounds in ("", "1") and not detailed:
         return text
-    return f"{text} (its collective round {rounds}, {name!r})"
+    return f"{text} (its collective round {rounds or 1}: {kind} {name!r})"
 
 
 def _function(identity: str) -> str:
@@ -120,9 +123,11 @@ def mismatch_error(calls: dict[int, str]) -> InvalidArgumentError:
         >>> print(str(error).split(": ", 1)[1].split(". ")[0])
         rank 0 is in ddpstate.save('ck.pt'), rank 1 in ddpstate.barrier()
     """
+    # The short form unless two different identities would read the same.
+    detailed = len({_shown(c) for c in calls.values()}) < len(set(calls.values()))
     by_call: dict[str, list[int]] = {}
     for rank in sorted(calls):
-        by_call.setdefault(_shown(calls[rank]), []).append(rank)
+        by_call.setdefault(_shown(calls[rank], detailed), []).append(rank)
 
     def who(ranks: list[int]) -> str:
         listed = ", ".join(map(str, ranks[:8])) + (

@@ -396,12 +396,13 @@ def _arrive(
     log: bool = True,
     identity: Optional[str] = None,
     first: Optional[bytes] = None,
+    kind: str = "",
 ) -> _Arrival:
     """Check this rank's identity, log its record (``log``), count it (see the module docstring).
 
     ``first``: the ``id`` this rank's own ``compare_set`` already returned.
     """
-    mine = identity if identity is not None else _calls.identity(name)
+    mine = identity if identity is not None else _calls.identity(name, kind)
     if first is None:
         first = group.op(name, group.store.compare_set, f"{call}/id", "", mine)
     own = first != mine.encode()
@@ -443,9 +444,12 @@ def _mismatch(
     _wait(group, f"{call}/done", name, seconds, start, missing)
     first = group.op(name, group.store.get, f"{call}/id").decode(errors="replace")
     _, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
-    error = mismatch_error({r: identities.get(r, first) for r in range(group.world)})
-    _leave(group, name)
-    return error
+    calls = {r: identities.get(r, first) for r in range(group.world)}
+    if LEFT not in calls.values():
+        # A rank that met another's leave is one call ahead of it: leaving again
+        # would put it ahead once more, where not leaving puts the two back in step.
+        _leave(group, name)
+    return mismatch_error(calls)
 
 
 def _leave(group: StoreGroup, name: str) -> None:
@@ -484,7 +488,7 @@ def barrier(group: StoreGroup, name: str, seconds: float) -> None:
     """Wait until every rank arrives (5 store operations per rank, +2 for the last)."""
     start = time.monotonic()
     call = group.next_call()
-    arrival = _arrive(group, call, name, b"", False)
+    arrival = _arrive(group, call, name, b"", False, kind="barrier")
     if arrival.mismatched:
         raise _mismatch(group, call, name, seconds, start)
     if arrival.last:
@@ -505,7 +509,7 @@ def share_outcome(
     start = time.monotonic()
     call = group.next_call()
     payload = b"" if error is None else encode_error(as_shareable(error, group, name))
-    arrival = _arrive(group, call, name, payload, error is not None)
+    arrival = _arrive(group, call, name, payload, error is not None, kind="share_outcome")
     if arrival.mismatched:
         raise _mismatch(group, call, name, seconds, start)
     failures = arrival.failures
@@ -541,7 +545,7 @@ def gather(
     """
     start = time.monotonic()
     call = group.next_call()
-    arrival = _arrive(group, call, name, payload, False)
+    arrival = _arrive(group, call, name, payload, False, kind="gather")
     if arrival.mismatched:
         raise _mismatch(group, call, name, seconds, start)
     if arrival.last:
@@ -578,7 +582,7 @@ def gather_and_decide(
     """
     start = time.monotonic()
     call = group.next_call()
-    arrival = _arrive(group, call, name, payload, False)
+    arrival = _arrive(group, call, name, payload, False, kind="gather_and_decide")
     if arrival.mismatched:
         raise _mismatch(group, call, name, seconds, start)
     if arrival.last:
@@ -619,7 +623,7 @@ def agree(group: StoreGroup, value: Any, name: str, seconds: float) -> Optional[
     start = time.monotonic()
     call = group.next_call()
     payload = pickle.dumps(value)
-    arrival = _arrive(group, call, name, payload, False)
+    arrival = _arrive(group, call, name, payload, False, kind="agree")
     if arrival.mismatched:
         raise _mismatch(group, call, name, seconds, start)
     if arrival.last:
@@ -655,7 +659,7 @@ def broadcast(
     start = time.monotonic()
     call = group.next_call()
     key = f"{call}/value"
-    mine = _calls.identity(name)
+    mine = _calls.identity(name, "broadcast")
     first: Optional[bytes] = None
     if payload is not None:  # this rank is src: the payload is set before it counts in
         first = group.op(name, group.store.compare_set, f"{call}/id", "", mine)
@@ -698,7 +702,9 @@ def gather_to_receivers(
     start = time.monotonic()
     call = group.next_call()
     receiver = dst == group.rank
-    arrival = _arrive(group, call, name, (b"r" if receiver else b"-") + payload, False)
+    arrival = _arrive(
+        group, call, name, (b"r" if receiver else b"-") + payload, False, kind="gather_to_receivers"
+    )
     if arrival.mismatched:
         raise _mismatch(group, call, name, seconds, start)
     verdicts = f"{call}/value"
