@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Iterator
 from typing import Optional, ParamSpec, TypeVar
 
@@ -86,6 +87,19 @@ def named_call(describe: Callable[..., str]) -> Callable[[Callable[_P, _R]], Cal
         return wrapper
 
     return decorate
+
+
+def path_text(path: object) -> str:
+    """``path`` as a call's identity shows it: its repr, or what it is when not a path.
+
+    Example:
+        >>> from ddpstate._calls import path_text
+        >>> path_text("ck.pt"), path_text({"w": 1})
+        ("'ck.pt'", '<dict>')
+    """
+    if isinstance(path, (str, os.PathLike)):
+        return repr(os.fspath(path))
+    return f"<{type(path).__name__}>"
 
 
 def identity(name: str, kind: str) -> str:

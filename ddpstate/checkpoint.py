@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ddpstate import _fs, storage
+from ddpstate._calls import named_call, path_text
 from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate._dcp import read as _dcp_read
 from ddpstate._dcp import write as _dcp
@@ -161,6 +162,7 @@ def _check_same_call(what: str, arguments: tuple[Any, ...], timeout: Timeout) ->
         raise error
 
 
+@named_call(lambda obj, path, *a, **k: f"ddpstate.save({path_text(path)})")
 def save(
     obj: Any,
     path: PathLike,
@@ -501,6 +503,7 @@ def _load_and_broadcast(
     return broadcast_with_tensors(obj, locations, src_rank, resolved, timeout)
 
 
+@named_call(lambda path, *a, **k: f"ddpstate.load({path_text(path)})")
 def load(
     path: PathLike,
     *,
@@ -587,6 +590,7 @@ def load(
 # ------------------------------------------------------------------------------- model state
 
 
+@named_call(lambda model, path, *a, **k: f"ddpstate.save_model_state({path_text(path)})")
 def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any) -> None:
     """Save a model's state dict with wrapper-free keys; a collective like :func:`save`.
 
@@ -629,6 +633,7 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
 
 
+@named_call(lambda model, source, *a, **k: f"ddpstate.load_model_state({path_text(source)})")
 def load_model_state(
     model: torch.nn.Module,
     source: Union[PathLike, Mapping[str, Any]],

@@ -32,7 +32,7 @@ from typing import Any, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpstate import _collectives
+from ddpstate import _calls, _collectives
 from ddpstate._collectives import REMINDER as _REMINDER
 from ddpstate._collectives import TIMEOUT_ENV, WARN_AFTER_ENV
 from ddpstate._dist.launch import DistContext, device_for, init_distributed
@@ -119,6 +119,11 @@ def _group() -> _collectives.StoreGroup:
     return group
 
 
+@_calls.named_call(
+    lambda timeout=None, name="barrier": (
+        "ddpstate.barrier()" if name == "barrier" else f"ddpstate.barrier(name={name!r})"
+    )
+)
 def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") -> None:
     """Wait until every rank arrives; never hang silently.
 
@@ -145,6 +150,7 @@ def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") 
     _collectives.barrier(_group(), name, resolve_timeout(timeout))
 
 
+@_calls.named_call(lambda *a, name="", **k: f"ddpstate.share_outcome(name={name!r})")
 def share_outcome(
     error: Optional[BaseException],
     *,
@@ -186,6 +192,7 @@ def share_outcome(
         raise shared from error
 
 
+@_calls.named_call(lambda *a, **k: "ddpstate.all_gather_object()")
 def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> list[Any]:
     """Gather one small picklable object from every rank, on every rank.
 
@@ -218,6 +225,7 @@ def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> 
     return [pickle.loads(b) for b in gathered]
 
 
+@_calls.named_call(lambda *a, **k: "ddpstate.gather_object()")
 def gather_object(
     obj: Any,
     dst: int = 0,
@@ -259,6 +267,9 @@ def gather_object(
     return [pickle.loads(b) for b in gathered]
 
 
+@_calls.named_call(
+    lambda *a, name="gather_and_decide", **k: f"ddpstate.gather_and_decide(name={name!r})"
+)
 def gather_and_decide(
     obj: Any,
     decide: Callable[[list[Any]], Optional[DDPStateError]],
@@ -312,6 +323,7 @@ def gather_and_decide(
         raise shared
 
 
+@_calls.named_call(lambda *a, name="", **k: f"ddpstate.gather_to_receivers(name={name!r})")
 def gather_to_receivers(
     obj: Any,
     decide: Callable[[list[Any]], Any],
@@ -367,6 +379,7 @@ def gather_to_receivers(
     return pickle.loads(raw)
 
 
+@_calls.named_call(lambda *a, name="", **k: f"ddpstate.compare_across_ranks(name={name!r})")
 def compare_across_ranks(
     value: Any, *, name: str, timeout: float | timedelta | None = None
 ) -> Optional[list[Any]]:
@@ -396,6 +409,7 @@ def compare_across_ranks(
     return _collectives.agree(_group(), value, name, resolve_timeout(timeout))
 
 
+@_calls.named_call(lambda obj=None, src=0, **k: f"ddpstate.broadcast_object(src={src})")
 def broadcast_object(
     obj: Any = None, src: int = 0, *, timeout: float | timedelta | None = None
 ) -> Any:
@@ -536,8 +550,10 @@ def main_process_first(
         yield
         return
     name = "main_process_first"
+    call = "ddpstate.main_process_first()"
     if not leader:
-        share_outcome(None, name=name, timeout=timeout)
+        with _calls.calling(call):
+            share_outcome(None, name=name, timeout=timeout)
         yield
         return
     try:
@@ -548,7 +564,8 @@ def main_process_first(
             f"({type(exc).__name__}: {exc}); not running this rank's block"
         )
         # Tell the waiting ranks, then raise this rank's own error, not the shared one.
-        with contextlib.suppress(DDPStateError):
+        with contextlib.suppress(DDPStateError), _calls.calling(call):
             share_outcome(told, name=name, timeout=timeout)
         raise
-    share_outcome(None, name=name, timeout=timeout)
+    with _calls.calling(call):
+        share_outcome(None, name=name, timeout=timeout)

@@ -59,6 +59,7 @@ from types import TracebackType
 from typing import Any, Optional
 
 from ddpstate import storage
+from ddpstate._calls import named_call
 from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
@@ -330,6 +331,7 @@ class CheckpointManager:
         """
         return self._writer.latest_step()
 
+    @named_call(lambda self, step, *a, **k: f"CheckpointManager.save(step={step!r})")
     def save(
         self,
         step: int,
@@ -386,6 +388,7 @@ class CheckpointManager:
         parts = (self._writer, self._flight, self._snapshot)
         _save.save(*parts, step, state, metrics, rollback, self._restored_step)
 
+    @named_call(lambda self, step, *a, **k: f"CheckpointManager.save_local(step={step!r})")
     def save_local(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save ``state`` to the node-local tier when ``step`` is a multiple of ``local_every``.
 
@@ -442,6 +445,7 @@ class CheckpointManager:
         """
         return [] if self._local is None else list(self._local.skipped)
 
+    @named_call(lambda self: "CheckpointManager.clear_local()")
     def clear_local(self) -> None:
         """Delete the node-local tier's folder on every node (for a fresh start).
 
@@ -467,6 +471,7 @@ class CheckpointManager:
         if is_distributed():
             barrier(timeout=self.timeout, name="CheckpointManager.clear_local")
 
+    @named_call(lambda self: "CheckpointManager.wait()")
     def wait(self) -> None:
         """Wait for the async writes in flight; raise a failed durable write's error on every rank.
 
@@ -490,6 +495,13 @@ class CheckpointManager:
             self._local.wait()  # never raises for the local tier: a failure is a warning
         self._writer.finish(self._flight)
 
+    @named_call(
+        lambda self, *a, step=None, **k: (
+            "CheckpointManager.restore()"
+            if step is None
+            else f"CheckpointManager.restore(step={step!r})"
+        )
+    )
     def restore(
         self,
         state: MutableMapping[str, Any],
@@ -591,6 +603,7 @@ class CheckpointManager:
         self._check_open("should_stop")
         return self._signals.agreed()
 
+    @named_call(lambda self: "CheckpointManager.close()")
     def close(self) -> None:
         """Finish the async write in flight, restore signal handlers, free the snapshot buffers.
 
