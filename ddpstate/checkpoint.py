@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ddpstate import _fs, storage
+from ddpstate import _fs, _visibility, storage
 from ddpstate._calls import named_call, path_text
 from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate._dcp import read as _dcp_read
@@ -154,10 +154,28 @@ def _disagreement(what: str, seen: list[tuple[Any, ...]]) -> Optional[InvalidArg
     )
 
 
-def _check_same_call(what: str, arguments: tuple[Any, ...], timeout: Timeout) -> None:
-    """Every rank passed the same path (and format, src_rank); else raise on every rank."""
-    seen = compare_across_ranks(arguments, name=what, timeout=timeout)
-    error = None if seen is None else _disagreement(what, seen)
+def _check_same_call(
+    what: str, arguments: tuple[Any, ...], timeout: Timeout, found: Optional[int] = 0
+) -> None:
+    """Every rank passed the same path (and format, src_rank); else raise on every rank.
+
+    ``found``: what this rank sees at the path (``_visibility.stat``); every
+    rank must see the same, else the ranks do not share the folder.
+    """
+    seen = compare_across_ranks((arguments, found), name=what, timeout=timeout)
+    if seen is None:
+        return
+    error: Optional[DDPStateError] = _disagreement(what, [a for a, _ in seen])
+    if error is None:
+        views = [f for _, f in seen]
+        holder = next((r for r, f in enumerate(views) if f is not None), 0)
+        error = _visibility.not_shared(
+            arguments[0],
+            holder,
+            views,
+            "sees",
+            f"use a shared path, or pass src_rank={holder} (one rank reads, the others receive)",
+        )
     if error is not None:
         raise error
 
@@ -305,6 +323,18 @@ def save(
         if causes:
             raise shared from causes[0]
         raise
+    if not _fs.is_remote(text):
+        # The writer has committed: can every rank see the file (a node-local folder)?
+        _visibility.check_seen(
+            text,
+            src_rank,
+            "wrote",
+            f"use a shared path; or, to keep the file on rank {src_rank}'s disk, save with "
+            f"barrier=False on every rank and load with src_rank={src_rank} (one rank reads, "
+            f"the others receive)",
+            name=SAVE_COLLECTIVE,
+            timeout=timeout,
+        )
 
 
 def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:
@@ -579,7 +609,8 @@ def load(
         _check_rank(src_rank, "src_rank")
     distributed = is_distributed()
     if barrier and distributed:
-        _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout)
+        found = _visibility.stat(text) if src_rank is None else 0
+        _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout, found)
     if src_rank is None or not distributed:
         return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
     return _load_and_broadcast(

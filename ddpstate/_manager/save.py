@@ -169,8 +169,11 @@ def save(
                     cause = exc
                     failure = writer.write_failure(step, folder, [(WRITER_RANK, error_text(exc))])
             writer.share_outcome(step, folder, failure, cause)
+            writer.check_seen(step, folder)
             return
     if async_save:
         flight.pending = Pending(step, folder)
         if is_writer:
             writer.start_async(flight, step, entries, rng_blobs, checked_metrics, events)
+        return
+    writer.check_seen(step, folder)
