@@ -29,6 +29,7 @@ _MAX_IDENTITY = 400
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -85,6 +86,25 @@ def named_call(describe: Callable[..., str]) -> Callable[[Callable[_P, _R]], Cal
                 return fn(*args, **kwargs)
 
         return wrapper
+
+    return decorate
+
+
+def named_methods(**describe: Callable[..., str]) -> Callable[[type[_T]], type[_T]]:
+    """Decorate a class: each method named in ``describe`` gets :func:`named_call`.
+
+    Example:
+        >>> from ddpstate._calls import named_methods
+        >>> @named_methods(save=lambda self, step: f"Manager.save(step={step})")
+        ... class Manager:
+        ...     def save(self, step): ...
+        >>> Manager().save(3)
+    """
+
+    def decorate(cls: type[_T]) -> type[_T]:
+        for name, text in describe.items():
+            setattr(cls, name, named_call(text)(getattr(cls, name)))
+        return cls
 
     return decorate
 

@@ -132,3 +132,19 @@ def check_seen(
         name=name,
         timeout=timeout,
     )
+
+
+def check_written(
+    path: str, writer: int, *, name: str, timeout: Union[float, timedelta, None]
+) -> None:
+    """:func:`check_seen` after ``save``'s writer committed ``path``, with save's advice."""
+    check_seen(
+        path,
+        writer,
+        "wrote",
+        f"use a shared path; or, to keep the file on rank {writer}'s disk, save with "
+        f"barrier=False on every rank and load with src_rank={writer} (one rank reads, "
+        f"the others receive)",
+        name=name,
+        timeout=timeout,
+    )

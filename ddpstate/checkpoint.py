@@ -323,18 +323,8 @@ def save(
         if causes:
             raise shared from causes[0]
         raise
-    if not _fs.is_remote(text):
-        # The writer has committed: can every rank see the file (a node-local folder)?
-        _visibility.check_seen(
-            text,
-            src_rank,
-            "wrote",
-            f"use a shared path; or, to keep the file on rank {src_rank}'s disk, save with "
-            f"barrier=False on every rank and load with src_rank={src_rank} (one rank reads, "
-            f"the others receive)",
-            name=SAVE_COLLECTIVE,
-            timeout=timeout,
-        )
+    if not _fs.is_remote(text):  # committed: can every rank see the file?
+        _visibility.check_written(text, src_rank, name=SAVE_COLLECTIVE, timeout=timeout)
 
 
 def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:

@@ -59,7 +59,7 @@ from types import TracebackType
 from typing import Any, Optional
 
 from ddpstate import storage
-from ddpstate._calls import named_call
+from ddpstate._calls import named_methods
 from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
@@ -146,6 +146,23 @@ def _check_same_config(m: CheckpointManager) -> None:
         )
 
 
+def _restore_call(self: Any, *args: Any, step: Optional[int] = None, **kwargs: Any) -> str:
+    return (
+        "CheckpointManager.restore()"
+        if step is None
+        else f"CheckpointManager.restore(step={step!r})"
+    )
+
+
+# Each collective method names its calls, so ranks in different calls are told what each called.
+@named_methods(
+    save=lambda self, step, *a, **k: f"CheckpointManager.save(step={step!r})",
+    save_local=lambda self, step, *a, **k: f"CheckpointManager.save_local(step={step!r})",
+    clear_local=lambda self: "CheckpointManager.clear_local()",
+    wait=lambda self: "CheckpointManager.wait()",
+    close=lambda self: "CheckpointManager.close()",
+    restore=_restore_call,
+)
 class CheckpointManager:
     """Save training state every few steps, keep a few, and resume from the newest good one.
 
@@ -331,7 +348,6 @@ class CheckpointManager:
         """
         return self._writer.latest_step()
 
-    @named_call(lambda self, step, *a, **k: f"CheckpointManager.save(step={step!r})")
     def save(
         self,
         step: int,
@@ -388,7 +404,6 @@ class CheckpointManager:
         parts = (self._writer, self._flight, self._snapshot)
         _save.save(*parts, step, state, metrics, rollback, self._restored_step)
 
-    @named_call(lambda self, step, *a, **k: f"CheckpointManager.save_local(step={step!r})")
     def save_local(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save ``state`` to the node-local tier when ``step`` is a multiple of ``local_every``.
 
@@ -445,7 +460,6 @@ class CheckpointManager:
         """
         return [] if self._local is None else list(self._local.skipped)
 
-    @named_call(lambda self: "CheckpointManager.clear_local()")
     def clear_local(self) -> None:
         """Delete the node-local tier's folder on every node (for a fresh start).
 
@@ -471,7 +485,6 @@ class CheckpointManager:
         if is_distributed():
             barrier(timeout=self.timeout, name="CheckpointManager.clear_local")
 
-    @named_call(lambda self: "CheckpointManager.wait()")
     def wait(self) -> None:
         """Wait for the async writes in flight; raise a failed durable write's error on every rank.
 
@@ -495,13 +508,6 @@ class CheckpointManager:
             self._local.wait()  # never raises for the local tier: a failure is a warning
         self._writer.finish(self._flight)
 
-    @named_call(
-        lambda self, *a, step=None, **k: (
-            "CheckpointManager.restore()"
-            if step is None
-            else f"CheckpointManager.restore(step={step!r})"
-        )
-    )
     def restore(
         self,
         state: MutableMapping[str, Any],
@@ -603,7 +609,6 @@ class CheckpointManager:
         self._check_open("should_stop")
         return self._signals.agreed()
 
-    @named_call(lambda self: "CheckpointManager.close()")
     def close(self) -> None:
         """Finish the async write in flight, restore signal handlers, free the snapshot buffers.
 
