@@ -693,7 +693,7 @@ def gather_to_receivers(
     for that mark, read the log, run ``decide`` on every rank's payload and
     append their verdict to ``value``; the receiver that counts in last sets
     ``done``. The other ranks wait on ``done`` and read ``value`` (one record
-    per receiver): four store operations each, whatever the world size.
+    per receiver): five store operations each (with the identity check), whatever the world size.
     Returns the verdict of this rank's receiver. If ``decide`` raises, that
     receiver's ranks raise its error (rebuilt as by :func:`share_outcome`, a
     RankFailedError naming it if it is not a DDPStateError) and the exception
