@@ -2,11 +2,12 @@
 
 Every store collective (``_collectives.py``) carries its caller's identity: the
 public call and its key arguments (``ddpstate.save('ck.pt')``,
-``CheckpointManager.save(step=3)``), set by :func:`named_call` on the public
-function (a contextvar, so the outermost public call names the rounds of the
-calls inside it), and which of that call's rounds it is. Ranks whose identities
-differ at the same call number are in different calls: :func:`mismatch_error`
-names what each called, in the user's words.
+``CheckpointManager.save(step=3)``), set by :func:`calling` in the public
+function's body (a contextvar, so the outermost public call names the rounds of
+the calls inside it; a ``with`` block, not a decorator, whose frame would shift
+the stacklevel of the warnings raised inside), and which of that call's rounds
+it is. Ranks whose identities differ at the same call number are in different
+calls: :func:`mismatch_error` names what each called, in the user's words.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import os
-from collections.abc import Callable, Iterator
-from typing import Optional, ParamSpec, TypeVar
+from collections.abc import Iterator
+from typing import Optional
 
 from ddpstate.errors import InvalidArgumentError
 
@@ -25,11 +25,6 @@ from ddpstate.errors import InvalidArgumentError
 LEFT = "(nothing: it stopped after a collective error at its previous call)"
 # Identities travel through the store; keep each one bounded.
 _MAX_IDENTITY = 400
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -65,48 +60,15 @@ def calling(text: str) -> Iterator[None]:
         _CALL.reset(token)
 
 
-def named_call(describe: Callable[..., str]) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
-    """Decorate a public collective: ``describe(*args, **kwargs)`` names each call.
-
-    See :func:`calling`.
+def restore_call(step: object) -> str:
+    """How ``CheckpointManager.restore(step=)`` reads in a call's identity.
 
     Example:
-        >>> from ddpstate._calls import named_call
-        >>> @named_call(lambda path: f"mylib.save({path!r})")
-        ... def save(path): ...
-        >>> save("ck.pt")
+        >>> from ddpstate._calls import restore_call
+        >>> restore_call(None), restore_call(3)
+        ('CheckpointManager.restore()', 'CheckpointManager.restore(step=3)')
     """
-
-    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-        @functools.wraps(fn)
-        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            if _CALL.get() is not None:
-                return fn(*args, **kwargs)
-            with calling(describe(*args, **kwargs)):
-                return fn(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
-
-
-def named_methods(**describe: Callable[..., str]) -> Callable[[type[_T]], type[_T]]:
-    """Decorate a class: each method named in ``describe`` gets :func:`named_call`.
-
-    Example:
-        >>> from ddpstate._calls import named_methods
-        >>> @named_methods(save=lambda self, step: f"Manager.save(step={step})")
-        ... class Manager:
-        ...     def save(self, step): ...
-        >>> Manager().save(3)
-    """
-
-    def decorate(cls: type[_T]) -> type[_T]:
-        for name, text in describe.items():
-            setattr(cls, name, named_call(text)(getattr(cls, name)))
-        return cls
-
-    return decorate
+    return "CheckpointManager.restore()" if step is None else f"CheckpointManager.restore({step=})"
 
 
 def path_text(path: object) -> str:

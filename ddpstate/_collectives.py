@@ -9,7 +9,7 @@ One call ``g`` of a collective uses at most five keys under ``<prefix>/<g>/``:
 
 * ``id``: what the call is. Each arriving rank does one ``compare_set`` of its
   identity (the public call and its key arguments, e.g. ``ddpstate.save('ck.pt')``,
-  and which of its rounds; see :func:`named_call`): the first sets it, and a
+  and which of its rounds; see ``_calls.calling``): the first sets it, and a
   later rank whose identity differs is *mismatched* (another call, or a rank
   that skipped one);
 * ``n``: a counter. Each arriving rank adds 1 (a failing rank adds

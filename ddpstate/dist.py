@@ -119,11 +119,6 @@ def _group() -> _collectives.StoreGroup:
     return group
 
 
-@_calls.named_call(
-    lambda timeout=None, name="barrier": (
-        "ddpstate.barrier()" if name == "barrier" else f"ddpstate.barrier(name={name!r})"
-    )
-)
 def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") -> None:
     """Wait until every rank arrives; never hang silently.
 
@@ -145,12 +140,14 @@ def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") 
         >>> import ddpstate
         >>> ddpstate.barrier(timeout=60)  # no-op in a single process
     """
-    if not is_distributed():
-        return
-    _collectives.barrier(_group(), name, resolve_timeout(timeout))
+    with _calls.calling(
+        "ddpstate.barrier()" if name == "barrier" else f"ddpstate.barrier({name=})"
+    ):
+        if not is_distributed():
+            return
+        _collectives.barrier(_group(), name, resolve_timeout(timeout))
 
 
-@_calls.named_call(lambda *a, name="", **k: f"ddpstate.share_outcome(name={name!r})")
 def share_outcome(
     error: Optional[BaseException],
     *,
@@ -182,17 +179,17 @@ def share_outcome(
         >>> from ddpstate.dist import share_outcome
         >>> share_outcome(None, name="my step")  # every rank succeeded: returns
     """
-    if not is_distributed():
-        if error is not None:
-            raise error
-        return
-    group = _group()
-    shared = _collectives.share_outcome(group, error, name, resolve_timeout(timeout))
-    if shared is not None:
-        raise shared from error
+    with _calls.calling(f"ddpstate.share_outcome({name=})"):
+        if not is_distributed():
+            if error is not None:
+                raise error
+            return
+        group = _group()
+        shared = _collectives.share_outcome(group, error, name, resolve_timeout(timeout))
+        if shared is not None:
+            raise shared from error
 
 
-@_calls.named_call(lambda *a, **k: "ddpstate.all_gather_object()")
 def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> list[Any]:
     """Gather one small picklable object from every rank, on every rank.
 
@@ -215,17 +212,17 @@ def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> 
         >>> ddpstate.all_gather_object({"step": 3})
         [{'step': 3}]
     """
-    if not is_distributed():
-        return [obj]
-    gathered = _collectives.gather(
-        _group(), pickle.dumps(obj), None, "all_gather_object", resolve_timeout(timeout)
-    )
-    assert gathered is not None
-    # Trusted input: these bytes come from this job's own ranks, never from a file.
-    return [pickle.loads(b) for b in gathered]
+    with _calls.calling("ddpstate.all_gather_object()"):
+        if not is_distributed():
+            return [obj]
+        gathered = _collectives.gather(
+            _group(), pickle.dumps(obj), None, "all_gather_object", resolve_timeout(timeout)
+        )
+        assert gathered is not None
+        # Trusted input: these bytes come from this job's own ranks, never from a file.
+        return [pickle.loads(b) for b in gathered]
 
 
-@_calls.named_call(lambda *a, **k: "ddpstate.gather_object()")
 def gather_object(
     obj: Any,
     dst: int = 0,
@@ -255,21 +252,23 @@ def gather_object(
         >>> gather_object("rank 0's note")
         ["rank 0's note"]
     """
-    if not is_distributed():
-        return [obj]
-    world = dist.get_world_size()
-    if not 0 <= dst < world:
-        raise InvalidArgumentError(f"gather_object: dst={dst} is not a rank of a {world}-rank job")
-    gathered = _collectives.gather(_group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout))
-    if gathered is None:
-        return None
-    # Trusted input: these bytes come from this job's own ranks, never from a file.
-    return [pickle.loads(b) for b in gathered]
+    with _calls.calling("ddpstate.gather_object()"):
+        if not is_distributed():
+            return [obj]
+        world = dist.get_world_size()
+        if not 0 <= dst < world:
+            raise InvalidArgumentError(
+                f"gather_object: dst={dst} is not a rank of a {world}-rank job"
+            )
+        gathered = _collectives.gather(
+            _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout)
+        )
+        if gathered is None:
+            return None
+        # Trusted input: these bytes come from this job's own ranks, never from a file.
+        return [pickle.loads(b) for b in gathered]
 
 
-@_calls.named_call(
-    lambda *a, name="gather_and_decide", **k: f"ddpstate.gather_and_decide(name={name!r})"
-)
 def gather_and_decide(
     obj: Any,
     decide: Callable[[list[Any]], Optional[DDPStateError]],
@@ -302,28 +301,28 @@ def gather_and_decide(
         >>> from ddpstate.dist import gather_and_decide
         >>> gather_and_decide({"step": 3}, lambda infos: None, name="check steps")
     """
-    if not is_distributed():
-        error = decide([obj])
-        if error is not None:
-            raise error
-        return
-    world = dist.get_world_size()
-    if not 0 <= dst < world:
-        raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+    with _calls.calling(f"ddpstate.gather_and_decide({name=})"):
+        if not is_distributed():
+            error = decide([obj])
+            if error is not None:
+                raise error
+            return
+        world = dist.get_world_size()
+        if not 0 <= dst < world:
+            raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
 
-    def on_dst(payloads: list[bytes]) -> Optional[DDPStateError]:
-        # Trusted input: these bytes come from this job's own ranks, never from a file.
-        return decide([pickle.loads(b) for b in payloads])
+        def on_dst(payloads: list[bytes]) -> Optional[DDPStateError]:
+            # Trusted input: these bytes come from this job's own ranks, never from a file.
+            return decide([pickle.loads(b) for b in payloads])
 
-    group = _group()
-    shared = _collectives.gather_and_decide(
-        group, pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_dst
-    )
-    if shared is not None:
-        raise shared
+        group = _group()
+        shared = _collectives.gather_and_decide(
+            group, pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_dst
+        )
+        if shared is not None:
+            raise shared
 
 
-@_calls.named_call(lambda *a, name="", **k: f"ddpstate.gather_to_receivers(name={name!r})")
 def gather_to_receivers(
     obj: Any,
     decide: Callable[[list[Any]], Any],
@@ -362,24 +361,24 @@ def gather_to_receivers(
         >>> gather_to_receivers(3, sum, dst=0, name="sum on each node")
         3
     """
-    if not is_distributed():
-        return decide([obj])
-    world = dist.get_world_size()
-    if not 0 <= dst < world:
-        raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+    with _calls.calling(f"ddpstate.gather_to_receivers({name=})"):
+        if not is_distributed():
+            return decide([obj])
+        world = dist.get_world_size()
+        if not 0 <= dst < world:
+            raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
 
-    def on_receiver(payloads: list[bytes]) -> bytes:
-        # Trusted input: these bytes come from this job's own ranks, never from a file.
-        return pickle.dumps(decide([pickle.loads(b) for b in payloads]))
+        def on_receiver(payloads: list[bytes]) -> bytes:
+            # Trusted input: these bytes come from this job's own ranks, never from a file.
+            return pickle.dumps(decide([pickle.loads(b) for b in payloads]))
 
-    raw = _collectives.gather_to_receivers(
-        _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_receiver
-    )
-    # Trusted input: the answer of this job's own receiver rank.
-    return pickle.loads(raw)
+        raw = _collectives.gather_to_receivers(
+            _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_receiver
+        )
+        # Trusted input: the answer of this job's own receiver rank.
+        return pickle.loads(raw)
 
 
-@_calls.named_call(lambda *a, name="", **k: f"ddpstate.compare_across_ranks(name={name!r})")
 def compare_across_ranks(
     value: Any, *, name: str, timeout: float | timedelta | None = None
 ) -> Optional[list[Any]]:
@@ -404,12 +403,12 @@ def compare_across_ranks(
         >>> compare_across_ranks("run/ckpt.pt", name="save path") is None
         True
     """
-    if not is_distributed():
-        return None
-    return _collectives.agree(_group(), value, name, resolve_timeout(timeout))
+    with _calls.calling(f"ddpstate.compare_across_ranks({name=})"):
+        if not is_distributed():
+            return None
+        return _collectives.agree(_group(), value, name, resolve_timeout(timeout))
 
 
-@_calls.named_call(lambda obj=None, src=0, **k: f"ddpstate.broadcast_object(src={src})")
 def broadcast_object(
     obj: Any = None, src: int = 0, *, timeout: float | timedelta | None = None
 ) -> Any:
@@ -435,20 +434,23 @@ def broadcast_object(
         >>> ddpstate.broadcast_object({"resume_step": 100})
         {'resume_step': 100}
     """
-    if not is_distributed():
-        return obj
-    world = dist.get_world_size()
-    if not 0 <= src < world:
-        raise InvalidArgumentError(
-            f"broadcast_object: src={src} is not a rank of a {world}-rank job"
+    with _calls.calling(f"ddpstate.broadcast_object({src=})"):
+        if not is_distributed():
+            return obj
+        world = dist.get_world_size()
+        if not 0 <= src < world:
+            raise InvalidArgumentError(
+                f"broadcast_object: src={src} is not a rank of a {world}-rank job"
+            )
+        group = _group()
+        payload = pickle.dumps(obj) if group.rank == src else None
+        raw = _collectives.broadcast(
+            group, payload, src, "broadcast_object", resolve_timeout(timeout)
         )
-    group = _group()
-    payload = pickle.dumps(obj) if group.rank == src else None
-    raw = _collectives.broadcast(group, payload, src, "broadcast_object", resolve_timeout(timeout))
-    if group.rank == src:
-        return obj
-    # Trusted input: these bytes come from this job's own rank src, never from a file.
-    return pickle.loads(raw)
+        if group.rank == src:
+            return obj
+        # Trusted input: these bytes come from this job's own rank src, never from a file.
+        return pickle.loads(raw)
 
 
 _flag_buffer: list[tuple[Any, torch.Tensor]] = []

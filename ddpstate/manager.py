@@ -59,7 +59,6 @@ from types import TracebackType
 from typing import Any, Optional
 
 from ddpstate import storage
-from ddpstate._calls import named_methods
 from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
@@ -146,23 +145,6 @@ def _check_same_config(m: CheckpointManager) -> None:
         )
 
 
-def _restore_call(self: Any, *args: Any, step: Optional[int] = None, **kwargs: Any) -> str:
-    return (
-        "CheckpointManager.restore()"
-        if step is None
-        else f"CheckpointManager.restore(step={step!r})"
-    )
-
-
-# Each collective method names its calls, so ranks in different calls are told what each called.
-@named_methods(
-    save=lambda self, step, *a, **k: f"CheckpointManager.save(step={step!r})",
-    save_local=lambda self, step, *a, **k: f"CheckpointManager.save_local(step={step!r})",
-    clear_local=lambda self: "CheckpointManager.clear_local()",
-    wait=lambda self: "CheckpointManager.wait()",
-    close=lambda self: "CheckpointManager.close()",
-    restore=_restore_call,
-)
 class CheckpointManager:
     """Save training state every few steps, keep a few, and resume from the newest good one.
 
