@@ -11,7 +11,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ddpstate import _fs, storage
+from ddpstate import _fs, _visibility, storage
+from ddpstate._calls import calling, path_text
 from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate._dcp import read as _dcp_read
 from ddpstate._dcp import write as _dcp
@@ -154,10 +155,28 @@ def _disagreement(what: str, seen: list[tuple[Any, ...]]) -> Optional[InvalidArg
     )
 
 
-def _check_same_call(what: str, arguments: tuple[Any, ...], timeout: Timeout) -> None:
-    """Every rank passed the same path (and format, src_rank); else raise on every rank."""
-    seen = compare_across_ranks(arguments, name=what, timeout=timeout)
-    error = None if seen is None else _disagreement(what, seen)
+def _check_same_call(
+    what: str, arguments: tuple[Any, ...], timeout: Timeout, found: Optional[int] = 0
+) -> None:
+    """Every rank passed the same path (and format, src_rank); else raise on every rank.
+
+    ``found``: what this rank sees at the path (``_visibility.stat``); every
+    rank must see the same, else the ranks do not share the folder.
+    """
+    seen = compare_across_ranks((arguments, found), name=what, timeout=timeout)
+    if seen is None:
+        return
+    error: Optional[DDPStateError] = _disagreement(what, [a for a, _ in seen])
+    if error is None:
+        views = [f for _, f in seen]
+        holder = next((r for r, f in enumerate(views) if f is not None), 0)
+        error = _visibility.not_shared(
+            arguments[0],
+            holder,
+            views,
+            "sees",
+            f"use a shared path, or pass src_rank={holder} (one rank reads, the others receive)",
+        )
     if error is not None:
         raise error
 
@@ -246,6 +265,7 @@ def save(
         >>> load(path)["w"]
         tensor([1., 1.])
     """
+    with calling(f"ddpstate.save({path_text(path)})"):
     text = os.fspath(path)
     _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
     if _dcp.holds_sharded(obj):
@@ -304,6 +324,8 @@ def save(
         if causes:
             raise shared from causes[0]
         raise
+        if not _fs.is_remote(text):  # committed: can every rank see the file?
+            _visibility.check_written(text, src_rank, name=SAVE_COLLECTIVE, timeout=timeout)
 
 
 def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:
@@ -570,6 +592,7 @@ def load(
         >>> load(path, map_location="cpu")["w"]
         tensor([0., 0.])
     """
+    with calling(f"ddpstate.load({path_text(path)})"):
     text = os.fspath(path)
     _savecheck.check_safe_globals(safe_globals, f"load({text!r})")
     resolved = resolve_map_location(map_location)
@@ -577,7 +600,8 @@ def load(
         _check_rank(src_rank, "src_rank")
     distributed = is_distributed()
     if barrier and distributed:
-        _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout)
+            found = _visibility.stat(text) if src_rank is None else 0
+            _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout, found)
     if src_rank is None or not distributed:
         return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
     return _load_and_broadcast(
@@ -620,6 +644,7 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         >>> sorted(load(path))
         ['bias', 'weight']
     """
+    with calling(f"ddpstate.save_model_state({path_text(path)})"):
     from ddpstate.batchnorm import warn_if_stats_differ
 
     state = unwrapped_state_dict(model)
@@ -700,6 +725,7 @@ def load_model_state(
         >>> load_model_state(torch.nn.Linear(2, 2), path)
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     """
+    with calling(f"ddpstate.load_model_state({path_text(source)})"):
     _savecheck.check_safe_globals(safe_globals, "load_model_state")
     from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
 
