@@ -266,64 +266,64 @@ def save(
         tensor([1., 1.])
     """
     with calling(f"ddpstate.save({path_text(path)})"):
-    text = os.fspath(path)
-    _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
-    if _dcp.holds_sharded(obj):
-        _dcp.check_folder_target(
-            obj, text, format, metadata is not None, max_shard_size=max_shard_size is not None
-        )
-        _dcp.check_sharded_types(obj, text)
-        _check_rank(src_rank, "src_rank")
-        _save_sharded(obj, text, src_rank, timeout)
-        return
-    fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
-    if max_shard_size is not None:
-        from ddpstate._hf.write import parse_size
-
-        parse_size(max_shard_size)  # a bad size fails on every rank, before any write
-        if format is not None and _save_format(text, format) != SAFETENSORS:
-            raise CheckpointFormatError(
-                f"{text}: max_shard_size writes safetensors shards; drop format={format!r}"
+        text = os.fspath(path)
+        _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
+        if _dcp.holds_sharded(obj):
+            _dcp.check_folder_target(
+                obj, text, format, metadata is not None, max_shard_size=max_shard_size is not None
             )
-    if metadata is not None and fmt not in (SAFETENSORS, HF_SHARDED):
-        raise CheckpointFormatError(
-            f"{text}: metadata= is stored in safetensors headers only; save with "
-            f"format='safetensors', or put the metadata inside the saved object"
-        )
-    _check_rank(src_rank, "src_rank")
-    allowed = list(safe_globals) if weights_only else None
-    if not (barrier and is_distributed()):
-        if (get_rank() if is_distributed() else src_rank) == src_rank:
+            _dcp.check_sharded_types(obj, text)
+            _check_rank(src_rank, "src_rank")
+            _save_sharded(obj, text, src_rank, timeout)
+            return
+        fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
+        if max_shard_size is not None:
+            from ddpstate._hf.write import parse_size
+
+            parse_size(max_shard_size)  # a bad size fails on every rank, before any write
+            if format is not None and _save_format(text, format) != SAFETENSORS:
+                raise CheckpointFormatError(
+                    f"{text}: max_shard_size writes safetensors shards; drop format={format!r}"
+                )
+        if metadata is not None and fmt not in (SAFETENSORS, HF_SHARDED):
+            raise CheckpointFormatError(
+                f"{text}: metadata= is stored in safetensors headers only; save with "
+                f"format='safetensors', or put the metadata inside the saved object"
+            )
+        _check_rank(src_rank, "src_rank")
+        allowed = list(safe_globals) if weights_only else None
+        if not (barrier and is_distributed()):
+            if (get_rank() if is_distributed() else src_rank) == src_rank:
+                try:
+                    _write(obj, text, fmt, storage_options, metadata, allowed, max_shard_size)
+                except BaseException as exc:
+                    raise _save_error(exc, text, src_rank) from exc
+            return
+        # One round: every rank sends its (path, format, src_rank) to the writer, which
+        # checks that they agree, writes, and answers every rank.
+        causes: list[BaseException] = []
+
+        def decide(seen: list[tuple[Any, ...]]) -> Optional[DDPStateError]:
+            disagreement = _disagreement(SAVE_COLLECTIVE, seen)
+            if disagreement is not None:
+                return disagreement
             try:
                 _write(obj, text, fmt, storage_options, metadata, allowed, max_shard_size)
             except BaseException as exc:
-                raise _save_error(exc, text, src_rank) from exc
-        return
-    # One round: every rank sends its (path, format, src_rank) to the writer, which
-    # checks that they agree, writes, and answers every rank.
-    causes: list[BaseException] = []
+                causes.append(exc)
+                return _save_error(exc, text, src_rank)
+            return None
 
-    def decide(seen: list[tuple[Any, ...]]) -> Optional[DDPStateError]:
-        disagreement = _disagreement(SAVE_COLLECTIVE, seen)
-        if disagreement is not None:
-            return disagreement
         try:
-            _write(obj, text, fmt, storage_options, metadata, allowed, max_shard_size)
-        except BaseException as exc:
-            causes.append(exc)
-            return _save_error(exc, text, src_rank)
-        return None
-
-    try:
-        gather_and_decide(
-            (text, fmt, src_rank), decide, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout
-        )
-    except DDPStateError as shared:
-        if causes and not isinstance(causes[0], Exception):
-            raise causes[0] from None  # the others were told; the interrupt goes on here
-        if causes:
-            raise shared from causes[0]
-        raise
+            gather_and_decide(
+                (text, fmt, src_rank), decide, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout
+            )
+        except DDPStateError as shared:
+            if causes and not isinstance(causes[0], Exception):
+                raise causes[0] from None  # the others were told; the interrupt goes on here
+            if causes:
+                raise shared from causes[0]
+            raise
         if not _fs.is_remote(text):  # committed: can every rank see the file?
             _visibility.check_written(text, src_rank, name=SAVE_COLLECTIVE, timeout=timeout)
 
@@ -593,20 +593,20 @@ def load(
         tensor([0., 0.])
     """
     with calling(f"ddpstate.load({path_text(path)})"):
-    text = os.fspath(path)
-    _savecheck.check_safe_globals(safe_globals, f"load({text!r})")
-    resolved = resolve_map_location(map_location)
-    if src_rank is not None:
-        _check_rank(src_rank, "src_rank")
-    distributed = is_distributed()
-    if barrier and distributed:
+        text = os.fspath(path)
+        _savecheck.check_safe_globals(safe_globals, f"load({text!r})")
+        resolved = resolve_map_location(map_location)
+        if src_rank is not None:
+            _check_rank(src_rank, "src_rank")
+        distributed = is_distributed()
+        if barrier and distributed:
             found = _visibility.stat(text) if src_rank is None else 0
             _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout, found)
-    if src_rank is None or not distributed:
-        return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
-    return _load_and_broadcast(
-        text, resolved, weights_only, mmap, storage_options, src_rank, timeout, safe_globals
-    )
+        if src_rank is None or not distributed:
+            return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
+        return _load_and_broadcast(
+            text, resolved, weights_only, mmap, storage_options, src_rank, timeout, safe_globals
+        )
 
 
 # ------------------------------------------------------------------------------- model state
@@ -645,14 +645,14 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         ['bias', 'weight']
     """
     with calling(f"ddpstate.save_model_state({path_text(path)})"):
-    from ddpstate.batchnorm import warn_if_stats_differ
+        from ddpstate.batchnorm import warn_if_stats_differ
 
-    state = unwrapped_state_dict(model)
-    save(state, path, **save_kwargs)
-    if save_kwargs.get("barrier", True):
-        # After the save: its own agreement has proven every rank is here, so a
-        # rank that skipped the call fails inside save, named as such.
-        warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
+        state = unwrapped_state_dict(model)
+        save(state, path, **save_kwargs)
+        if save_kwargs.get("barrier", True):
+            # After the save: its own agreement has proven every rank is here, so a
+            # rank that skipped the call fails inside save, named as such.
+            warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
 
 
 def load_model_state(
@@ -726,47 +726,47 @@ def load_model_state(
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     """
     with calling(f"ddpstate.load_model_state({path_text(source)})"):
-    _savecheck.check_safe_globals(safe_globals, "load_model_state")
-    from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
+        _savecheck.check_safe_globals(safe_globals, "load_model_state")
+        from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
 
-    if isinstance(source, (str, os.PathLike)):
-        name = os.fspath(source)
-        if _dcp_read.is_sharded_model(model) and _detect(name, storage_options) == DCP:
-            return _load_sharded(
-                model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
-                storage_options=storage_options, timeout=timeout,
-                ignore_mismatched=ignore_mismatched,
-            )  # fmt: skip
-        checkpoint = load(
-            source,
-            map_location=map_location,
-            weights_only=weights_only,
-            mmap=mmap,
-            barrier=barrier,
-            src_rank=src_rank,
-            storage_options=storage_options,
-            timeout=timeout,
-            safe_globals=safe_globals,
+        if isinstance(source, (str, os.PathLike)):
+            name = os.fspath(source)
+            if _dcp_read.is_sharded_model(model) and _detect(name, storage_options) == DCP:
+                return _load_sharded(
+                    model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
+                    storage_options=storage_options, timeout=timeout,
+                    ignore_mismatched=ignore_mismatched,
+                )  # fmt: skip
+            checkpoint = load(
+                source,
+                map_location=map_location,
+                weights_only=weights_only,
+                mmap=mmap,
+                barrier=barrier,
+                src_rank=src_rank,
+                storage_options=storage_options,
+                timeout=timeout,
+                safe_globals=safe_globals,
+            )
+        else:
+            name, checkpoint = "the given state dict", source
+        _, state_dict = find_state_dict(checkpoint, key)
+        if _dcp_read.is_sharded_model(model):
+            return _dcp_read.load_full_into_sharded(
+                model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
+            )
+        adapted = adapt_state_dict(state_dict, model, strict=strict)
+        skipped = load_fitting(
+            model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
         )
-    else:
-        name, checkpoint = "the given state dict", source
-    _, state_dict = find_state_dict(checkpoint, key)
-    if _dcp_read.is_sharded_model(model):
-        return _dcp_read.load_full_into_sharded(
-            model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
+        if strict:
+            return IncompatibleKeys(skipped, [])
+        match = match_keys(state_dict, model)
+        warn_if_little_matched(match, state_dict, name=name, stacklevel=2)
+        return IncompatibleKeys(
+            [*skipped, *match.missing],
+            [k if isinstance(k, str) else repr(k) for k in match.unexpected],
         )
-    adapted = adapt_state_dict(state_dict, model, strict=strict)
-    skipped = load_fitting(
-        model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
-    )
-    if strict:
-        return IncompatibleKeys(skipped, [])
-    match = match_keys(state_dict, model)
-    warn_if_little_matched(match, state_dict, name=name, stacklevel=2)
-    return IncompatibleKeys(
-        [*skipped, *match.missing],
-        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
-    )
 
 
 def _load_sharded(
