@@ -349,6 +349,9 @@ class CheckpointManager:
         be another run's in a reused folder. Models ``wrap_ddp``
         prepared with unsynced BatchNorm get their running statistics averaged
         across ranks first (:func:`~ddpstate.sync_batchnorm_stats`).
+        An optimizer's state is written keyed by the parameter names of the
+        model entry holding its parameters (see :meth:`restore`); an optimizer
+        with no model in ``state`` is written by position, with a warning.
 
         Args:
             step: The training step (an int >= 0; names the folder).
@@ -363,7 +366,8 @@ class CheckpointManager:
                 previous async write failed (raised before saving anything);
                 the checkpoints committed before are untouched.
             InvalidArgumentError: ``step`` is below committed steps that are
-                not a rollback (see above); nothing is written or deleted.
+                not a rollback (see above); nothing is written or deleted. Or an
+                optimizer's parameters are spread over several model entries.
             DDPStateError: Invalid arguments, or the ranks passed different
                 steps or entry names; a value ``restore`` could not load (named
                 by its path, with the ``safe_globals`` way out) or a meta tensor,
@@ -498,6 +502,7 @@ class CheckpointManager:
         map_location: Any = "auto",
         strict: bool = True,
         ignore_mismatched: bool = False,
+        allow_dtype_change: bool = False,
     ) -> Optional[int]:
         """Load the newest valid checkpoint (or ``step``'s) into ``state``; return its step.
 
@@ -512,6 +517,21 @@ class CheckpointManager:
         values are written back into ``state`` (the dict is updated in place,
         as ``torch.distributed.checkpoint.load`` does). Each rank restores its
         own RNG states.
+
+        Optimizers are saved with their state keyed by the parameter names of
+        the model entry that holds their parameters (wrapper prefixes such as
+        ``module.`` and ``_orig_mod.`` removed) and restored by those names,
+        param groups included, so a model whose layers are declared in another
+        order, or wrapped differently (DDP, DataParallel, ``torch.compile``),
+        gets each parameter's own moments. Checkpoints of earlier versions
+        (state by position) restore by position as before. Nothing is loaded
+        until every entry has been checked: a refusal leaves models and
+        optimizers untouched.
+
+        A tensor whose saved dtype differs from the live one (a float32
+        checkpoint into a bfloat16 model, model or optimizer state) is refused
+        unless ``allow_dtype_change=True``; integer, floating, complex and bool
+        tensors are never cast into one another.
 
         With a ``local_dir`` and no ``step``, the node-local tier answers first:
         each node's local rank 0 verifies its newest local step, and the ranks
@@ -538,6 +558,9 @@ class CheckpointManager:
                 head resized for fine-tuning; a warning names them. Optimizers in
                 ``state`` drop their saved state for those parameters (another
                 warning), so the first step after restore works.
+            allow_dtype_change: Cast saved floating tensors (model and optimizer
+                state) to the live tensors' dtypes, e.g. to resume a float32
+                checkpoint in bfloat16; without it such a change is refused.
 
         Returns:
             The restored step, or None when the folder has no checkpoint yet.
@@ -550,6 +573,13 @@ class CheckpointManager:
                 keys do not match.
             ShapeMismatchError: A model's tensors have other shapes than the
                 live model's (the same error ``load_model_state`` raises).
+            DTypeMismatchError: A saved tensor's dtype differs from the live
+                one's (see ``allow_dtype_change``), or changes kind (int64 into float32).
+            OptimizerStateMismatchError: An optimizer's saved state names other
+                parameters than the live optimizer holds, or a live param group
+                takes parameters of several saved groups.
+            InvalidArgumentError: An optimizer saved by parameter name has no
+                model in ``state`` holding its parameters (or several).
             UnsafeCheckpointError: A value needs a type not allowed by ``safe_globals``.
             DDPStateError: Loading an entry failed on some rank (named).
 
@@ -564,7 +594,7 @@ class CheckpointManager:
         """
         self._check_open("restore")
         self._writer.finish(self._flight)
-        options = (map_location, strict, ignore_mismatched)
+        options = (map_location, strict, ignore_mismatched, allow_dtype_change)
         self.restored_from = _restore.restore(self._writer, self._local, state, step, *options)
         if self.restored_from.step is not None:
             self._restored_step = int(self.restored_from.step)
