@@ -349,9 +349,8 @@ class CheckpointManager:
         be another run's in a reused folder. Models ``wrap_ddp``
         prepared with unsynced BatchNorm get their running statistics averaged
         across ranks first (:func:`~ddpstate.sync_batchnorm_stats`).
-        An optimizer's state is written keyed by the parameter names of the
-        model entry holding its parameters (see :meth:`restore`); an optimizer
-        with no model in ``state`` is written by position, with a warning.
+        Optimizers are saved keyed by their model entry's parameter names (no
+        model entry: by position, with a warning; see :meth:`restore`).
 
         Args:
             step: The training step (an int >= 0; names the folder).
@@ -518,20 +517,9 @@ class CheckpointManager:
         as ``torch.distributed.checkpoint.load`` does). Each rank restores its
         own RNG states.
 
-        Optimizers are saved with their state keyed by the parameter names of
-        the model entry that holds their parameters (wrapper prefixes such as
-        ``module.`` and ``_orig_mod.`` removed) and restored by those names,
-        param groups included, so a model whose layers are declared in another
-        order, or wrapped differently (DDP, DataParallel, ``torch.compile``),
-        gets each parameter's own moments. Checkpoints of earlier versions
-        (state by position) restore by position as before. Nothing is loaded
-        until every entry has been checked: a refusal leaves models and
-        optimizers untouched.
-
-        A tensor whose saved dtype differs from the live one (a float32
-        checkpoint into a bfloat16 model, model or optimizer state) is refused
-        unless ``allow_dtype_change=True``; integer, floating, complex and bool
-        tensors are never cast into one another.
+        Optimizer state comes back by parameter name (earlier files: by position);
+        a dtype change is refused unless ``allow_dtype_change``. Every entry is
+        checked before any is loaded: a refusal leaves them all untouched.
 
         With a ``local_dir`` and no ``step``, the node-local tier answers first:
         each node's local rank 0 verifies its newest local step, and the ranks
@@ -558,9 +546,8 @@ class CheckpointManager:
                 head resized for fine-tuning; a warning names them. Optimizers in
                 ``state`` drop their saved state for those parameters (another
                 warning), so the first step after restore works.
-            allow_dtype_change: Cast saved floating tensors (model and optimizer
-                state) to the live tensors' dtypes, e.g. to resume a float32
-                checkpoint in bfloat16; without it such a change is refused.
+            allow_dtype_change: Cast saved tensors to the live dtypes (float32
+                into bfloat16); never between integer, floating and bool.
 
         Returns:
             The restored step, or None when the folder has no checkpoint yet.
@@ -573,13 +560,8 @@ class CheckpointManager:
                 keys do not match.
             ShapeMismatchError: A model's tensors have other shapes than the
                 live model's (the same error ``load_model_state`` raises).
-            DTypeMismatchError: A saved tensor's dtype differs from the live
-                one's (see ``allow_dtype_change``), or changes kind (int64 into float32).
-            OptimizerStateMismatchError: An optimizer's saved state names other
-                parameters than the live optimizer holds, or a live param group
-                takes parameters of several saved groups.
-            InvalidArgumentError: An optimizer saved by parameter name has no
-                model in ``state`` holding its parameters (or several).
+            DTypeMismatchError: A dtype differs (see ``allow_dtype_change``).
+            OptimizerStateMismatchError: Optimizer parameters or groups differ by name.
             UnsafeCheckpointError: A value needs a type not allowed by ``safe_globals``.
             DDPStateError: Loading an entry failed on some rank (named).
 
@@ -639,7 +621,7 @@ class CheckpointManager:
         try:
             self._writer.finish(self._flight)
         finally:
-            self._release()
+            _release(self)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -656,7 +638,7 @@ class CheckpointManager:
         # The block failed, possibly on this rank only: no collective (it could hang
         # on ranks that went on), but the write in flight still completes.
         self._flight.abandon(exc)
-        self._release()
+        _release(self)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -664,11 +646,13 @@ class CheckpointManager:
                 f"CheckpointManager.{what}: the manager for {self.directory} is closed"
             )
 
-    def _release(self) -> None:
-        self._closed = True
-        _dcp.release_group(self._flight)
-        if self._local is not None:
-            self._local.close()
-        self._flight.thread = None
-        self._snapshot.buffers.clear()
-        self._signals.restore()
+
+def _release(m: CheckpointManager) -> None:
+    """Mark ``m`` closed and free what it holds (DCP group, local tier, buffers, signals)."""
+    m._closed = True
+    _dcp.release_group(m._flight)
+    if m._local is not None:
+        m._local.close()
+    m._flight.thread = None
+    m._snapshot.buffers.clear()
+    m._signals.restore()
