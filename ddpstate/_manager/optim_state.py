@@ -11,11 +11,13 @@ The mapping is written here rather than taken from torch's
 ``get_optimizer_state_dict``/``set_optimizer_state_dict``: those run a
 zero-gradient ``step()`` on an optimizer that has no state yet
 (``_init_optim_state``), which on save changes live training (Adam's step count
-becomes 1) and on restore leaves that made-up state for parameters the
-checkpoint has none for; and they keep ``DataParallel``'s ``module.`` in the
-names. The saved form is plain dicts, lists, tensors, strings and numbers, so
-plain ``torch.load`` opens it, and ``Optimizer.load_state_dict`` still reads it
-by position as before.
+becomes 1, SGD's first dampened step changes); on restore they refuse,
+unless ``strict=False``, a checkpoint without state for some parameter (one
+that had no gradient yet), which plain optimizers save and load; and they keep
+``DataParallel``'s ``module.`` in the names (checked on torch 2.13). The saved
+form is plain dicts, lists, tensors, strings and numbers, so plain
+``torch.load`` opens it, and ``Optimizer.load_state_dict`` still reads it by
+position as before.
 """
 
 from __future__ import annotations
