@@ -383,3 +383,21 @@ def test_load_model_state_refuses_int64_into_float32(tmp_path: Path) -> None:
     with pytest.raises(DTypeMismatchError, match=r"'enc.weight' \(saved int64, model float32\)"):
         load_model_state(live, path)
     assert torch.equal(before, live.enc.weight)
+
+
+@pytest.mark.parametrize("make_opt", [adam, sgd], ids=["adam", "sgd_momentum"])
+def test_save_before_the_first_step_leaves_the_optimizer_as_it_was(
+    tmp_path: Path, make_opt: Opt
+) -> None:
+    # torch's get_optimizer_state_dict would run a zero-gradient step here (Adam's
+    # step count 1, SGD's first dampened step changed); the by-name save must not.
+    expected = _run_and_save(tmp_path, make_opt, k=0)
+    saved = torch.load(tmp_path / "step_0000000000" / "optimizer.pt", weights_only=True)
+    assert saved["state"] == {}
+    assert saved["param_groups"][0]["params"] == [
+        "enc.weight",
+        "enc.bias",
+        "dec.weight",
+        "dec.bias",
+    ]
+    _assert_bitwise(expected, _restore_and_step(tmp_path, make_opt, k=0))
