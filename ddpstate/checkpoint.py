@@ -18,9 +18,10 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
-from ddpstate._io.model_state import IncompatibleKeys, load_fitting
+from ddpstate._io.model_state import IncompatibleKeys, load_fitting, warn_if_little_matched
 from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
+from ddpstate._keys.wrappers import unwrapped_state_dict
 from ddpstate.dist import (
     broadcast_object,
     compare_across_ranks,
@@ -591,8 +592,9 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
     """Save a model's state dict with wrapper-free keys; a collective like :func:`save`.
 
     The model is unwrapped (DataParallel, DDP, ``torch.compile``, in any
-    nesting) and the keys normalized (``module.``/``_orig_mod.`` segments
-    removed, ``_metadata`` kept), so the file loads into any wrapping later.
+    nesting): exactly the key segments of the wrapper objects it holds are
+    removed (``_metadata`` kept), so the file loads into any wrapping later. A
+    real child named ``module`` (``AveragedModel``'s) stays in the keys.
 
     Args:
         model: A plain or wrapped module (call it on every rank).
@@ -619,9 +621,8 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         ['bias', 'weight']
     """
     from ddpstate.batchnorm import warn_if_stats_differ
-    from ddpstate.keys import normalize_keys, unwrap_model
 
-    state = normalize_keys(unwrap_model(model).state_dict())
+    state = unwrapped_state_dict(model)
     save(state, path, **save_kwargs)
     if save_kwargs.get("barrier", True):
         # After the save: its own agreement has proven every rank is here, so a
@@ -741,6 +742,7 @@ def load_model_state(
     if strict:
         return IncompatibleKeys(skipped, [])
     match = match_keys(state_dict, model)
+    warn_if_little_matched(match, state_dict, name=name, stacklevel=2)
     return IncompatibleKeys(
         [*skipped, *match.missing],
         [k if isinstance(k, str) else repr(k) for k in match.unexpected],

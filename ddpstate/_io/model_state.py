@@ -13,9 +13,17 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from ddpstate._keys.match import KeyMatch, prefix_hint
 from ddpstate.errors import DTypeMismatchError, ShapeMismatchError
 
-__all__ = ["DTypePolicy", "IncompatibleKeys", "check_dtypes", "load_fitting", "shape_mismatches"]
+__all__ = [
+    "DTypePolicy",
+    "IncompatibleKeys",
+    "check_dtypes",
+    "load_fitting",
+    "shape_mismatches",
+    "warn_if_little_matched",
+]
 
 #: What a load does with a tensor of another dtype of the same kind (float32 into
 #: bfloat16): "refuse" (CheckpointManager.restore), "allow" (restore's opt-in) or
@@ -205,3 +213,34 @@ def check_dtypes(
         stacklevel=stacklevel,
     )
     return changes
+
+
+# A non-strict load that pairs fewer than this share of either side's keys is
+# almost surely the wrong file or a prefix mismatch, not a deliberate partial load.
+_FEW_MATCHED = 0.10
+
+
+def warn_if_little_matched(
+    match: KeyMatch, source: Mapping[Any, Any], *, name: str, stacklevel: int
+) -> None:
+    """Warn when a ``strict=False`` load paired (almost) none of the keys, naming the fix.
+
+    Args:
+        match: The pairing of the file's keys with the model's.
+        source: The file's state dict.
+        name: The file, for the message.
+        stacklevel: Points the warning at the user's call (counted from here).
+    """
+    source_keys = [k for k in source if isinstance(k, str)]
+    target_keys = [*match.mapping, *match.missing]
+    matched = len(match.mapping)
+    if not source_keys or not target_keys:
+        return
+    if matched >= _FEW_MATCHED * len(source_keys) and matched >= _FEW_MATCHED * len(target_keys):
+        return
+    warnings.warn(
+        f"{name}: strict=False loaded {matched} of the file's {len(source_keys)} entries into "
+        f"a model that expects {len(target_keys)}; {prefix_hint(source_keys, target_keys)}",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )

@@ -3,8 +3,8 @@
 ``Optimizer.state_dict()`` keys each parameter's state by its position in
 ``param_groups``, so a model whose layers are declared in another order takes
 the moments of the wrong layer without a word. ``CheckpointManager.save``
-therefore writes each optimizer with its model's parameter names (normalized as
-the model entry's keys are: no ``module.``/``_orig_mod.``), and ``restore`` maps
+therefore writes each optimizer with its model's parameter names (as the model
+entry's keys are: the wrappers' ``module.``/``_orig_mod.`` removed), and ``restore`` maps
 them back onto the live optimizer by name before anything is loaded.
 
 The mapping is written here rather than taken from torch's
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from ddpstate._io.model_state import DTypePolicy
+from ddpstate._keys.wrappers import wrapper_chain
 from ddpstate.errors import DTypeMismatchError, InvalidArgumentError, OptimizerStateMismatchError
-from ddpstate.keys import normalize_keys, unwrap_model
 
 _PARAMS = "params"
 # torch >= 2.6 records the names an optimizer was built with in its groups; the
@@ -40,6 +40,7 @@ _PARAM_NAMES = "param_names"
 # Optimizer.load_state_dict never casts "step" (it stays float32 on the CPU).
 _UNCAST_KEYS = frozenset({"step"})
 _LISTED = 8
+_COMPILED_SEGMENT = "_orig_mod"
 
 
 def _listing(items: list[str]) -> str:
@@ -86,11 +87,18 @@ def owner(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], where: str
 
 
 def param_names(model: nn.Module) -> dict[int, list[str]]:
-    """Each parameter's normalized names in ``model`` (tied parameters have several), by id."""
-    named = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+    """Each parameter's names in ``model`` as its entry's keys have them, by id.
+
+    The wrappers ``model`` holds are peeled off and compiled submodules lose their
+    ``_orig_mod`` segment, as ``unwrapped_state_dict`` does for the model entry;
+    tied parameters have several names.
+    """
+    *_, plain = wrapper_chain(model)
     names: dict[int, list[str]] = {}
-    for name, param in normalize_keys(named).items():
-        names.setdefault(id(param), []).append(name)
+    for name, param in plain.named_parameters(remove_duplicate=False):
+        # torch.compile reserves this attribute name for the module it wraps.
+        kept = ".".join(s for s in name.split(".") if s != _COMPILED_SEGMENT)
+        names.setdefault(id(param), []).append(kept)
     return names
 
 
