@@ -678,6 +678,10 @@ def load_model_state(
     ``"state_dict"``, ``"model"``... see :func:`ddpstate.keys.find_state_dict`),
     its keys are renamed to the ones ``model`` expects (plain, ``module.``,
     ``_orig_mod.``, in any nesting), and ``model.load_state_dict`` is called.
+    A tensor saved in another floating dtype than the model's (a float32
+    checkpoint into a bfloat16 model) is cast to the model's dtype, with one
+    warning naming the count and the dtype pairs; integer, floating, complex and
+    bool tensors are never cast into one another (``DTypeMismatchError``).
 
     A ``torch.distributed.checkpoint`` folder (e.g. saved by FSDP2 on any
     number of ranks) loads into a plain model consolidated (see :func:`load`).
@@ -713,6 +717,8 @@ def load_model_state(
         StateDictNotFoundError: No single state dict in the checkpoint (pass ``key``).
         ShapeMismatchError: A tensor's shape does not fit the model's (the
             message lists them and names ``ignore_mismatched=True``).
+        DTypeMismatchError: A tensor would change kind of dtype (e.g. int64
+            into a float32 parameter); the message names the keys.
         CheckpointCorruptError: A shard file of a DCP folder is missing or damaged.
         InvalidArgumentError: ``src_rank`` with a sharded model (each rank reads its own shards).
 

@@ -28,6 +28,8 @@ __all__ = [
     "InvalidArgumentTypeError",
     "DeviceMapError",
     "ShapeMismatchError",
+    "DTypeMismatchError",
+    "OptimizerStateMismatchError",
     "CheckpointAccessError",
     "RankFailedError",
     "StoreConnectionError",
@@ -172,6 +174,23 @@ class DeviceMapError(DDPStateError, ValueError):
 
 class ShapeMismatchError(DDPStateError, ValueError):
     """A checkpoint's tensors do not fit the model (same keys, different shapes)."""
+
+
+class DTypeMismatchError(DDPStateError, TypeError):
+    """A checkpoint tensor would change dtype on load (float32 into bfloat16, int64 into float32).
+
+    ``CheckpointManager.restore`` refuses any change unless ``allow_dtype_change=True``;
+    integer, floating, complex and bool are never converted into one another.
+    """
+
+
+class OptimizerStateMismatchError(KeyMismatchError):
+    """Saved optimizer state cannot be matched to the live optimizer's parameters by name.
+
+    Attributes:
+        missing: Live parameter names the saved optimizer state has no group for.
+        unexpected: Saved parameter names the live optimizer does not hold.
+    """
 
 
 class CheckpointAccessError(DDPStateError, PermissionError):

@@ -349,6 +349,8 @@ class CheckpointManager:
         be another run's in a reused folder. Models ``wrap_ddp``
         prepared with unsynced BatchNorm get their running statistics averaged
         across ranks first (:func:`~ddpstate.sync_batchnorm_stats`).
+        Optimizers are saved keyed by their model entry's parameter names (no
+        model entry: by position, with a warning; see :meth:`restore`).
 
         Args:
             step: The training step (an int >= 0; names the folder).
@@ -363,7 +365,8 @@ class CheckpointManager:
                 previous async write failed (raised before saving anything);
                 the checkpoints committed before are untouched.
             InvalidArgumentError: ``step`` is below committed steps that are
-                not a rollback (see above); nothing is written or deleted.
+                not a rollback (see above); nothing is written or deleted. Or an
+                optimizer's parameters are spread over several model entries.
             DDPStateError: Invalid arguments, or the ranks passed different
                 steps or entry names; a value ``restore`` could not load (named
                 by its path, with the ``safe_globals`` way out) or a meta tensor,
@@ -498,6 +501,7 @@ class CheckpointManager:
         map_location: Any = "auto",
         strict: bool = True,
         ignore_mismatched: bool = False,
+        allow_dtype_change: bool = False,
     ) -> Optional[int]:
         """Load the newest valid checkpoint (or ``step``'s) into ``state``; return its step.
 
@@ -512,6 +516,10 @@ class CheckpointManager:
         values are written back into ``state`` (the dict is updated in place,
         as ``torch.distributed.checkpoint.load`` does). Each rank restores its
         own RNG states.
+
+        Optimizer state comes back by parameter name (earlier files: by position);
+        a dtype change is refused unless ``allow_dtype_change``. Every entry is
+        checked before any is loaded: a refusal leaves them all untouched.
 
         With a ``local_dir`` and no ``step``, the node-local tier answers first:
         each node's local rank 0 verifies its newest local step, and the ranks
@@ -538,6 +546,8 @@ class CheckpointManager:
                 head resized for fine-tuning; a warning names them. Optimizers in
                 ``state`` drop their saved state for those parameters (another
                 warning), so the first step after restore works.
+            allow_dtype_change: Cast saved tensors to the live dtypes (float32
+                into bfloat16); never between integer, floating and bool.
 
         Returns:
             The restored step, or None when the folder has no checkpoint yet.
@@ -550,6 +560,8 @@ class CheckpointManager:
                 keys do not match.
             ShapeMismatchError: A model's tensors have other shapes than the
                 live model's (the same error ``load_model_state`` raises).
+            DTypeMismatchError: A dtype differs (see ``allow_dtype_change``).
+            OptimizerStateMismatchError: Optimizer parameters or groups differ by name.
             UnsafeCheckpointError: A value needs a type not allowed by ``safe_globals``.
             DDPStateError: Loading an entry failed on some rank (named).
 
@@ -564,7 +576,7 @@ class CheckpointManager:
         """
         self._check_open("restore")
         self._writer.finish(self._flight)
-        options = (map_location, strict, ignore_mismatched)
+        options = (map_location, strict, ignore_mismatched, allow_dtype_change)
         self.restored_from = _restore.restore(self._writer, self._local, state, step, *options)
         if self.restored_from.step is not None:
             self._restored_step = int(self.restored_from.step)
@@ -609,7 +621,7 @@ class CheckpointManager:
         try:
             self._writer.finish(self._flight)
         finally:
-            self._release()
+            _release(self)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -626,7 +638,7 @@ class CheckpointManager:
         # The block failed, possibly on this rank only: no collective (it could hang
         # on ranks that went on), but the write in flight still completes.
         self._flight.abandon(exc)
-        self._release()
+        _release(self)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -634,11 +646,13 @@ class CheckpointManager:
                 f"CheckpointManager.{what}: the manager for {self.directory} is closed"
             )
 
-    def _release(self) -> None:
-        self._closed = True
-        _dcp.release_group(self._flight)
-        if self._local is not None:
-            self._local.close()
-        self._flight.thread = None
-        self._snapshot.buffers.clear()
-        self._signals.restore()
+
+def _release(m: CheckpointManager) -> None:
+    """Mark ``m`` closed and free what it holds (DCP group, local tier, buffers, signals)."""
+    m._closed = True
+    _dcp.release_group(m._flight)
+    if m._local is not None:
+        m._local.close()
+    m._flight.thread = None
+    m._snapshot.buffers.clear()
+    m._signals.restore()

@@ -426,8 +426,8 @@ def test_async_checkpoint_is_the_state_at_save_time(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, async_save=True) as manager:
         manager.save(1, {"model": model, "optimizer": opt})
         expected = {k: v.clone() for k, v in model.state_dict().items()}
-        expected_opt = {
-            k: v["momentum_buffer"].clone() for k, v in opt.state_dict()["state"].items()
+        expected_opt = {  # optimizer state is saved by parameter name
+            n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()
         }
         opt.step()  # changes the parameters and momentum buffers in place, right away
         with torch.no_grad():

@@ -115,6 +115,8 @@ PUBLIC_API = {
     "RankFailedError",
     "CheckpointAccessError",
     "ShapeMismatchError",
+    "DTypeMismatchError",
+    "OptimizerStateMismatchError",
     "ShardedStateError",
     "DeviceMapError",
     "StoreConnectionError",

@@ -9,14 +9,26 @@ from __future__ import annotations
 import collections
 import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 from ddpstate._keys.match import KeyMatch, prefix_hint
-from ddpstate.errors import ShapeMismatchError
+from ddpstate.errors import DTypeMismatchError, ShapeMismatchError
 
-__all__ = ["IncompatibleKeys", "load_fitting", "shape_mismatches", "warn_if_little_matched"]
+__all__ = [
+    "DTypePolicy",
+    "IncompatibleKeys",
+    "check_dtypes",
+    "load_fitting",
+    "shape_mismatches",
+    "warn_if_little_matched",
+]
+
+#: What a load does with a tensor of another dtype of the same kind (float32 into
+#: bfloat16): "refuse" (CheckpointManager.restore), "allow" (restore's opt-in) or
+#: "warn" (load_model_state: cast, one warning). Kind changes are always refused.
+DTypePolicy = Literal["refuse", "allow", "warn"]
 
 
 class IncompatibleKeys(NamedTuple):
@@ -38,6 +50,7 @@ def load_fitting(
     name: str,
     strict: bool,
     ignore_mismatched: bool,
+    dtypes: DTypePolicy = "warn",
     stacklevel: int = 3,
 ) -> list[str]:
     """``model.load_state_dict`` with shape mismatches named, or skipped and returned.
@@ -45,8 +58,9 @@ def load_fitting(
     ``state_dict``'s keys are already the model's (see ``adapt_state_dict``).
     Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
     through here, so a wrong shape is always :class:`ShapeMismatchError`.
+    ``dtypes`` says what a tensor of another dtype does (see :func:`check_dtypes`).
     ``stacklevel`` (counted from this function) points the ``ignore_mismatched``
-    warning at the user's call: 3 when a public function calls this directly.
+    and dtype warnings at the user's call: 3 when a public function calls this directly.
     """
     mismatched = shape_mismatches(
         state_dict,
@@ -63,6 +77,14 @@ def load_fitting(
         if metadata is not None:
             kept._metadata = metadata
         state_dict = kept
+    check_dtypes(
+        state_dict,
+        model.state_dict(),
+        name=name,
+        target=type(model).__name__,
+        policy=dtypes,
+        stacklevel=stacklevel + 1,
+    )
     try:
         model.load_state_dict(state_dict, strict=strict and not mismatched)
     except RuntimeError as exc:
@@ -116,6 +138,81 @@ def shape_mismatches(
             stacklevel=stacklevel,
         )
     return mismatched
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_dtypes(
+    state_dict: Mapping[str, Any],
+    own: Mapping[str, Any],
+    *,
+    name: str,
+    target: str,
+    policy: DTypePolicy,
+    stacklevel: int = 4,
+) -> list[tuple[str, torch.dtype, torch.dtype]]:
+    """Refuse, allow or warn about the tensors whose dtype differs from ``own``'s.
+
+    ``load_state_dict`` would cast them silently (``copy_``). A change of kind
+    (integer, floating, complex, bool into another) is always
+    :class:`DTypeMismatchError`; within a kind ``policy`` decides: ``"refuse"``
+    raises naming each key and both dtypes, ``"warn"`` warns once with the count
+    and the dtype pairs, ``"allow"`` says nothing. Tensors of another shape are
+    left to :func:`shape_mismatches`. Returns ``(key, saved dtype, model dtype)``
+    of each change.
+    """
+    changes = [
+        (k, v.dtype, own[k].dtype)
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor)
+        and isinstance(own.get(k), torch.Tensor)
+        and v.shape == own[k].shape
+        and v.dtype != own[k].dtype
+    ]
+
+    def listing(found: list[tuple[str, torch.dtype, torch.dtype]]) -> str:
+        text = ", ".join(
+            f"{k!r} (saved {_dtype_name(a)}, model {_dtype_name(b)})" for k, a, b in found[:8]
+        )
+        return text + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+
+    crossed = [c for c in changes if _kind(c[1]) != _kind(c[2])]
+    if crossed:
+        raise DTypeMismatchError(
+            f"{name} does not fit {target}: {len(crossed)} tensor(s) would change kind of "
+            f"dtype: {listing(crossed)}. ddpstate never converts between integer, floating, "
+            f"complex and bool tensors; check that the checkpoint was saved from this model, "
+            f"or convert those entries yourself before loading"
+        )
+    if not changes or policy == "allow":
+        return changes
+    if policy == "refuse":
+        raise DTypeMismatchError(
+            f"{name} does not fit {target}: {len(changes)} tensor(s) would change dtype: "
+            f"{listing(changes)}. Cast the model to the saved dtype before restoring "
+            f"(e.g. model.to(torch.float32)), or pass allow_dtype_change=True to cast the "
+            f"saved values to the model's dtypes"
+        )
+    pairs = collections.Counter(f"{_dtype_name(a)} -> {_dtype_name(b)}" for _, a, b in changes)
+    warnings.warn(
+        f"{name}: cast {len(changes)} tensor(s) to {target}'s dtypes: "
+        + ", ".join(f"{pair} ({n})" for pair, n in pairs.most_common())
+        + f" (e.g. {listing(changes[:1])}); cast the model to the saved dtype first to load "
+        f"the values as saved",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+    return changes
 
 
 # A non-strict load that pairs fewer than this share of either side's keys is

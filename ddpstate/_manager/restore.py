@@ -21,6 +21,7 @@ from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._dcp import write as _dcp
 from ddpstate._io import model_state
+from ddpstate._manager import optim_state
 from ddpstate._manager import verify_split as _verify_split
 from ddpstate._manager.entries import Timeout, check_state, check_step, has_state_dict
 from ddpstate._manager.local_tier import LocalTier, RestoreSource
@@ -133,6 +134,7 @@ def load_into(
     map_location: Any,
     ignore_mismatched: bool = False,
     mmap: bool = False,
+    allow_dtype_change: bool = False,
 ) -> None:
     """Every rank: load ``folder``'s entries (as ``manifest`` lists them) and RNG states."""
     opts = writer.storage_options
@@ -167,27 +169,31 @@ def load_into(
         barrier=False,
         storage_options=opts,
     )
+    policy: model_state.DTypePolicy = "allow" if allow_dtype_change else "refuse"
+    # Everything that can refuse runs before anything is loaded, so a refusal leaves
+    # every model and optimizer as it was: model keys adapted and dtypes checked,
+    # optimizer state mapped by name onto the live layout (_manager/optim_state.py).
+    ready: dict[str, Any] = {}
+    for name, value in loaded.items():
+        ready[name] = _prepare(
+            name, value, state, storage.join(folder, saved_entries[name]["file"]), policy
+        )
     # Parameters ignore_mismatched skipped: optimizers must not get their old
     # per-parameter state (it has the old shape), so models load first.
     skipped: set[int] = set()
-    in_order = sorted(loaded, key=lambda n: not isinstance(state[n], nn.Module))
+    in_order = sorted(ready, key=lambda n: not isinstance(state[n], nn.Module))
     for name in in_order:
-        value = loaded[name]
+        value = ready[name]
         target = state[name]
         file = storage.join(folder, saved_entries[name]["file"])
         if isinstance(target, nn.Module):
-            if not isinstance(value, Mapping):
-                raise InvalidArgumentError(
-                    f"{file}: entry {name!r} holds a {type(value).__name__}, not a state "
-                    f"dict, so it cannot be loaded into {type(target).__name__}"
-                )
-            adapted = adapt_state_dict(value, target)
             keys = model_state.load_fitting(
                 target,
-                adapted,
+                value,
                 name=f"{file} (entry {name!r})",
                 strict=True,
                 ignore_mismatched=ignore_mismatched,
+                dtypes=policy,
                 # load_fitting <- load_into <- restore() <- CheckpointManager.restore <- user
                 stacklevel=5,
             )
@@ -208,6 +214,49 @@ def load_into(
         else:
             state[name] = value
     restore_rng(rng, manifest)
+
+
+def _prepare(
+    name: str,
+    value: Any,
+    state: Mapping[str, Any],
+    file: str,
+    policy: model_state.DTypePolicy,
+) -> Any:
+    """Entry ``name``'s loaded ``value`` made ready for its live object; refuses, never loads.
+
+    Models get their keys adapted and dtypes checked; optimizers saved by
+    parameter name are laid out as the live optimizer's positions (those saved
+    by position, by earlier versions, stay as they are).
+    """
+    target = state[name]
+    where = f"{file} (entry {name!r})"
+    if isinstance(target, nn.Module):
+        if not isinstance(value, Mapping):
+            raise InvalidArgumentError(
+                f"{file}: entry {name!r} holds a {type(value).__name__}, not a state "
+                f"dict, so it cannot be loaded into {type(target).__name__}"
+            )
+        adapted = adapt_state_dict(value, target)
+        model_state.check_dtypes(
+            adapted, target.state_dict(), name=where, target=type(target).__name__, policy=policy
+        )
+        return adapted
+    if not isinstance(target, torch.optim.Optimizer):
+        return value
+    model: Optional[nn.Module] = None
+    if optim_state.is_by_name(value):
+        owner = optim_state.owner(target, state, where)
+        if owner is None:
+            raise InvalidArgumentError(
+                f"{where}: the optimizer state was saved by parameter name, but no model "
+                f"entry of restore's state holds the optimizer's parameters; pass its model "
+                f"in the same state (e.g. {{'model': model, {name!r}: optimizer}})"
+            )
+        model = state[owner]
+        value = optim_state.to_positional(value, target, state[owner], where)
+    optim_state.check_dtypes(value, target, model, policy=policy, where=where)
+    return value
 
 
 def restore_rng(rng: Any, manifest: dict[str, Any]) -> None:
@@ -291,6 +340,7 @@ def restore(
     map_location: Any,
     strict: bool,
     ignore_mismatched: bool,
+    allow_dtype_change: bool = False,
 ) -> RestoreSource:
     """Every rank: ``CheckpointManager.restore`` once the async write is done (see its docstring).
 
@@ -352,6 +402,7 @@ def restore(
                 map_location,
                 ignore_mismatched,
                 mmap=found is not None,
+                allow_dtype_change=allow_dtype_change,
             )
         except Exception as exc:
             if not is_distributed():

@@ -19,6 +19,7 @@ from ddpstate._calls import calling
 from ddpstate._checksum import error_text
 from ddpstate._dcp import write as _dcp
 from ddpstate._io import savecheck as _savecheck
+from ddpstate._manager import optim_state
 from ddpstate._manager.agreement import (
     batchnorm_checks,
     check_batchnorm,
@@ -85,6 +86,7 @@ def save(
                 refusal = writer.rollback_refusal(step, rollback, restored)
                 if not refusal:
                     entries, events = snapshot.collect(rest, snapshot=async_save)
+                optim_state.warn_unpaired(rest, folder)
                 for name, entry in entries.items():
                     _savecheck.check_tensors(entry.value, f"state[{name!r}]", folder)
             except Exception as exc:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ddpstate._keys.wrappers import unwrapped_state_dict
+from ddpstate._manager import optim_state
 from ddpstate._manager.entries import (
     KIND_MODULE,
     KIND_STATEFUL,
@@ -44,6 +45,8 @@ class Snapshot:
         for name, obj in state.items():
             if isinstance(obj, nn.Module):
                 entry = Entry(KIND_MODULE, unwrapped_state_dict(obj))
+            elif isinstance(obj, torch.optim.Optimizer):
+                entry = Entry(KIND_STATEFUL, optim_state.saved_form(name, obj, state))
             elif has_state_dict(obj):
                 entry = Entry(KIND_STATEFUL, obj.state_dict())
             else:
