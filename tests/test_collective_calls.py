@@ -141,3 +141,23 @@ def test_a_node_local_folder_is_named_as_not_shared_on_every_rank(
         assert "not shared storage between the ranks" in message, message
         assert "damaged" not in message.replace("nothing is damaged", "")
     assert results[0][1] == results[1][1]
+
+
+def _node_local_restore(rank: int, world: int, folder: str) -> Any:
+    os.chdir(Path(folder, f"node{rank}"))
+    manager = ddpstate.CheckpointManager("ckpts", timeout=TIMEOUT)
+    return _outcome(lambda: manager.restore({"model": torch.nn.Linear(2, 2)}))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_only_another_rank_sees_is_not_a_fresh_start(tmp_path: Path) -> None:
+    # Rank 0 (which chooses the step) sees an empty folder; rank 1's disk holds step 3.
+    (tmp_path / "node0" / "ckpts").mkdir(parents=True)
+    with ddpstate.CheckpointManager(tmp_path / "node1" / "ckpts") as manager:
+        manager.save(3, {"model": torch.nn.Linear(2, 2)})
+    results = run_ranks(_node_local_restore, 2, args=(str(tmp_path),))
+    for kind, message, _ in results:
+        assert kind == "CheckpointNotFoundError", message
+        assert "rank 1 (step 3) see committed checkpoints" in message, message
+        assert "not shared storage between the ranks" in message, message
+    assert results[0][1] == results[1][1]

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ddpstate import checkpoint, storage
+from ddpstate import _fs, checkpoint, storage
 from ddpstate._calls import calling, restore_call
 from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
@@ -29,6 +29,7 @@ from ddpstate._manager.writer import StepWriter
 from ddpstate._manifest import MANIFEST_NAME, RNG_FILE, check_folder, parse_step
 from ddpstate.dist import (
     broadcast_object,
+    gather_and_decide,
     get_rank,
     get_world_size,
     is_distributed,
@@ -332,6 +333,35 @@ def without_skipped(value: Any, optimizer: Any, skipped: set[int], where: str) -
     return kept
 
 
+def _check_none_elsewhere(writer: StepWriter, timeout: Timeout) -> None:
+    """Rank 0 found nothing to restore: one round in which every rank confirms it sees none.
+
+    A rank that sees committed steps where rank 0 sees none is on storage the
+    ranks do not share (a node-local disk); starting fresh there would silently
+    drop the run it could resume, so every rank is told which ranks see what.
+    """
+
+    def decide(latest: list[Optional[int]]) -> Optional[CheckpointNotFoundError]:
+        seeing = [(r, s) for r, s in enumerate(latest) if s is not None]
+        if not seeing:
+            return None
+        listed = ", ".join(f"rank {r} (step {s})" for r, s in seeing[:8])
+        more = " ..." if len(seeing) > 8 else ""
+        return CheckpointNotFoundError(
+            f"CheckpointManager.restore: {listed}{more} see committed checkpoints in "
+            f"{writer.directory} where rank 0 sees none: the folder is not shared storage "
+            f"between the ranks; nothing is damaged; put the checkpoint folder on storage "
+            f"every rank sees (a shared filesystem or an fsspec URL)"
+        )
+
+    gather_and_decide(
+        writer.latest_step(),
+        decide,
+        name="CheckpointManager.restore (visibility)",
+        timeout=timeout,
+    )
+
+
 def restore(
     writer: StepWriter,
     local: Optional[LocalTier],
@@ -376,6 +406,8 @@ def restore(
         if found is None:
             share_outcome(choose_error, name="CheckpointManager.restore", timeout=timeout)
             choice = broadcast_object(choice, src=0, timeout=timeout)
+            if choice is None and split and not _fs.is_remote(writer.directory):
+                _check_none_elsewhere(writer, timeout)
         if choice is None:
             return RestoreSource(None, "none")
         chosen_step, manifest = choice
