@@ -1,4 +1,4 @@
-"""Writes ``torch_tables.py`` from the installed torch: ``python -m ddpstate._streaming.gen_tables``.
+"""Writes `torch_tables.py` from the installed torch: `python -m ddpstate._streaming.gen_tables`.
 
 The streaming scanner must not import torch (``ddpstate inspect``/``convert``
 run in the memory and time of a copy), so it reads checked-in tables; this
