@@ -1,4 +1,4 @@
-"""The streaming scanner's tables are torch's own, name for name, and a newer torch's types are named.
+"""The scanner's tables are torch's own, name for name; a newer torch's types are named as such.
 
 ``ddpstate inspect``/``convert``/``verify`` never import torch, so the scanner
 reads tables generated from torch (:mod:`ddpstate._streaming.torch_tables`,
@@ -48,7 +48,7 @@ def test_dtype_sizes_match_torchs() -> None:
         for dtype in vars(torch).values()
         if isinstance(dtype, torch.dtype)
     }
-    assert DTYPE_ITEMSIZE == torchs, sorted(set(DTYPE_ITEMSIZE.items()) ^ set(torchs.items()))
+    assert torchs == DTYPE_ITEMSIZE, sorted(set(DTYPE_ITEMSIZE.items()) ^ set(torchs.items()))
 
 
 def test_storage_classes_match_torchs() -> None:

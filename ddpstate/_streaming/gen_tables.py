@@ -46,13 +46,11 @@ def tables() -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy classes' TypedStorage deprecation
         storages = {
-            name: str(value.dtype).removeprefix("torch.")
+            name: str(dtype).removeprefix("torch.")
             for name, value in vars(torch).items()
             # ``torch.Storage`` is an alias, pickled under its class's own name.
-            if isinstance(value, type)
-            and value.__name__ == name
-            and name.endswith("Storage")
-            and isinstance(getattr(value, "dtype", None), torch.dtype)
+            if isinstance(value, type) and value.__name__ == name and name.endswith("Storage")
+            if isinstance(dtype := getattr(value, "dtype", None), torch.dtype)
         }
     # Untyped storages hold bytes; torch gives the class no dtype of its own.
     storages["UntypedStorage"] = "uint8"

@@ -37,8 +37,8 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
     scan_pickle,
 )
-from ddpstate._streaming.torch_tables import TORCH_VERSION
 from ddpstate._streaming.stream import Source
+from ddpstate._streaming.torch_tables import TORCH_VERSION
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
