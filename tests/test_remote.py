@@ -83,7 +83,10 @@ def test_memory_failed_save_keeps_previous(mem_root: str) -> None:
 
 def test_memory_dcp_folder(mem_root: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    try:  # the public name, where torch exports one
+        from torch.distributed.checkpoint import FsspecWriter  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:  # torch 2.13 has none: its private module, deprecated later
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

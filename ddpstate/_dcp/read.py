@@ -241,7 +241,10 @@ def load_sharded_model_state(
         path, into=f" into {type(model).__name__}'s shards", advice=f"run `ddpstate verify {path}`"
     ):
         if _is_remote(path):
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+            try:  # the public name, where torch exports one
+                from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined,unused-ignore]
+            except ImportError:  # torch 2.13 has none: its private module, deprecated later
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             dcp_load(plan.into, storage_reader=FsspecReader(path, **(storage_options or {})))
         else:

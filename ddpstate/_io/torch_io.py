@@ -572,7 +572,10 @@ def load_dcp(
             super().load_bytes(read_item, value)
 
     if remote:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        try:  # the public name, where torch exports one
+            from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined,unused-ignore]
+        except ImportError:  # torch 2.13 has none: its private module, deprecated later
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader: Any = FsspecReader(path, **(storage_options or {}))
     else:

@@ -10,35 +10,18 @@ from typing import IO, Any, Callable, ClassVar, Optional, cast
 
 from ddpstate._layout.everyday import EVERYDAY_GLOBALS
 from ddpstate._streaming.pickle_memo import check_memo_indexes
+from ddpstate._streaming.torch_tables import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE
+from ddpstate._streaming.torch_tables import SAFE_GLOBALS as SAFE_GLOBALS
+from ddpstate._streaming.torch_tables import STORAGE_DTYPE as STORAGE_DTYPE
 
 # Everything here stays importable without torch: `ddpstate convert` streams a
 # multi-GB file in the memory and time of a copy, and importing torch alone
 # costs more than 200 MiB and a second.
 
-#: Element size in bytes of each torch dtype, by the name torch pickles it under.
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8,
-    "complex128": 16, "complex64": 8, "complex32": 4,
-    "qint8": 1, "qint32": 4, "quint8": 1, "quint4x2": 1, "quint2x4": 1,
-    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
-    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
-    **{f"uint{i}": 1 for i in range(1, 8)},
-    **{f"int{i}": 1 for i in range(1, 8)},
-}  # fmt: skip
-
-#: torch's typed storage class names and the dtype of their elements.
-STORAGE_DTYPE: dict[str, str] = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool", "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64", "QInt8Storage": "qint8", "QInt32Storage": "qint32",
-    "QUInt8Storage": "quint8", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
-    "UntypedStorage": "uint8",
-}  # fmt: skip
+# torch's own tables (dtype sizes, storage classes, the weights-only allowlist)
+# come from torch_tables, generated from torch and checked against the installed
+# torch by tests/test_safe_globals.py. A global outside SAFE_GLOBALS means the
+# pickle wants arbitrary code, which ddpstate refuses by default.
 
 #: The dtype -> typed storage class torch.save uses (dtypes without one go through
 #: ``UntypedStorage`` and ``_rebuild_tensor_v3``).
@@ -46,44 +29,26 @@ DTYPE_STORAGE: dict[str, str] = {
     dtype: name for name, dtype in STORAGE_DTYPE.items() if name != "UntypedStorage"
 }
 
-_TENSOR_TYPES = (
-    "Double", "Float", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool",
-)  # fmt: skip
 
-#: The globals torch.load(weights_only=True) accepts by default in torch 2.13
-#: (tests/test_safe_globals.py pins it to torch's own list); anything else means
-#: the pickle wants arbitrary code, which ddpstate refuses by default.
-SAFE_GLOBALS: frozenset[str] = frozenset(
-    [
-        "_codecs.encode", "builtins.bytearray", "builtins.complex", "builtins.set",
-        "collections.Counter", "collections.OrderedDict", "torch.Size", "torch.Tensor",
-        "torch.device", "torch.nn.parameter.Parameter", "torch.serialization._get_layout",
-        "torch.storage.TypedStorage", "torch.storage.UntypedStorage",
-        "torch._tensor._rebuild_from_type_v2",
-        "torch.per_channel_affine", "torch.per_channel_affine_float_qparams",
-        "torch.per_channel_symmetric", "torch.per_tensor_affine", "torch.per_tensor_symmetric",
-    ]
-    + [
-        f"torch._utils._rebuild_{name}"
-        for name in (
-            "device_tensor_from_cpu_tensor", "device_tensor_from_numpy",
-            "meta_tensor_no_storage", "nested_tensor", "parameter", "parameter_with_state",
-            "qtensor", "sparse_tensor", "tensor", "tensor_v2", "tensor_v3", "wrapper_subclass",
-        )
-    ]
-    + [f"torch.{dtype}" for dtype in DTYPE_ITEMSIZE]
-    # torch.UntypedStorage is pickled as torch.storage.UntypedStorage; CUDA has no
-    # quantized storages, sparse tensors no Bool type.
-    + [f"torch.{name}" for name in STORAGE_DTYPE if name != "UntypedStorage"]
-    + [f"torch.cuda.{name}" for name in STORAGE_DTYPE if not name.startswith(("Q", "Untyped"))]
-    + [f"torch.{prefix}{kind}Tensor" for prefix in ("", "cuda.") for kind in _TENSOR_TYPES]
-    + [
-        f"torch.{prefix}{kind}Tensor"
-        for prefix in ("sparse.", "cuda.sparse.")
-        for kind in _TENSOR_TYPES
-        if kind != "Bool"
-    ]
-)  # fmt: skip
+class UnknownTorchTypeError(pickle.UnpicklingError):
+    """The pickle names a torch dtype or storage class the generated tables lack.
+
+    Raised instead of a plain ``UnpicklingError`` so readers call the file
+    one from a newer torch, not a damaged one.
+    """
+
+
+def not_a_torch_type(value: Any, what: str) -> pickle.UnpicklingError:
+    """The error for ``value`` found where a torch ``what`` (dtype, storage class) belongs.
+
+    A ``torch.<name>`` the tables lack is a newer torch's type
+    (:class:`UnknownTorchTypeError`); anything else, a malformed pickle.
+    """
+    name = opaque_name(value)
+    if name is not None and name.rsplit(".", 1)[0] in ("torch", "torch.cuda", "torch.storage"):
+        return UnknownTorchTypeError(f"its pickle names {what} {name}")
+    return pickle.UnpicklingError(f"a tensor's {what} is {value!r}, not a torch {what}")
+
 
 # Python 2 pickles name a few modules differently.
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "_abcoll": "collections.abc"}
@@ -508,7 +473,7 @@ def _rebuild_tensor_v3(
     metadata: Any = None,
 ) -> TensorRecord:
     if not isinstance(dtype, DtypeRef):
-        raise pickle.UnpicklingError(f"a tensor's dtype is {dtype!r}, not a torch dtype")
+        raise not_a_torch_type(dtype, "dtype")
     tensor = _view(storage, offset, size, stride, dtype.dtype)
     tensor.requires_grad = bool(requires_grad)
     tensor.rebuild = "v3"

@@ -31,11 +31,14 @@ from ddpstate._streaming.pickle_scan import (
     StorageTypeRef,
     StorageView,
     TensorRecord,
+    UnknownTorchTypeError,
     is_pickled_module,
+    not_a_torch_type,
     opaque_name,
     scan_pickle,
 )
 from ddpstate._streaming.stream import Source
+from ddpstate._streaming.torch_tables import TORCH_VERSION
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -123,6 +126,12 @@ def _scan(
         return scan_pickle(file, persistent, memo_checked=memo_checked)
     except CheckpointCorruptError:
         raise
+    except UnknownTorchTypeError as exc:
+        raise CheckpointFormatError(
+            f"{path}: {exc}, which torch {TORCH_VERSION} (the torch ddpstate's tables come "
+            f"from) does not have: it was written by a newer torch; upgrade ddpstate, or read "
+            f"it with that torch's torch.load"
+        ) from exc
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:  # fmt: skip
         raise _corrupt(path, f"{what} cannot be read", exc) from exc
@@ -152,6 +161,9 @@ def _count(value: Any) -> int:
 
 def _storage_type(value: Any, path: str) -> StorageTypeRef:
     if not isinstance(value, StorageTypeRef):
+        error = not_a_torch_type(value, "storage class")
+        if isinstance(error, UnknownTorchTypeError):
+            raise error  # _scan names the newer torch
         raise _corrupt(path, f"a storage has type {value!r}, not a torch storage class")
     return value
 
