@@ -7,12 +7,13 @@ and the DCP reader's sharded loads), so a wrong shape is always :class:`ShapeMis
 from __future__ import annotations
 
 import collections
-import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from ddpstate._warn import warn
+from ddpstate.dist import get_rank, is_distributed
 from ddpstate.errors import ShapeMismatchError
 
 __all__ = ["IncompatibleKeys", "load_fitting", "shape_mismatches"]
@@ -37,15 +38,12 @@ def load_fitting(
     name: str,
     strict: bool,
     ignore_mismatched: bool,
-    stacklevel: int = 3,
 ) -> list[str]:
     """``model.load_state_dict`` with shape mismatches named, or skipped and returned.
 
     ``state_dict``'s keys are already the model's (see ``adapt_state_dict``).
     Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
     through here, so a wrong shape is always :class:`ShapeMismatchError`.
-    ``stacklevel`` (counted from this function) points the ``ignore_mismatched``
-    warning at the user's call: 3 when a public function calls this directly.
     """
     mismatched = shape_mismatches(
         state_dict,
@@ -53,7 +51,6 @@ def load_fitting(
         name=name,
         target=type(model).__name__,
         ignore_mismatched=ignore_mismatched,
-        stacklevel=stacklevel + 1,
     )
     if mismatched:
         skip = {k for k, _, _ in mismatched}
@@ -79,15 +76,14 @@ def shape_mismatches(
     name: str,
     target: str,
     ignore_mismatched: bool,
-    stacklevel: int = 4,
 ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """``(key, saved shape, model shape)`` of each tensor that does not fit ``own``'s.
 
     Raises :class:`ShapeMismatchError` listing them, or with ``ignore_mismatched``
     warns and returns them for the caller to skip. ``state_dict``'s keys are
     already the model's; ``own`` is the model's state dict (DTensors compare by
-    their global shape, so sharded models are checked the same way).
-    ``stacklevel`` points the warning at the caller of the public function.
+    their global shape, so sharded models are checked the same way). The
+    warning names the user's line and is said by rank 0 alone (every rank loads alike).
     """
     mismatched = [
         (k, tuple(v.shape), tuple(own[k].shape))
@@ -107,11 +103,10 @@ def shape_mismatches(
             f"ignore_mismatched=True to skip these entries and keep the model's own values"
         )
     if mismatched:
-        warnings.warn(
+        warn(
             f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
             f"{target}'s (ignore_mismatched=True); the model keeps its own values "
             f"there: {listing}",
-            UserWarning,
-            stacklevel=stacklevel,
+            rank=get_rank() if is_distributed() else None,
         )
     return mismatched

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import stat
-import warnings
 from collections.abc import Mapping
 from typing import IO, Any, Optional, Union
 
@@ -38,6 +37,7 @@ from ddpstate._layout.safetensors import (
     restore_extras,
     state_dict_metadata_json,
 )
+from ddpstate._warn import warn
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
 
 __all__ = [
@@ -196,12 +196,11 @@ def _find_ties(
         (_view(k, t) for k, t in state_dict.items() if k in shared), overlapping=overlapping
     )
     if overlaps:
-        warnings.warn(
+        warn(
             f"{name}: tensors overlap in memory without being identical "
             f"({'; '.join(overlaps[:_SHOW])}); each is written as its own copy and loads as "
             f"an independent tensor",
-            UserWarning,
-            stacklevel=4,
+            once=("overlapping tensors", tuple(overlaps)),
         )
     return aliases
 
@@ -358,13 +357,13 @@ def write_safetensors(
             meta[ALIASES_KEY] = json.dumps(aliases, separators=(",", ":"))
     if aliases:
         shown = ", ".join(f"{a} -> {c}" for a, c in list(aliases.items())[:_SHOW])
-        warnings.warn(
+        warn(
             f"{name}: {len(aliases)} tensor(s) share memory with another entry and are written "
             f"once ({shown}); the aliases are kept in the header metadata {ALIASES_KEY!r} and "
             f"ddpstate.load restores them as shared, while other safetensors readers see only "
             f"the canonical keys",
-            UserWarning,
-            stacklevel=2,
+            # Harmless and the same at every save of a tied model: said once per process.
+            once=("tied tensors", tuple(aliases.items())),
         )
     if local is not None:
         # save_file writes a temp file of its own and renames it onto the path;

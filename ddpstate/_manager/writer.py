@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,6 +35,7 @@ from ddpstate._manifest import (
     read_manifest,
     step_name,
 )
+from ddpstate._warn import warn
 from ddpstate.dist import is_distributed, share_outcome
 from ddpstate.errors import CheckpointWriteError, DDPStateError
 from ddpstate.formats import SAFETENSORS
@@ -296,12 +296,10 @@ class StepWriter:
                     storage.remove(storage.join(path, inner), storage_options=opts, missing_ok=True)
             if found > step and not self._warned_newer:
                 self._warned_newer = True
-                warnings.warn(
+                warn(
                     f"CheckpointManager: saving step {step}, but {path} (a higher step) already "
                     f"exists: this save is a rollback. Once step {step} is committed, it becomes "
-                    f"latest and every higher step is deleted",
-                    UserWarning,
-                    stacklevel=4,
+                    f"latest and every higher step is deleted"
                 )
 
     def rotate(self, newest: int) -> None:

@@ -12,7 +12,6 @@ import os
 import shutil
 import stat
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import IO, Optional
 
@@ -24,6 +23,7 @@ from ddpstate._storage.temps import (
     retired_name_for,
     temp_name_for,
 )
+from ddpstate._warn import warn
 from ddpstate.errors import CheckpointWriteError
 
 __all__ = ["atomic_write_local", "wait_for_freed", "write_by_name"]
@@ -68,11 +68,10 @@ def _free_later(retired: str) -> None:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            warnings.warn(
+            warn(
                 f"could not delete the replaced checkpoint {retired} ({exc}); it is safe to "
                 f"delete by hand",
                 RuntimeWarning,
-                stacklevel=1,
             )
 
     # Not a daemon: the interpreter waits for it at exit, so no copy is left behind.
