@@ -91,7 +91,7 @@ def test_master_addr_without_a_rank_is_refused_in_this_process(
 ) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    with pytest.raises(InvalidArgumentError, match="inside mp.spawn, or launch with torchrun"):
+    with pytest.raises(InvalidArgumentError, match=r"inside mp\.spawn, or launch with torchrun"):
         ddpstate.init_distributed()
     assert not dist.is_initialized()
 
