@@ -37,6 +37,7 @@ from ddpstate.errors import (
     CheckpointWriteError,
     DDPStateError,
     InvalidArgumentError,
+    KeyMismatchError,
 )
 from ddpstate.formats import (
     DCP,
@@ -94,6 +95,13 @@ def _write(
 ) -> None:
     _savecheck.check_tensors(obj, "obj", path)
     remote = _fs.is_remote(path)
+    if max_shard_size is None and not remote and os.path.isdir(_fs.local_path(path)):
+        # The rename onto a folder would fail as IsADirectoryError, reported as a
+        # write failure ("check free space and permissions") that hides the real fix.
+        raise InvalidArgumentError(
+            f"{path} is a folder; save needs a file path such as "
+            f"{os.path.join(path, 'model.pt')} (or {os.path.join(path, 'model.safetensors')})"
+        )
     parent = posixpath.dirname(path) if remote else os.path.dirname(_fs.local_path(path))
     if parent and not parent.endswith("://"):
         storage.makedirs(parent, storage_options=storage_options)
@@ -723,12 +731,18 @@ def load_model_state(
         )
     else:
         name, checkpoint = "the given state dict", source
-    _, state_dict = find_state_dict(checkpoint, key)
+    found_key, state_dict = find_state_dict(checkpoint, key)
     if _dcp_read.is_sharded_model(model):
         return _dcp_read.load_full_into_sharded(
             model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
         )
-    adapted = adapt_state_dict(state_dict, model, strict=strict)
+    try:
+        adapted = adapt_state_dict(state_dict, model, strict=strict)
+    except KeyMismatchError as exc:
+        # Name the file (and the entry the state dict came from), as ShapeMismatchError does.
+        at = "".join(f"[{k!r}]" for k in found_key)
+        inside = f" (the state dict at checkpoint{at})" if at else ""
+        raise with_message(exc, f"{name}{inside}: {exc}") from exc
     skipped = load_fitting(
         model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
     )

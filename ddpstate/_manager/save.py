@@ -15,7 +15,6 @@ import pickle
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from ddpstate._checksum import error_text
 from ddpstate._dcp import write as _dcp
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._manager.agreement import (
@@ -127,7 +126,7 @@ def save(
             writer.commit(step, entries, rng_states(rng_blobs), checked_metrics)
         except Exception as exc:
             causes.append(exc)
-            return writer.write_failure(step, folder, [(WRITER_RANK, error_text(exc))])
+            return writer.failure_for(step, folder, WRITER_RANK, exc)
         return None
 
     try:
@@ -167,7 +166,7 @@ def save(
                     writer.commit(step, entries, rng_states(rng_blobs), checked_metrics)
                 except Exception as exc:
                     cause = exc
-                    failure = writer.write_failure(step, folder, [(WRITER_RANK, error_text(exc))])
+                    failure = writer.failure_for(step, folder, WRITER_RANK, exc)
             writer.share_outcome(step, folder, failure, cause)
             return
     if async_save:

@@ -37,7 +37,7 @@ from ddpstate._manifest import (
 )
 from ddpstate._warn import warn
 from ddpstate.dist import is_distributed, share_outcome
-from ddpstate.errors import CheckpointWriteError, DDPStateError
+from ddpstate.errors import CheckpointWriteError, DDPStateError, UnsafeCheckpointError
 from ddpstate.formats import SAFETENSORS
 
 #: The rank that writes the rank-0 entries and commits every step.
@@ -387,6 +387,17 @@ class StepWriter:
             f"permissions and that {self.directory} is a writable folder"
         )
 
+    def failure_for(self, step: int, folder: str, rank: int, exc: BaseException) -> DDPStateError:
+        """The error every rank raises when writing ``step`` raised ``exc`` on ``rank``.
+
+        A refusal of the state itself (a model, a function, a type weights_only loading
+        refuses) is raised as it is: it says what to save instead, and free space or
+        permissions have nothing to do with it. Anything else is a write failure.
+        """
+        if isinstance(exc, UnsafeCheckpointError):
+            return exc
+        return self.write_failure(step, folder, [(rank, error_text(exc))])
+
     def share_outcome(
         self,
         step: int,
@@ -461,6 +472,6 @@ class StepWriter:
             if error is None
             else error
             if pending.shared and isinstance(error, DDPStateError)
-            else self.write_failure(pending.step, pending.folder, [(0, error_text(error))])
+            else self.failure_for(pending.step, pending.folder, 0, error)
         )
         self.share_outcome(pending.step, pending.folder, failure, error)
