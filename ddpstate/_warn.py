@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import warnings
-from collections.abc import Hashable
 from typing import Optional
 
 __all__ = ["caller_stacklevel", "warn"]
@@ -23,9 +21,6 @@ __all__ = ["caller_stacklevel", "warn"]
 # line is the first frame outside both.
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SKIPPED: tuple[str, ...] = (_PACKAGE,)
-
-_SAID: set[Hashable] = set()
-_SAID_LOCK = threading.Lock()
 
 
 def _skipped_prefixes() -> tuple[str, ...]:
@@ -66,7 +61,6 @@ def warn(
     category: type[Warning] = UserWarning,
     *,
     rank: Optional[int] = None,
-    once: Optional[Hashable] = None,
 ) -> None:
     """Issue a user-facing warning at the user's line, once per job.
 
@@ -76,25 +70,18 @@ def warn(
         rank: This process's rank, for a condition every rank sees alike (the same
             file, the same model): only rank 0 says it. None for a condition of
             this rank alone (it says it).
-        once: A key for a harmless condition: said the first time this process
-            meets the key, never again (e.g. the same tied tensors saved each epoch).
 
     Example:
         >>> import warnings
         >>> from ddpstate._warn import warn
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     warn("example", once="doc-example")
-        ...     warn("example", once="doc-example")
-        >>> len(caught)
-        1
+        ...     warn("said by rank 0", rank=0)
+        ...     warn("not by rank 1", rank=1)
+        >>> [str(w.message) for w in caught]
+        ['said by rank 0']
     """
     if rank is not None and rank != 0:
         return
-    if once is not None:
-        with _SAID_LOCK:
-            if once in _SAID:
-                return
-            _SAID.add(once)
     # This function's own frame is ddpstate's: the walk starts at its caller.
     warnings.warn(message, category, stacklevel=caller_stacklevel())
