@@ -263,6 +263,7 @@ def test_kill9_of_one_worker_restarts_from_the_local_tier_bitwise(tmp_path: Path
         assert torch.equal(final[key], tensor), key
 
 
+@pytest.mark.slow
 def test_a_finished_run_deletes_its_node_local_tier(tmp_path: Path) -> None:
     out, shm = tmp_path / "run", tmp_path / "shm"
     args = ("--epochs=1", "--max-steps=10", "--local-every=5", "--save-every=10", *FAST)
