@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import warnings
 import os
+import warnings
 import zipfile
 from pathlib import Path
 
