@@ -5,17 +5,33 @@ world size, the call counter), never the process group, so that a benchmark or
 a test can run many ranks as threads in one process, each with its own store
 client. ``ddpstate.dist`` builds the public collectives on these.
 
-One call ``g`` of a collective uses at most four keys under ``<prefix>/<g>/``:
+One call ``g`` of a collective uses at most five keys under ``<prefix>/<g>/``:
 
+* ``id``: what the call is. Each arriving rank does one ``compare_set`` of its
+  identity (the public call and its key arguments, e.g. ``ddpstate.save('ck.pt')``,
+  and which of its rounds; see ``_calls.calling``): the first sets it, and a
+  later rank whose identity differs is *mismatched* (another call, or a rank
+  that skipped one);
 * ``n``: a counter. Each arriving rank adds 1 (a failing rank adds
-  ``1 + _FAILED``), so the one ``add`` tells the last arriver that it is last
-  and how many ranks failed;
-* ``log``: an append-only record per arrival (rank + payload). It is read only
-  where a payload is needed (a gather to one rank, an outcome with failures)
-  or on a timeout, to name the ranks that never arrived;
+  ``1 + _FAILED``, a mismatched one ``1 + _MISMATCHED``), so the one ``add``
+  tells the last arriver that it is last, how many ranks failed and whether
+  the ranks are in the same call;
+* ``log``: an append-only record per arrival (rank + payload; a mismatched
+  rank's identity instead). It is read only where a payload is needed (a
+  gather to one rank, an outcome with failures), on a mismatch, or on a
+  timeout, to name the ranks that never arrived;
 * ``done``: set by the last arriver (its value: the failure count, or the
   agreement verdict); the other ranks wait on this one key;
 * ``value``: a broadcast's payload, set by the source.
+
+When the ranks are not all in the same call, the last arriver sets ``done``
+and ``value`` to :data:`_MISMATCH` (so every rank wakes, whichever key its own
+collective waits on), and every rank reads ``id`` and ``log`` and raises the
+same :class:`InvalidArgumentError` naming what each rank called. A rank raising
+it then "leaves": it arrives once, mismatched, at its next call, so a rank that
+had gone one call ahead (past a ``broadcast_object`` it was the source of,
+which does not wait) is released with the same kind of error instead of
+waiting out its timeout.
 
 The last arriver of call ``g`` knows every rank has returned from call ``g-1``
 (each has arrived at ``g``), so it deletes ``g-1``'s keys: the store does not grow.
@@ -36,7 +52,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional, cast
 
-from ddpstate import errors
+from ddpstate import _calls, errors
+from ddpstate._calls import LEFT, mismatch_error
 from ddpstate._warn import warn
 from ddpstate.errors import (
     BarrierTimeoutError,
@@ -59,15 +76,23 @@ REMINDER = (
 )
 
 # A failing arrival adds this on top of 1: the counter's low 32 bits count the
-# arrivals, the high bits the failures, and one atomic add reports both.
+# arrivals, the next 16 bits the failures, and one atomic add reports both.
 _FAILED = 1 << 32
+# A mismatched arrival (its call is not the first arriver's) adds this on top of 1:
+# the bits from 48 up count them (the store's counter is a signed 64-bit integer).
+_MISMATCHED = 1 << 48
 # A log record: rank and payload length, then the payload.
 _RECORD = struct.Struct("<iI")
+# Set in a record's length: the payload is the rank's identity (a mismatched arrival).
+_IDENTITY = 1 << 31
+# ``done`` and ``value`` of a call whose ranks are not all in the same call. No other
+# value of either key equals it (verdicts start with b"v", broadcasts are pickles).
+_MISMATCH = b"\x00ddpstate: the ranks are in different calls"
 # Error messages travel through the store; keep each one bounded.
 MAX_MESSAGE = 8000
 _MAX_ATTRS = 64 << 10
 # Keys one call may create (deleted by the last arriver of the next counted call).
-_SUFFIXES = ("n", "log", "done", "value")
+_SUFFIXES = ("id", "n", "log", "done", "value")
 
 
 @dataclasses.dataclass
@@ -212,16 +237,26 @@ def record(rank: int, payload: bytes) -> bytes:
     return _RECORD.pack(rank, len(payload)) + payload
 
 
-def records(raw: bytes) -> dict[int, bytes]:
-    """Parse a call's log into rank -> payload."""
+def _parse(raw: bytes) -> tuple[dict[int, bytes], dict[int, str]]:
+    """A call's log: rank -> payload, and rank -> identity of the mismatched ranks."""
     found: dict[int, bytes] = {}
+    identities: dict[int, str] = {}
     at = 0
     while at + _RECORD.size <= len(raw):
         rank, size = _RECORD.unpack_from(raw, at)
         at += _RECORD.size
-        found[rank] = raw[at : at + size]
-        at += size
-    return found
+        length = size & ~_IDENTITY
+        if size & _IDENTITY:
+            identities[rank] = raw[at : at + length].decode(errors="replace")
+        else:
+            found[rank] = raw[at : at + length]
+        at += length
+    return found, identities
+
+
+def records(raw: bytes) -> dict[int, bytes]:
+    """Parse a call's log into rank -> payload."""
+    return _parse(raw)[0]
 
 
 def encode_error(error: DDPStateError) -> bytes:
@@ -291,8 +326,8 @@ def as_shareable(error: BaseException, group: StoreGroup, name: str) -> DDPState
 
 
 def _arrived(group: StoreGroup, log: str) -> set[int]:
-    raw = group.op("reading who arrived", group.store.get, log)
-    return set(records(raw))
+    payloads, identities = _parse(group.op("reading who arrived", group.store.get, log))
+    return set(payloads) | set(identities)
 
 
 def _wait(
@@ -345,13 +380,94 @@ def _cleanup(group: StoreGroup, call: str) -> None:
             group.store.delete_key(f"{old}/{suffix}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Arrival:
+    """What one rank's arrival at a call told it."""
+
+    last: bool  # its add completed the count: every rank has arrived
+    failures: int  # failing arrivals counted so far (all of them, for the last)
+    mismatched: bool  # its call differs from the first arriver's (or, for the last, any's)
+
+
 def _arrive(
-    group: StoreGroup, call: str, name: str, payload: bytes, failed: bool
-) -> tuple[bool, int]:
-    """Log this rank's record, count it; return (last arriver?, failures so far)."""
-    group.op(name, group.store.append, f"{call}/log", record(group.rank, payload))
-    total = int(group.op(name, group.store.add, f"{call}/n", 1 + (_FAILED if failed else 0)))
-    return total % _FAILED == group.world, total // _FAILED
+    group: StoreGroup,
+    call: str,
+    name: str,
+    payload: bytes,
+    failed: bool,
+    log: bool = True,
+    identity: Optional[str] = None,
+    first: Optional[bytes] = None,
+    kind: str = "",
+) -> _Arrival:
+    """Check this rank's identity, log its record (``log``), count it (see the module docstring).
+
+    ``first``: the ``id`` this rank's own ``compare_set`` already returned.
+    """
+    mine = identity if identity is not None else _calls.identity(name, kind)
+    if first is None:
+        first = group.op(name, group.store.compare_set, f"{call}/id", "", mine)
+    own = first != mine.encode()
+    if own:
+        text = mine.encode()
+        group.op(
+            name,
+            group.store.append,
+            f"{call}/log",
+            _RECORD.pack(group.rank, len(text) | _IDENTITY) + text,
+        )
+    elif log:
+        group.op(name, group.store.append, f"{call}/log", record(group.rank, payload))
+    added = 1 + (_FAILED if failed else 0) + (_MISMATCHED if own else 0)
+    total = int(group.op(name, group.store.add, f"{call}/n", added))
+    last = total % _FAILED == group.world
+    mismatched = own or (last and total >= _MISMATCHED)
+    if last and mismatched:
+        # Wake every rank, whichever key its own collective waits on.
+        group.op(name, group.store.set, f"{call}/done", _MISMATCH)
+        group.op(name, group.store.set, f"{call}/value", _MISMATCH)
+        _cleanup(group, call)
+    return _Arrival(last, (total // _FAILED) % (1 << 16), mismatched)
+
+
+def _mismatch(
+    group: StoreGroup, call: str, name: str, seconds: float, start: float
+) -> InvalidArgumentError:
+    """The error of a call whose ranks are in different calls, the same on every rank.
+
+    Waits until every rank has arrived (the last sets ``done``), reads what each
+    called, then leaves (see the module docstring).
+    """
+
+    def missing() -> list[int]:
+        here = _arrived(group, f"{call}/log")
+        return [r for r in range(group.world) if r not in here]
+
+    _wait(group, f"{call}/done", name, seconds, start, missing)
+    first = group.op(name, group.store.get, f"{call}/id").decode(errors="replace")
+    _, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
+    calls = {r: identities.get(r, first) for r in range(group.world)}
+    if LEFT not in calls.values():
+        # A rank that met another's leave is one call ahead of it: leaving again
+        # would put it ahead once more, where not leaving puts the two back in step.
+        _leave(group, name)
+    return mismatch_error(calls)
+
+
+def _leave(group: StoreGroup, name: str) -> None:
+    """Arrive once, mismatched, at this rank's next call: a rank gone ahead to it wakes."""
+    call = group.next_call()
+    with contextlib.suppress(DDPStateError):
+        _arrive(group, call, name, b"", False, identity=LEFT)
+
+
+def _check_value(
+    group: StoreGroup, call: str, name: str, raw: bytes, seconds: float, start: float
+) -> bytes:
+    """``raw`` (a ``done`` or ``value`` read), unless it says the ranks are in different calls."""
+    if raw == _MISMATCH:
+        raise _mismatch(group, call, name, seconds, start)
+    return raw
 
 
 def _finish(group: StoreGroup, call: str, name: str, verdict: bytes) -> None:
@@ -371,14 +487,17 @@ def _await_all(group: StoreGroup, call: str, name: str, seconds: float, start: f
 
 
 def barrier(group: StoreGroup, name: str, seconds: float) -> None:
-    """Wait until every rank arrives (3 store operations per rank, +2 for the last)."""
+    """Wait until every rank arrives (5 store operations per rank, +2 for the last)."""
     start = time.monotonic()
     call = group.next_call()
-    last, _ = _arrive(group, call, name, b"", False)
-    if last:
+    arrival = _arrive(group, call, name, b"", False, kind="barrier")
+    if arrival.mismatched:
+        raise _mismatch(group, call, name, seconds, start)
+    if arrival.last:
         _finish(group, call, name, b"0")
         return
     _await_all(group, call, name, seconds, start)
+    _check_value(group, call, name, group.op(name, group.store.get, f"{call}/done"), seconds, start)
 
 
 def share_outcome(
@@ -386,18 +505,22 @@ def share_outcome(
 ) -> Optional[DDPStateError]:
     """Tell every rank how ``name`` went; return the shared error (None: every rank succeeded).
 
-    The happy path costs the barrier's operations plus one ``get`` of ``done``;
-    the failing ranks' records are read only when some rank failed.
+    The happy path costs the barrier's operations; the failing ranks' records
+    are read only when some rank failed.
     """
     start = time.monotonic()
     call = group.next_call()
     payload = b"" if error is None else encode_error(as_shareable(error, group, name))
-    last, failures = _arrive(group, call, name, payload, error is not None)
-    if last:
+    arrival = _arrive(group, call, name, payload, error is not None, kind="share_outcome")
+    if arrival.mismatched:
+        raise _mismatch(group, call, name, seconds, start)
+    failures = arrival.failures
+    if arrival.last:
         _finish(group, call, name, str(failures).encode())
     else:
         _await_all(group, call, name, seconds, start)
-        failures = int(group.op(name, group.store.get, f"{call}/done"))
+        done = group.op(name, group.store.get, f"{call}/done")
+        failures = int(_check_value(group, call, name, done, seconds, start))
     if not failures:
         return None
     log = records(group.op(name, group.store.get, f"{call}/log"))
@@ -424,14 +547,21 @@ def gather(
     """
     start = time.monotonic()
     call = group.next_call()
-    last, _ = _arrive(group, call, name, payload, False)
-    if last:
+    arrival = _arrive(group, call, name, payload, False, kind="gather")
+    if arrival.mismatched:
+        raise _mismatch(group, call, name, seconds, start)
+    if arrival.last:
         _finish(group, call, name, b"0")
     else:
         _await_all(group, call, name, seconds, start)
     if dst is not None and group.rank != dst:
+        if not arrival.last:
+            done = group.op(name, group.store.get, f"{call}/done")
+            _check_value(group, call, name, done, seconds, start)
         return None
-    log = records(group.op(name, group.store.get, f"{call}/log"))
+    log, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
+    if identities:
+        raise _mismatch(group, call, name, seconds, start)
     return [log[r] for r in range(group.world)]
 
 
@@ -449,18 +579,23 @@ def gather_and_decide(
     payloads (it may do work, such as writing a checkpoint, before answering)
     and sets the verdict; the others wait on that one key. Returns the shared
     error (None: success). If ``decide`` raises, the others are told (as a
-    RankFailedError naming it) and the exception goes on on ``dst``.
+    RankFailedError naming it) and the exception goes on on ``dst``. When the
+    ranks are not all in this call, ``decide`` never runs.
     """
     start = time.monotonic()
     call = group.next_call()
-    last, _ = _arrive(group, call, name, payload, False)
-    if last:
+    arrival = _arrive(group, call, name, payload, False, kind="gather_and_decide")
+    if arrival.mismatched:
+        raise _mismatch(group, call, name, seconds, start)
+    if arrival.last:
         _finish(group, call, name, b"0")
     verdict_key = f"{call}/value"
     if group.rank == dst:
-        if not last:
+        if not arrival.last:
             _await_all(group, call, name, seconds, start)
-        log = records(group.op(name, group.store.get, f"{call}/log"))
+        log, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
+        if identities:
+            raise _mismatch(group, call, name, seconds, start)
         try:
             error = decide([log[r] for r in range(group.world)])
         except BaseException as exc:
@@ -476,8 +611,10 @@ def gather_and_decide(
         return [r for r in range(group.world) if r not in here] or [dst]
 
     _wait(group, verdict_key, name, seconds, start, missing)
-    raw = group.op(name, group.store.get, verdict_key)[1:]
-    return decode_error(raw) if raw else None
+    raw = group.op(name, group.store.get, verdict_key)
+    if raw[:1] != b"v":  # the mismatch mark, or another call's payload (then a mark follows)
+        raise _mismatch(group, call, name, seconds, start)
+    return decode_error(raw[1:]) if raw[1:] else None
 
 
 def agree(group: StoreGroup, value: Any, name: str, seconds: float) -> Optional[list[Any]]:
@@ -488,8 +625,10 @@ def agree(group: StoreGroup, value: Any, name: str, seconds: float) -> Optional[
     start = time.monotonic()
     call = group.next_call()
     payload = pickle.dumps(value)
-    last, _ = _arrive(group, call, name, payload, False)
-    if last:
+    arrival = _arrive(group, call, name, payload, False, kind="agree")
+    if arrival.mismatched:
+        raise _mismatch(group, call, name, seconds, start)
+    if arrival.last:
         payloads = list(records(group.op(name, group.store.get, f"{call}/log")).values())
         same = all(p == payloads[0] for p in payloads) or all(
             _loads(p) == _loads(payloads[0]) for p in payloads
@@ -497,7 +636,8 @@ def agree(group: StoreGroup, value: Any, name: str, seconds: float) -> Optional[
         _finish(group, call, name, b"1" if same else b"0")
     else:
         _await_all(group, call, name, seconds, start)
-        same = group.op(name, group.store.get, f"{call}/done") == b"1"
+        done = group.op(name, group.store.get, f"{call}/done")
+        same = _check_value(group, call, name, done, seconds, start) == b"1"
     if same:
         return None
     log = records(group.op(name, group.store.get, f"{call}/log"))
@@ -514,20 +654,29 @@ def broadcast(
 ) -> bytes:
     """``src``'s payload on every rank (``src`` passes it, the others None).
 
-    ``src`` does not wait for the others: it sets one key and returns.
+    ``src`` does not wait for the others: it sets one key and returns. Ranks
+    log nothing (no payload to gather) unless their call is not the first
+    arriver's.
     """
     start = time.monotonic()
     call = group.next_call()
     key = f"{call}/value"
-    if payload is not None:  # this rank is src
-        group.op(name, group.store.set, key, payload)
-    total = int(group.op(name, group.store.add, f"{call}/n", 1))
-    if total == group.world:
+    mine = _calls.identity(name, "broadcast")
+    first: Optional[bytes] = None
+    if payload is not None:  # this rank is src: the payload is set before it counts in
+        first = group.op(name, group.store.compare_set, f"{call}/id", "", mine)
+        if first == mine.encode():
+            group.op(name, group.store.set, key, payload)
+    arrival = _arrive(group, call, name, b"", False, log=False, identity=mine, first=first)
+    if arrival.mismatched:
+        raise _mismatch(group, call, name, seconds, start)
+    if arrival.last:
         _cleanup(group, call)
     if payload is not None:
         return payload
     _wait(group, key, name, seconds, start, lambda: [src])
-    return cast(bytes, group.op(name, group.store.get, key))
+    raw = cast(bytes, group.op(name, group.store.get, key))
+    return _check_value(group, call, name, raw, seconds, start)
 
 
 def gather_to_receivers(
@@ -546,7 +695,7 @@ def gather_to_receivers(
     for that mark, read the log, run ``decide`` on every rank's payload and
     append their verdict to ``value``; the receiver that counts in last sets
     ``done``. The other ranks wait on ``done`` and read ``value`` (one record
-    per receiver): four store operations each, whatever the world size.
+    per receiver): five store operations each (with the identity check), whatever the world size.
     Returns the verdict of this rank's receiver. If ``decide`` raises, that
     receiver's ranks raise its error (rebuilt as by :func:`share_outcome`, a
     RankFailedError naming it if it is not a DDPStateError) and the exception
@@ -555,9 +704,13 @@ def gather_to_receivers(
     start = time.monotonic()
     call = group.next_call()
     receiver = dst == group.rank
-    last, _ = _arrive(group, call, name, (b"r" if receiver else b"-") + payload, False)
+    arrival = _arrive(
+        group, call, name, (b"r" if receiver else b"-") + payload, False, kind="gather_to_receivers"
+    )
+    if arrival.mismatched:
+        raise _mismatch(group, call, name, seconds, start)
     verdicts = f"{call}/value"
-    if last:
+    if arrival.last:
         # A rank -1 record marks "all arrived"; the receivers append theirs after it.
         group.op(name, group.store.set, verdicts, record(-1, b""))
         _cleanup(group, call)
@@ -573,7 +726,9 @@ def gather_to_receivers(
 
     if receiver:
         _wait(group, verdicts, name, seconds, start, missing)
-        log = records(group.op(name, group.store.get, f"{call}/log"))
+        log, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
+        if identities or len(log) < group.world:  # woken by a mismatch (or its first steps)
+            raise _mismatch(group, call, name, seconds, start)
         receivers = sum(1 for p in log.values() if p[:1] == b"r")
         try:
             told = b"v" + decide([log[r][1:] for r in range(group.world)])
@@ -583,13 +738,14 @@ def gather_to_receivers(
             failure = exc
         group.op(name, group.store.append, verdicts, record(group.rank, told))
         total = int(group.op(name, group.store.add, f"{call}/n", 1))
-        if total == group.world + receivers:
+        if total % _FAILED == group.world + receivers:
             group.op(name, group.store.set, f"{call}/done", b"0")
         if failure is not None:
             raise failure
         return told[1:]
     _wait(group, f"{call}/done", name, seconds, start, missing)
-    answer = records(group.op(name, group.store.get, verdicts)).get(dst)
+    raw = _check_value(group, call, name, group.op(name, group.store.get, verdicts), seconds, start)
+    answer = records(raw).get(dst)
     if answer is None:
         raise InvalidArgumentError(
             f"{name}: rank {group.rank} named rank {dst} as its receiver, but rank {dst} "

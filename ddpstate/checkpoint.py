@@ -11,16 +11,18 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ddpstate import _fs, storage
+from ddpstate import _fs, _visibility, storage
+from ddpstate._calls import calling, path_text
 from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate._dcp import read as _dcp_read
 from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
-from ddpstate._io.model_state import IncompatibleKeys, load_fitting
+from ddpstate._io.model_state import IncompatibleKeys, load_fitting, warn_if_little_matched
 from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
+from ddpstate._keys.wrappers import unwrapped_state_dict
 from ddpstate.dist import (
     broadcast_object,
     compare_across_ranks,
@@ -161,10 +163,28 @@ def _disagreement(what: str, seen: list[tuple[Any, ...]]) -> Optional[InvalidArg
     )
 
 
-def _check_same_call(what: str, arguments: tuple[Any, ...], timeout: Timeout) -> None:
-    """Every rank passed the same path (and format, src_rank); else raise on every rank."""
-    seen = compare_across_ranks(arguments, name=what, timeout=timeout)
-    error = None if seen is None else _disagreement(what, seen)
+def _check_same_call(
+    what: str, arguments: tuple[Any, ...], timeout: Timeout, found: Optional[int] = 0
+) -> None:
+    """Every rank passed the same path (and format, src_rank); else raise on every rank.
+
+    ``found``: what this rank sees at the path (``_visibility.stat``); every
+    rank must see the same, else the ranks do not share the folder.
+    """
+    seen = compare_across_ranks((arguments, found), name=what, timeout=timeout)
+    if seen is None:
+        return
+    error: Optional[DDPStateError] = _disagreement(what, [a for a, _ in seen])
+    if error is None:
+        views = [f for _, f in seen]
+        holder = next((r for r, f in enumerate(views) if f is not None), 0)
+        error = _visibility.not_shared(
+            arguments[0],
+            holder,
+            views,
+            "sees",
+            f"use a shared path, or pass src_rank={holder} (one rank reads, the others receive)",
+        )
     if error is not None:
         raise error
 
@@ -253,64 +273,67 @@ def save(
         >>> load(path)["w"]
         tensor([1., 1.])
     """
-    text = os.fspath(path)
-    _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
-    if _dcp.holds_sharded(obj):
-        _dcp.check_folder_target(
-            obj, text, format, metadata is not None, max_shard_size=max_shard_size is not None
-        )
-        _dcp.check_sharded_types(obj, text)
-        _check_rank(src_rank, "src_rank")
-        _save_sharded(obj, text, src_rank, timeout)
-        return
-    fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
-    if max_shard_size is not None:
-        from ddpstate._hf.write import parse_size
-
-        parse_size(max_shard_size)  # a bad size fails on every rank, before any write
-        if format is not None and _save_format(text, format) != SAFETENSORS:
-            raise CheckpointFormatError(
-                f"{text}: max_shard_size writes safetensors shards; drop format={format!r}"
+    with calling(f"ddpstate.save({path_text(path)})"):
+        text = os.fspath(path)
+        _savecheck.check_safe_globals(safe_globals, f"save({text!r})")
+        if _dcp.holds_sharded(obj):
+            _dcp.check_folder_target(
+                obj, text, format, metadata is not None, max_shard_size=max_shard_size is not None
             )
-    if metadata is not None and fmt not in (SAFETENSORS, HF_SHARDED):
-        raise CheckpointFormatError(
-            f"{text}: metadata= is stored in safetensors headers only; save with "
-            f"format='safetensors', or put the metadata inside the saved object"
-        )
-    _check_rank(src_rank, "src_rank")
-    allowed = list(safe_globals) if weights_only else None
-    if not (barrier and is_distributed()):
-        if (get_rank() if is_distributed() else src_rank) == src_rank:
+            _dcp.check_sharded_types(obj, text)
+            _check_rank(src_rank, "src_rank")
+            _save_sharded(obj, text, src_rank, timeout)
+            return
+        fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
+        if max_shard_size is not None:
+            from ddpstate._hf.write import parse_size
+
+            parse_size(max_shard_size)  # a bad size fails on every rank, before any write
+            if format is not None and _save_format(text, format) != SAFETENSORS:
+                raise CheckpointFormatError(
+                    f"{text}: max_shard_size writes safetensors shards; drop format={format!r}"
+                )
+        if metadata is not None and fmt not in (SAFETENSORS, HF_SHARDED):
+            raise CheckpointFormatError(
+                f"{text}: metadata= is stored in safetensors headers only; save with "
+                f"format='safetensors', or put the metadata inside the saved object"
+            )
+        _check_rank(src_rank, "src_rank")
+        allowed = list(safe_globals) if weights_only else None
+        if not (barrier and is_distributed()):
+            if (get_rank() if is_distributed() else src_rank) == src_rank:
+                try:
+                    _write(obj, text, fmt, storage_options, metadata, allowed, max_shard_size)
+                except BaseException as exc:
+                    raise _save_error(exc, text, src_rank) from exc
+            return
+        # One round: every rank sends its (path, format, src_rank) to the writer, which
+        # checks that they agree, writes, and answers every rank.
+        causes: list[BaseException] = []
+
+        def decide(seen: list[tuple[Any, ...]]) -> Optional[DDPStateError]:
+            disagreement = _disagreement(SAVE_COLLECTIVE, seen)
+            if disagreement is not None:
+                return disagreement
             try:
                 _write(obj, text, fmt, storage_options, metadata, allowed, max_shard_size)
             except BaseException as exc:
-                raise _save_error(exc, text, src_rank) from exc
-        return
-    # One round: every rank sends its (path, format, src_rank) to the writer, which
-    # checks that they agree, writes, and answers every rank.
-    causes: list[BaseException] = []
+                causes.append(exc)
+                return _save_error(exc, text, src_rank)
+            return None
 
-    def decide(seen: list[tuple[Any, ...]]) -> Optional[DDPStateError]:
-        disagreement = _disagreement(SAVE_COLLECTIVE, seen)
-        if disagreement is not None:
-            return disagreement
         try:
-            _write(obj, text, fmt, storage_options, metadata, allowed, max_shard_size)
-        except BaseException as exc:
-            causes.append(exc)
-            return _save_error(exc, text, src_rank)
-        return None
-
-    try:
-        gather_and_decide(
-            (text, fmt, src_rank), decide, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout
-        )
-    except DDPStateError as shared:
-        if causes and not isinstance(causes[0], Exception):
-            raise causes[0] from None  # the others were told; the interrupt goes on here
-        if causes:
-            raise shared from causes[0]
-        raise
+            gather_and_decide(
+                (text, fmt, src_rank), decide, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout
+            )
+        except DDPStateError as shared:
+            if causes and not isinstance(causes[0], Exception):
+                raise causes[0] from None  # the others were told; the interrupt goes on here
+            if causes:
+                raise shared from causes[0]
+            raise
+        if not _fs.is_remote(text):  # committed: can every rank see the file?
+            _visibility.check_written(text, src_rank, name=SAVE_COLLECTIVE, timeout=timeout)
 
 
 def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:
@@ -577,19 +600,21 @@ def load(
         >>> load(path, map_location="cpu")["w"]
         tensor([0., 0.])
     """
-    text = os.fspath(path)
-    _savecheck.check_safe_globals(safe_globals, f"load({text!r})")
-    resolved = resolve_map_location(map_location)
-    if src_rank is not None:
-        _check_rank(src_rank, "src_rank")
-    distributed = is_distributed()
-    if barrier and distributed:
-        _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout)
-    if src_rank is None or not distributed:
-        return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
-    return _load_and_broadcast(
-        text, resolved, weights_only, mmap, storage_options, src_rank, timeout, safe_globals
-    )
+    with calling(f"ddpstate.load({path_text(path)})"):
+        text = os.fspath(path)
+        _savecheck.check_safe_globals(safe_globals, f"load({text!r})")
+        resolved = resolve_map_location(map_location)
+        if src_rank is not None:
+            _check_rank(src_rank, "src_rank")
+        distributed = is_distributed()
+        if barrier and distributed:
+            found = _visibility.stat(text) if src_rank is None else 0
+            _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout, found)
+        if src_rank is None or not distributed:
+            return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
+        return _load_and_broadcast(
+            text, resolved, weights_only, mmap, storage_options, src_rank, timeout, safe_globals
+        )
 
 
 # ------------------------------------------------------------------------------- model state
@@ -599,8 +624,9 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
     """Save a model's state dict with wrapper-free keys; a collective like :func:`save`.
 
     The model is unwrapped (DataParallel, DDP, ``torch.compile``, in any
-    nesting) and the keys normalized (``module.``/``_orig_mod.`` segments
-    removed, ``_metadata`` kept), so the file loads into any wrapping later.
+    nesting): exactly the key segments of the wrapper objects it holds are
+    removed (``_metadata`` kept), so the file loads into any wrapping later. A
+    real child named ``module`` (``AveragedModel``'s) stays in the keys.
 
     Args:
         model: A plain or wrapped module (call it on every rank).
@@ -626,15 +652,15 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         >>> sorted(load(path))
         ['bias', 'weight']
     """
-    from ddpstate.batchnorm import warn_if_stats_differ
-    from ddpstate.keys import normalize_keys, unwrap_model
+    with calling(f"ddpstate.save_model_state({path_text(path)})"):
+        from ddpstate.batchnorm import warn_if_stats_differ
 
-    state = normalize_keys(unwrap_model(model).state_dict())
-    save(state, path, **save_kwargs)
-    if save_kwargs.get("barrier", True):
-        # After the save: its own agreement has proven every rank is here, so a
-        # rank that skipped the call fails inside save, named as such.
-        warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
+        state = unwrapped_state_dict(model)
+        save(state, path, **save_kwargs)
+        if save_kwargs.get("barrier", True):
+            # After the save: its own agreement has proven every rank is here, so a
+            # rank that skipped the call fails inside save, named as such.
+            warn_if_stats_differ(model, where=os.fspath(path), timeout=save_kwargs.get("timeout"))
 
 
 def load_model_state(
@@ -707,52 +733,54 @@ def load_model_state(
         >>> load_model_state(torch.nn.Linear(2, 2), path)
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     """
-    _savecheck.check_safe_globals(safe_globals, "load_model_state")
-    from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
+    with calling(f"ddpstate.load_model_state({path_text(source)})"):
+        _savecheck.check_safe_globals(safe_globals, "load_model_state")
+        from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
 
-    if isinstance(source, (str, os.PathLike)):
-        name = os.fspath(source)
-        if _dcp_read.is_sharded_model(model) and _detect(name, storage_options) == DCP:
-            return _load_sharded(
-                model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
-                storage_options=storage_options, timeout=timeout,
-                ignore_mismatched=ignore_mismatched,
-            )  # fmt: skip
-        checkpoint = load(
-            source,
-            map_location=map_location,
-            weights_only=weights_only,
-            mmap=mmap,
-            barrier=barrier,
-            src_rank=src_rank,
-            storage_options=storage_options,
-            timeout=timeout,
-            safe_globals=safe_globals,
+        if isinstance(source, (str, os.PathLike)):
+            name = os.fspath(source)
+            if _dcp_read.is_sharded_model(model) and _detect(name, storage_options) == DCP:
+                return _load_sharded(
+                    model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
+                    storage_options=storage_options, timeout=timeout,
+                    ignore_mismatched=ignore_mismatched,
+                )  # fmt: skip
+            checkpoint = load(
+                source,
+                map_location=map_location,
+                weights_only=weights_only,
+                mmap=mmap,
+                barrier=barrier,
+                src_rank=src_rank,
+                storage_options=storage_options,
+                timeout=timeout,
+                safe_globals=safe_globals,
+            )
+        else:
+            name, checkpoint = "the given state dict", source
+        found_key, state_dict = find_state_dict(checkpoint, key)
+        if _dcp_read.is_sharded_model(model):
+            return _dcp_read.load_full_into_sharded(
+                model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
+            )
+        try:
+            adapted = adapt_state_dict(state_dict, model, strict=strict)
+        except KeyMismatchError as exc:
+            # Name the file (and the entry the state dict came from), as ShapeMismatchError does.
+            at = "".join(f"[{k!r}]" for k in found_key)
+            inside = f" (the state dict at checkpoint{at})" if at else ""
+            raise with_message(exc, f"{name}{inside}: {exc}") from exc
+        skipped = load_fitting(
+            model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
         )
-    else:
-        name, checkpoint = "the given state dict", source
-    found_key, state_dict = find_state_dict(checkpoint, key)
-    if _dcp_read.is_sharded_model(model):
-        return _dcp_read.load_full_into_sharded(
-            model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
+        if strict:
+            return IncompatibleKeys(skipped, [])
+        match = match_keys(state_dict, model)
+        warn_if_little_matched(match, state_dict, name=name)
+        return IncompatibleKeys(
+            [*skipped, *match.missing],
+            [k if isinstance(k, str) else repr(k) for k in match.unexpected],
         )
-    try:
-        adapted = adapt_state_dict(state_dict, model, strict=strict)
-    except KeyMismatchError as exc:
-        # Name the file (and the entry the state dict came from), as ShapeMismatchError does.
-        at = "".join(f"[{k!r}]" for k in found_key)
-        inside = f" (the state dict at checkpoint{at})" if at else ""
-        raise with_message(exc, f"{name}{inside}: {exc}") from exc
-    skipped = load_fitting(
-        model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
-    )
-    if strict:
-        return IncompatibleKeys(skipped, [])
-    match = match_keys(state_dict, model)
-    return IncompatibleKeys(
-        [*skipped, *match.missing],
-        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
-    )
 
 
 def _load_sharded(

@@ -32,7 +32,7 @@ from typing import Any, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpstate import _collectives
+from ddpstate import _calls, _collectives
 from ddpstate._collectives import REMINDER as _REMINDER
 from ddpstate._collectives import TIMEOUT_ENV, WARN_AFTER_ENV
 from ddpstate._dist.launch import DistContext, device_for, init_distributed
@@ -140,9 +140,12 @@ def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") 
         >>> import ddpstate
         >>> ddpstate.barrier(timeout=60)  # no-op in a single process
     """
-    if not is_distributed():
-        return
-    _collectives.barrier(_group(), name, resolve_timeout(timeout))
+    with _calls.calling(
+        "ddpstate.barrier()" if name == "barrier" else f"ddpstate.barrier({name=})"
+    ):
+        if not is_distributed():
+            return
+        _collectives.barrier(_group(), name, resolve_timeout(timeout))
 
 
 def share_outcome(
@@ -176,14 +179,15 @@ def share_outcome(
         >>> from ddpstate.dist import share_outcome
         >>> share_outcome(None, name="my step")  # every rank succeeded: returns
     """
-    if not is_distributed():
-        if error is not None:
-            raise error
-        return
-    group = _group()
-    shared = _collectives.share_outcome(group, error, name, resolve_timeout(timeout))
-    if shared is not None:
-        raise shared from error
+    with _calls.calling(f"ddpstate.share_outcome({name=})"):
+        if not is_distributed():
+            if error is not None:
+                raise error
+            return
+        group = _group()
+        shared = _collectives.share_outcome(group, error, name, resolve_timeout(timeout))
+        if shared is not None:
+            raise shared from error
 
 
 def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> list[Any]:
@@ -208,14 +212,15 @@ def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> 
         >>> ddpstate.all_gather_object({"step": 3})
         [{'step': 3}]
     """
-    if not is_distributed():
-        return [obj]
-    gathered = _collectives.gather(
-        _group(), pickle.dumps(obj), None, "all_gather_object", resolve_timeout(timeout)
-    )
-    assert gathered is not None
-    # Trusted input: these bytes come from this job's own ranks, never from a file.
-    return [pickle.loads(b) for b in gathered]
+    with _calls.calling("ddpstate.all_gather_object()"):
+        if not is_distributed():
+            return [obj]
+        gathered = _collectives.gather(
+            _group(), pickle.dumps(obj), None, "all_gather_object", resolve_timeout(timeout)
+        )
+        assert gathered is not None
+        # Trusted input: these bytes come from this job's own ranks, never from a file.
+        return [pickle.loads(b) for b in gathered]
 
 
 def gather_object(
@@ -247,16 +252,21 @@ def gather_object(
         >>> gather_object("rank 0's note")
         ["rank 0's note"]
     """
-    if not is_distributed():
-        return [obj]
-    world = dist.get_world_size()
-    if not 0 <= dst < world:
-        raise InvalidArgumentError(f"gather_object: dst={dst} is not a rank of a {world}-rank job")
-    gathered = _collectives.gather(_group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout))
-    if gathered is None:
-        return None
-    # Trusted input: these bytes come from this job's own ranks, never from a file.
-    return [pickle.loads(b) for b in gathered]
+    with _calls.calling("ddpstate.gather_object()"):
+        if not is_distributed():
+            return [obj]
+        world = dist.get_world_size()
+        if not 0 <= dst < world:
+            raise InvalidArgumentError(
+                f"gather_object: dst={dst} is not a rank of a {world}-rank job"
+            )
+        gathered = _collectives.gather(
+            _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout)
+        )
+        if gathered is None:
+            return None
+        # Trusted input: these bytes come from this job's own ranks, never from a file.
+        return [pickle.loads(b) for b in gathered]
 
 
 def gather_and_decide(
@@ -291,25 +301,26 @@ def gather_and_decide(
         >>> from ddpstate.dist import gather_and_decide
         >>> gather_and_decide({"step": 3}, lambda infos: None, name="check steps")
     """
-    if not is_distributed():
-        error = decide([obj])
-        if error is not None:
-            raise error
-        return
-    world = dist.get_world_size()
-    if not 0 <= dst < world:
-        raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+    with _calls.calling(f"ddpstate.gather_and_decide({name=})"):
+        if not is_distributed():
+            error = decide([obj])
+            if error is not None:
+                raise error
+            return
+        world = dist.get_world_size()
+        if not 0 <= dst < world:
+            raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
 
-    def on_dst(payloads: list[bytes]) -> Optional[DDPStateError]:
-        # Trusted input: these bytes come from this job's own ranks, never from a file.
-        return decide([pickle.loads(b) for b in payloads])
+        def on_dst(payloads: list[bytes]) -> Optional[DDPStateError]:
+            # Trusted input: these bytes come from this job's own ranks, never from a file.
+            return decide([pickle.loads(b) for b in payloads])
 
-    group = _group()
-    shared = _collectives.gather_and_decide(
-        group, pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_dst
-    )
-    if shared is not None:
-        raise shared
+        group = _group()
+        shared = _collectives.gather_and_decide(
+            group, pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_dst
+        )
+        if shared is not None:
+            raise shared
 
 
 def gather_to_receivers(
@@ -350,21 +361,22 @@ def gather_to_receivers(
         >>> gather_to_receivers(3, sum, dst=0, name="sum on each node")
         3
     """
-    if not is_distributed():
-        return decide([obj])
-    world = dist.get_world_size()
-    if not 0 <= dst < world:
-        raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+    with _calls.calling(f"ddpstate.gather_to_receivers({name=})"):
+        if not is_distributed():
+            return decide([obj])
+        world = dist.get_world_size()
+        if not 0 <= dst < world:
+            raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
 
-    def on_receiver(payloads: list[bytes]) -> bytes:
-        # Trusted input: these bytes come from this job's own ranks, never from a file.
-        return pickle.dumps(decide([pickle.loads(b) for b in payloads]))
+        def on_receiver(payloads: list[bytes]) -> bytes:
+            # Trusted input: these bytes come from this job's own ranks, never from a file.
+            return pickle.dumps(decide([pickle.loads(b) for b in payloads]))
 
-    raw = _collectives.gather_to_receivers(
-        _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_receiver
-    )
-    # Trusted input: the answer of this job's own receiver rank.
-    return pickle.loads(raw)
+        raw = _collectives.gather_to_receivers(
+            _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_receiver
+        )
+        # Trusted input: the answer of this job's own receiver rank.
+        return pickle.loads(raw)
 
 
 def compare_across_ranks(
@@ -391,9 +403,10 @@ def compare_across_ranks(
         >>> compare_across_ranks("run/ckpt.pt", name="save path") is None
         True
     """
-    if not is_distributed():
-        return None
-    return _collectives.agree(_group(), value, name, resolve_timeout(timeout))
+    with _calls.calling(f"ddpstate.compare_across_ranks({name=})"):
+        if not is_distributed():
+            return None
+        return _collectives.agree(_group(), value, name, resolve_timeout(timeout))
 
 
 def broadcast_object(
@@ -421,20 +434,23 @@ def broadcast_object(
         >>> ddpstate.broadcast_object({"resume_step": 100})
         {'resume_step': 100}
     """
-    if not is_distributed():
-        return obj
-    world = dist.get_world_size()
-    if not 0 <= src < world:
-        raise InvalidArgumentError(
-            f"broadcast_object: src={src} is not a rank of a {world}-rank job"
+    with _calls.calling(f"ddpstate.broadcast_object({src=})"):
+        if not is_distributed():
+            return obj
+        world = dist.get_world_size()
+        if not 0 <= src < world:
+            raise InvalidArgumentError(
+                f"broadcast_object: src={src} is not a rank of a {world}-rank job"
+            )
+        group = _group()
+        payload = pickle.dumps(obj) if group.rank == src else None
+        raw = _collectives.broadcast(
+            group, payload, src, "broadcast_object", resolve_timeout(timeout)
         )
-    group = _group()
-    payload = pickle.dumps(obj) if group.rank == src else None
-    raw = _collectives.broadcast(group, payload, src, "broadcast_object", resolve_timeout(timeout))
-    if group.rank == src:
-        return obj
-    # Trusted input: these bytes come from this job's own rank src, never from a file.
-    return pickle.loads(raw)
+        if group.rank == src:
+            return obj
+        # Trusted input: these bytes come from this job's own rank src, never from a file.
+        return pickle.loads(raw)
 
 
 _flag_buffer: list[tuple[Any, torch.Tensor]] = []
@@ -536,8 +552,10 @@ def main_process_first(
         yield
         return
     name = "main_process_first"
+    call = "ddpstate.main_process_first()"
     if not leader:
-        share_outcome(None, name=name, timeout=timeout)
+        with _calls.calling(call):
+            share_outcome(None, name=name, timeout=timeout)
         yield
         return
     try:
@@ -548,7 +566,8 @@ def main_process_first(
             f"({type(exc).__name__}: {exc}); not running this rank's block"
         )
         # Tell the waiting ranks, then raise this rank's own error, not the shared one.
-        with contextlib.suppress(DDPStateError):
+        with contextlib.suppress(DDPStateError), _calls.calling(call):
             share_outcome(told, name=name, timeout=timeout)
         raise
-    share_outcome(None, name=name, timeout=timeout)
+    with _calls.calling(call):
+        share_outcome(None, name=name, timeout=timeout)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import weakref
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any, Optional
 
 from torch.utils.data import DistributedSampler
+from torch.utils.data import dataloader as _dataloader
 
 from ddpstate.dist import get_rank, get_world_size
 from ddpstate.errors import DDPStateError
@@ -14,6 +17,34 @@ from ddpstate.errors import DDPStateError
 __all__ = ["ResumableDistributedSampler"]
 
 _COUNT_MODES = ("yielded", "consumed")
+# How far up from the sampler's generator the DataLoader iterator's frame can be:
+# the generator, BatchSampler.__iter__ (or a user batch sampler), _next_index.
+_LOADER_FRAME_DEPTH = 6
+
+
+def _prefetching_loader() -> Optional[Any]:
+    """The DataLoader iterator with worker processes asking for this index, if one is.
+
+    torch gives a sampler no way to learn who iterates it, and with workers the
+    loader asks for ``prefetch_factor * num_workers`` batches ahead of the loop.
+    The caller's frames do tell: the loader's ``_next_index`` is a few frames up.
+    Called once per pass, on its first index.
+    """
+    loader_kind = getattr(_dataloader, "_MultiProcessingDataLoaderIter", None)
+    if loader_kind is None:
+        return None
+    frame = inspect.currentframe()
+    try:
+        for _ in range(_LOADER_FRAME_DEPTH):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, loader_kind):
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # a frame held in a local keeps every caller's locals alive
 
 
 class ResumableDistributedSampler(DistributedSampler[int]):
@@ -28,13 +59,16 @@ class ResumableDistributedSampler(DistributedSampler[int]):
     the beginning of the epoch like the parent class.
 
     **What the position counts.** With ``count="yielded"`` (default) it counts
-    the indices this sampler handed out. That is exact for
-    ``DataLoader(num_workers=0)``, which asks for one batch of indices only
-    when the loop asks for the batch. A ``DataLoader`` with ``num_workers > 0``
-    prefetches ``prefetch_factor * num_workers`` batches ahead, so use
-    ``count="consumed"`` there and call :meth:`advance` with the batch's size
-    after each training step: the position is then the number of samples the
-    loop actually consumed, and a resume re-reads the prefetched ones.
+    the samples the training loop has received. ``DataLoader(num_workers=0)``
+    asks for a batch of indices only when the loop asks for the batch, so that
+    is the indices handed out. A ``DataLoader`` with ``num_workers > 0``
+    prefetches ``prefetch_factor * num_workers`` batches ahead; the sampler
+    sees that loader iterating it and counts only the batches it has given the
+    loop, so a resume re-reads the prefetched ones (exact either way). A loader
+    it cannot see into (one that reorders, ``in_order=False``, or another
+    prefetching wrapper) needs ``count="consumed"``: call :meth:`advance` with
+    the batch's size after each training step, and the position is the number
+    of samples the loop reported.
 
     **Changing the world size.** When a state saved with ``N`` replicas is
     loaded with ``M != N``, the ``position * N`` leading entries of the epoch's
@@ -113,6 +147,14 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         self._resume_pending = False
         # Samples the loop reported through advance() in the current pass.
         self._consumed = 0
+        # The DataLoader iterator with workers that drives the current pass, if any:
+        # it prefetches, so under count="yielded" the position runs ahead of the loop.
+        self._prefetcher: Optional[weakref.ref[Any]] = None
+        # Under such a loader: the position after each batch it sent, the batches it
+        # had given the loop when last seen, and whether the pass was handed out whole.
+        self._batch_ends: list[int] = []
+        self._delivered = 0
+        self._exhausted = False
 
     # ----------------------------------------------------------------- sequence
 
@@ -156,12 +198,38 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         self._position = start
         self._pass_start = start
         self._consumed = 0
+        self._forget_loader()
         return self._generate(sequence, start)
+
+    def _forget_loader(self) -> None:
+        self._prefetcher = None
+        self._batch_ends = []
+        self._delivered = 0
+        self._exhausted = False
 
     def _generate(self, sequence: list[int], start: int) -> Iterator[int]:
         for index in sequence[start:]:
+            if self._position == self._pass_start and self.count == "yielded":
+                loader = _prefetching_loader()
+                # A weak reference: the loader's iterator holds this generator, and a
+                # strong one back would keep its worker processes alive after the loop.
+                self._prefetcher = None if loader is None else weakref.ref(loader)
             self._position += 1
+            if self._prefetcher is not None:
+                self._note_batch()
             yield index
+        self._exhausted = True
+
+    def _note_batch(self) -> None:
+        # Which batch the loader is filling with this index, and how many it has delivered.
+        loader = self._prefetcher() if self._prefetcher is not None else None
+        if loader is None:
+            return
+        batch = int(getattr(loader, "_send_idx", len(self._batch_ends)))
+        self._delivered = int(getattr(loader, "_rcvd_idx", 0))
+        while len(self._batch_ends) <= batch:
+            self._batch_ends.append(self._position)
+        self._batch_ends[batch] = self._position
 
     def __len__(self) -> int:
         """Samples the current pass yields (the rest of the epoch after a resume)."""
@@ -187,6 +255,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
             self._pass_start = 0
             self._consumed = 0
             self._resume_pending = False
+            self._forget_loader()
         super().set_epoch(epoch)
 
     def advance(self, num_samples: int) -> None:
@@ -229,9 +298,38 @@ class ResumableDistributedSampler(DistributedSampler[int]):
     # ----------------------------------------------------------------- state
 
     def _reported_position(self) -> int:
-        if self._resume_pending or self.count == "yielded":
+        if self._resume_pending:
             return self._position
+        if self.count == "yielded":
+            return self._position if self._prefetcher is None else self._loop_position()
         return self._pass_start + self._consumed
+
+    def _loop_position(self) -> int:
+        """The position the training loop has reached when workers prefetch (count="yielded").
+
+        The DataLoader numbers the batches it sends to its workers (``_send_idx``,
+        read as each index is handed out) and counts those it has given the loop
+        (``_rcvd_idx``); torch has no public counter for either. So the samples of
+        the batches the loop has received are exactly what ``num_workers=0`` would
+        have handed out by now.
+        """
+        loader = None if self._prefetcher is None else self._prefetcher()
+        if loader is not None and not getattr(loader, "_in_order", True):
+            raise DDPStateError(
+                "ResumableDistributedSampler.state_dict(): the DataLoader iterating this sampler "
+                "has in_order=False, so which prefetched samples the loop has trained on is not "
+                "known; construct the sampler with count='consumed' and call "
+                "sampler.advance(len(batch)) after each step, or drop in_order=False"
+            )
+        if loader is not None:
+            delivered = int(getattr(loader, "_rcvd_idx", self._delivered))
+        elif self._exhausted:
+            delivered = len(self._batch_ends)  # the loop finished the pass
+        else:
+            delivered = self._delivered  # the pass was abandoned: the last count seen
+        if delivered <= 0:
+            return self._pass_start
+        return self._batch_ends[min(delivered, len(self._batch_ends)) - 1]
 
     def state_dict(self) -> dict[str, Any]:
         """Return the sampler's place in the data: epoch, position and the settings it depends on.
@@ -241,6 +339,12 @@ class ResumableDistributedSampler(DistributedSampler[int]):
             rank has passed on), ``"num_replicas"``, ``"offset"`` (permutation
             entries consumed under an earlier world size this epoch),
             ``"seed"``, ``"shuffle"``, ``"drop_last"`` and ``"dataset_len"``.
+
+        Raises:
+            DDPStateError: ``count="yielded"`` under a ``DataLoader`` with
+                workers and ``in_order=False``: which prefetched samples the loop
+                has trained on is unknown (use ``count="consumed"`` with
+                :meth:`advance`).
 
         Example:
             >>> import ddpstate

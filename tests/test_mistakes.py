@@ -98,8 +98,6 @@ EVERYDAY: dict[str, Any] = {
     "timedelta": datetime.timedelta(hours=3, microseconds=5),
     "Namespace": argparse.Namespace(lr=0.1, name="exp", steps=[1, 2]),
     "OrderedDict": collections.OrderedDict([("b", 1), ("a", 2.0)]),
-    "defaultdict(list)": collections.defaultdict(list, {"x": [1, 2]}),
-    "defaultdict(int)": collections.defaultdict(int, {"n": 3}),
     "nested": {"hist": [np.float32(0.5), np.float32(0.25)], "at": datetime.date(2024, 2, 1)},
     "set": {1, 2, 3},
     "complex": 1 + 2j,
@@ -113,6 +111,9 @@ REFUSED: dict[str, tuple[Any, list[Any]]] = {
     "plain class": (Opaque(), [Opaque]),
     "numpy object array": (np.array([1, "a"], dtype=object), []),
     "defaultdict(Config)": (collections.defaultdict(Opaque), []),
+    # Plain torch cannot rebuild one: refused, naming dict(...) as the fix.
+    "defaultdict(list)": (collections.defaultdict(list, {"x": [1, 2]}), []),
+    "defaultdict(int)": (collections.defaultdict(int, {"n": 3}), []),
     "whole nn.Module": (nn.Linear(2, 2), []),
 }
 
@@ -464,7 +465,7 @@ def test_the_command_reads_what_save_writes(
 ) -> None:
     path = tmp_path / "values.pt"
     values = {k: EVERYDAY[k] for k in ("np.float64", "array int64", "Path", "date", "Namespace")}
-    ddpstate.save({**values, "dd": collections.defaultdict(list), "w": torch.ones(2)}, path)
+    ddpstate.save({**values, "w": torch.ones(2)}, path)
     assert main(["verify", str(path), "-q"]) == 0
     assert main(["inspect", str(path)]) == 0
     out = tmp_path / "copy.pt"

@@ -12,11 +12,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ddpstate._keys.match import KeyMatch, prefix_hint
 from ddpstate._warn import warn
 from ddpstate.dist import get_rank, is_distributed
 from ddpstate.errors import ShapeMismatchError
 
-__all__ = ["IncompatibleKeys", "load_fitting", "shape_mismatches"]
+__all__ = ["IncompatibleKeys", "load_fitting", "shape_mismatches", "warn_if_little_matched"]
 
 
 class IncompatibleKeys(NamedTuple):
@@ -82,8 +83,8 @@ def shape_mismatches(
     Raises :class:`ShapeMismatchError` listing them, or with ``ignore_mismatched``
     warns and returns them for the caller to skip. ``state_dict``'s keys are
     already the model's; ``own`` is the model's state dict (DTensors compare by
-    their global shape, so sharded models are checked the same way). The
-    warning names the user's line and is said by rank 0 alone (every rank loads alike).
+    their global shape, so sharded models are checked the same way).
+    The warning names the user's line and is said by rank 0 alone (every rank loads alike).
     """
     mismatched = [
         (k, tuple(v.shape), tuple(own[k].shape))
@@ -110,3 +111,30 @@ def shape_mismatches(
             rank=get_rank() if is_distributed() else None,
         )
     return mismatched
+
+
+# A non-strict load that pairs fewer than this share of either side's keys is
+# almost surely the wrong file or a prefix mismatch, not a deliberate partial load.
+_FEW_MATCHED = 0.10
+
+
+def warn_if_little_matched(match: KeyMatch, source: Mapping[Any, Any], *, name: str) -> None:
+    """Warn when a ``strict=False`` load paired (almost) none of the keys, naming the fix.
+
+    Args:
+        match: The pairing of the file's keys with the model's.
+        source: The file's state dict.
+        name: The file, for the message.
+    """
+    source_keys = [k for k in source if isinstance(k, str)]
+    target_keys = [*match.mapping, *match.missing]
+    matched = len(match.mapping)
+    if not source_keys or not target_keys:
+        return
+    if matched >= _FEW_MATCHED * len(source_keys) and matched >= _FEW_MATCHED * len(target_keys):
+        return
+    warn(
+        f"{name}: strict=False loaded {matched} of the file's {len(source_keys)} entries into "
+        f"a model that expects {len(target_keys)}; {prefix_hint(source_keys, target_keys)}",
+        rank=get_rank() if is_distributed() else None,
+    )

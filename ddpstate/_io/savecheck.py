@@ -50,9 +50,8 @@ __all__ = [
     "sharded_types",
 ]
 
-# defaultdict pickles through SETITEMS, which weights_only refuses on anything but
-# dict/OrderedDict; ddpstate writes it as a call of this module's rebuilder instead,
-# with the factory named from this fixed table (no callable comes from the file).
+# Files ddpstate wrote before it refused defaultdicts name this rebuilder; loading
+# them still works (the factory comes from this fixed table, never from the file).
 _FACTORIES: dict[str, Any] = {
     t.__name__: t for t in (list, dict, set, frozenset, tuple, int, float, complex, str, bool)
 }
@@ -342,8 +341,10 @@ _GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
 def _pickle_module(extra: Sequence[Any]) -> Any:
     from torch import _weights_only_unpickler as wou
 
+    # torch's built-in allowlist has no public getter; what users added has one.
     allowed = {id(v) for v in wou._get_allowed_globals().values()}
-    allowed |= {id(v) for v in wou._get_user_allowed_globals().values()}  # type: ignore[no-untyped-call]
+    for item in torch.serialization.get_safe_globals():
+        allowed.add(id(item[0] if isinstance(item, tuple) else item))
     for item in allowed_globals(extra):
         allowed.add(id(item[0] if isinstance(item, tuple) else item))
     # Storage classes travel in torch's persistent ids, which its loader handles itself.
@@ -360,20 +361,30 @@ def _pickle_module(extra: Sequence[Any]) -> Any:
             if kind in plain:
                 return NotImplemented
             if kind is collections.defaultdict:
-                factory = obj.default_factory
-                name = getattr(factory, "__name__", None)
-                if factory is not None and _FACTORIES.get(str(name)) is not factory:
-                    raise _Refused(obj)
-                return _rebuild_defaultdict, (name if factory else None, dict(obj))
+                raise _Refused(obj)  # see _defaultdict_refusal
             if isinstance(obj, _GLOBAL_KINDS) and id(obj) not in allowed:
                 raise _Refused(obj)
-            if isinstance(obj, dtype_base) and id(kind) not in allowed:
-                raise _Refused(kind)
+            if isinstance(obj, dtype_base):
+                if id(kind) not in allowed:
+                    raise _Refused(kind)
+                return _plain_dtype(obj)
             if _reduces_to_name(obj) and id(obj) not in allowed:
                 raise _Refused(obj)  # pickled as a global (Ellipsis, NotImplemented...)
             return NotImplemented
 
     return types.SimpleNamespace(Pickler=_CheckingPickler, __name__="pickle")
+
+
+def _plain_dtype(dtype: Any) -> tuple[Any, tuple[str]]:
+    """A numeric numpy dtype as ``numpy.dtype('<f4')``: one call, no state to set.
+
+    numpy's own pickle sets the dtype's state after building it, and
+    ``weights_only`` loading then wants the dtype's class (``numpy.dtypes.
+    Float32DType``) allowed too, a global no pickle names, so
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` could not list it
+    and plain torch could not open the file with the globals it lists.
+    """
+    return type(dtype).__mro__[-2], (dtype.str,)  # numpy.dtype, below object
 
 
 def _find(root: Any, what: str, refused: Any) -> Optional[tuple[str, Any]]:
@@ -387,17 +398,28 @@ def _find(root: Any, what: str, refused: Any) -> Optional[tuple[str, Any]]:
     return None
 
 
+def _defaultdict_refusal(
+    root: Any, what: str, where: str, refused: collections.defaultdict[Any, Any]
+) -> UnsafeCheckpointError:
+    """A defaultdict is refused: only a global of ddpstate's own could rebuild it."""
+    # Plain torch.load(weights_only=True) builds a dict subclass only through a call
+    # of an allowed global, and torch allows none that makes a defaultdict; a file
+    # naming ddpstate's rebuilder would not open where ddpstate is not installed.
+    found = _find(root, what, refused)
+    at = found[0] if found else f"a defaultdict in {what}"
+    factory = getattr(refused.default_factory, "__name__", "None")
+    return UnsafeCheckpointError(
+        f"cannot save {where}: {at} is a collections.defaultdict, which plain "
+        f"torch.load(weights_only=True) cannot rebuild (no allowed global makes one). Store "
+        f"dict(...) of it there instead, and after loading rebuild it with "
+        f"collections.defaultdict({factory}, loaded)",
+        unsafe_globals=["collections.defaultdict"],
+    )
+
+
 def _refusal(root: Any, what: str, where: str, refused: Any) -> UnsafeCheckpointError:
     if isinstance(refused, collections.defaultdict):
-        factory = refused.default_factory
-        found = _find(root, what, refused)
-        at = found[0] if found else f"a defaultdict in {what}"
-        return UnsafeCheckpointError(
-            f"cannot save {where}: {at} is a defaultdict whose factory {_qualified(factory)} "
-            f"is not one of {sorted(_FACTORIES)}; weights_only loading could not rebuild it. "
-            f"Save dict(...) of it instead",
-            unsafe_globals=[_qualified(factory)],
-        )
+        return _defaultdict_refusal(root, what, where, refused)
     name = _qualified(refused)
     found = _find(root, what, refused)
     code = _code_refusal(where, found, refused, name)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from ddpstate._keys.rename import (
     _REPORT_LIMIT,
@@ -267,6 +268,59 @@ def _match(src: _Side, tgt: _Side) -> tuple[KeyMatch, _Attempt]:
     return best[1], best[2]
 
 
+def _tied_keys(model: nn.Module) -> list[list[str]]:
+    """Groups of the model's state-dict keys that are one tensor (tied weights).
+
+    A tie is a parameter or buffer reached under several names (HF's
+    ``lm_head.weight`` is ``embed_tokens.weight``), or two names over the same
+    memory; a module's ``_tied_weights_keys`` given as ``{tied: source}`` (newer
+    Hugging Face models) adds its pairs.
+    """
+    torch = sys.modules["torch"]  # loaded: model is a module
+    plain = (torch.Tensor, torch.nn.Parameter)
+    groups: dict[Any, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        # Sharded (DTensor) entries are matched elsewhere; meta or empty ones hold no memory.
+        if type(value) not in plain or value.is_meta or value.data_ptr() == 0:
+            continue
+        where = (value.data_ptr(), value.dtype, tuple(value.shape), tuple(value.stride()))
+        groups.setdefault(where, []).append(key)
+    tied = [keys for keys in groups.values() if len(keys) > 1]
+    for path, module in model.named_modules():
+        declared = getattr(module, "_tied_weights_keys", None)
+        if isinstance(declared, Mapping):
+            lead = f"{path}." if path else ""
+            tied.extend([f"{lead}{a}", f"{lead}{b}"] for a, b in declared.items())
+    return tied
+
+
+def _with_ties(match: KeyMatch, model: nn.Module) -> KeyMatch:
+    """``match`` with each missing key tied to a matched one taken from that one's source.
+
+    A file may store a tied weight once (Hugging Face does); the model's other
+    name for it is then present, and loading both names keeps the tie (the
+    values are copied into the one shared tensor).
+    """
+    if not match.missing:
+        return match
+    mapping = dict(match.mapping)
+    for group in _tied_keys(model):
+        source = next((mapping[k] for k in group if k in mapping), None)
+        if source is not None:
+            for key in group:
+                if key in match.missing:
+                    mapping[key] = source
+    if len(mapping) == len(match.mapping):
+        return match
+    order = {key: i for i, key in enumerate((*match.mapping, *match.missing))}
+    return KeyMatch(
+        mapping=dict(sorted(mapping.items(), key=lambda item: order.get(item[0], 0))),
+        missing=tuple(k for k in match.missing if k not in mapping),
+        unexpected=match.unexpected,
+        rule=match.rule,
+    )
+
+
 def match_keys(
     state_dict: Mapping[Any, Any] | Iterable[Any], target: nn.Module | Iterable[Any]
 ) -> KeyMatch:
@@ -297,9 +351,67 @@ def match_keys(
     """
     src, non_str = _source_side(state_dict)
     match, _ = _match(src, _target_side(target))
+    if is_module(target):
+        match = _with_ties(match, cast("nn.Module", target))
     if non_str:
         match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
     return match
+
+
+def _leads(keys: Sequence[str]) -> list[str]:
+    # The one- and two-segment leading paths of the keys, most frequent first.
+    counts: dict[str, int] = {}
+    for key in keys:
+        segments = key.split(".")
+        for n in (1, 2):
+            if len(segments) > n:
+                lead = ".".join(segments[:n]) + "."
+                counts[lead] = counts.get(lead, 0) + 1
+    return sorted(counts, key=lambda lead: -counts[lead])
+
+
+def prefix_hint(source: Sequence[str], target: Sequence[str]) -> str:
+    """Say which leading path one side's keys have and the other's lack, with the fix.
+
+    Args:
+        source: The file's keys.
+        target: The model's keys.
+
+    Returns:
+        A sentence naming the prefix and the call that removes or adds it, or,
+        when no prefix explains the difference, one key of each side.
+
+    Example:
+        >>> from ddpstate._keys.match import prefix_hint
+        >>> hint = prefix_hint(["model.fc.w", "lm_head.w"], ["fc.w"])
+        >>> hint.startswith("the file's keys start with 'model.' where the model's do not")
+        True
+    """
+    own, theirs = set(source), set(target)
+    best: tuple[int, str] = (0, "")
+    for lead in _leads(source)[:8]:
+        hits = sum(k.startswith(lead) and k[len(lead) :] in theirs for k in source)
+        if hits > best[0]:
+            best = (
+                hits,
+                f"the file's keys start with {lead!r} where the model's do not: strip it with "
+                f"ddpstate.strip_prefix(state_dict, {lead!r})",
+            )
+    for lead in _leads(target)[:8]:
+        hits = sum(k.startswith(lead) and k[len(lead) :] in own for k in target)
+        if hits > best[0]:
+            best = (
+                hits,
+                f"the model's keys start with {lead!r} where the file's do not: add it with "
+                f"ddpstate.add_prefix(state_dict, {lead!r})",
+            )
+    if best[0]:
+        return best[1]
+    first = next(iter(source), None)
+    return (
+        f"the file's keys look like {first!r}{_nearest(str(first), list(target))}; check that "
+        f"the file belongs to this model, or pass key= to pick the state dict inside it"
+    )
 
 
 def _nearest(name: str, candidates: Sequence[str]) -> str:
@@ -377,7 +489,9 @@ def adapt_state_dict(
     (for a model target, exactly the segments its wrappers add); with every
     ``module``/``_orig_mod`` segment ignored. At each step a leading path on one
     side only (``model.`` from Lightning) may be dropped if that pairs every
-    key. A rule that would pair two keys with one is never used.
+    key. A rule that would pair two keys with one is never used. A model's
+    tied weights (one tensor under two names, e.g. ``lm_head.weight`` and
+    ``embed.weight``) need only one of their names in the source.
 
     Values are not copied. ``_metadata`` (module versions that some modules,
     like BatchNorm, read while loading) comes from the source, renamed to the
@@ -414,6 +528,8 @@ def adapt_state_dict(
     src, non_str = _source_side(state_dict)
     tgt = _target_side(target)
     match, attempt = _match(src, tgt)
+    if is_module(target):
+        match = _with_ties(match, cast("nn.Module", target))
     if non_str:
         match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
     if strict and not match.complete:

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Optional, TypeVar, cast, overload
 
+from ddpstate._warn import warn
 from ddpstate.errors import InvalidArgumentError, KeyCollisionError
 
 __all__ = ["OnCollision", "add_prefix", "normalize_keys", "strip_prefix"]
@@ -137,6 +138,19 @@ def _strip_leading(key: str, prefix: str) -> tuple[str, int]:
     return key, count
 
 
+def _warn_deep_strip(prefix: str, levels: int, key: str) -> None:
+    # Two wrappers of one kind nest rarely (DataParallel(DataParallel(m))); a second
+    # leading `module.` is more often a real submodule of that name, e.g. the
+    # averaged model of torch's AveragedModel, which loading then cannot find.
+    example = " (AveragedModel's averaged model is one)" if prefix == "module." else ""
+    warn(
+        f"strip_prefix({prefix!r}) removed {levels} leading {prefix!r} from {key!r} (and "
+        f"any key so led): only the outer one is certainly a wrapper's; if the model has a "
+        f"real submodule named {prefix[:-1]!r}{example}, strip one level instead: "
+        f"{{k[len({prefix!r}):] if k.startswith({prefix!r}) else k: v for k, v in sd.items()}}"
+    )
+
+
 @overload
 def strip_prefix(state_dict: _D, prefix: str = ..., *, on_collision: OnCollision = ...) -> _D: ...
 @overload
@@ -151,7 +165,8 @@ def strip_prefix(
 ) -> dict[Any, Any]:
     """Remove ``prefix`` from every key it leads, as often as it leads it.
 
-    ``module.module.x`` becomes ``x``; ``module``, ``Module.y``,
+    ``module.module.x`` becomes ``x`` (with a warning: a second ``module.`` may
+    be a real submodule's name, as in ``AveragedModel``); ``module``, ``Module.y``,
     ``module_list.0.w`` and ``layer.module.w`` stay as they are. Non-string keys
     are left alone and every value is kept, tensor or not. ``_metadata`` is
     carried over with its module paths renamed the same way; when several
@@ -186,12 +201,17 @@ def strip_prefix(
     _check_prefix(prefix)
     _check_on_collision(on_collision)
     stem = prefix[:-1]
-    new = _rename(
-        state_dict,
-        lambda key: _strip_leading(key, prefix),
-        on_collision,
-        f"stripping {prefix!r}",
-    )
+    deepest: list[tuple[int, str]] = []
+
+    def strip_key(key: str) -> tuple[str, int]:
+        renamed = _strip_leading(key, prefix)
+        if renamed[1] > 1 and not deepest:
+            deepest.append((renamed[1], key))
+        return renamed
+
+    new = _rename(state_dict, strip_key, on_collision, f"stripping {prefix!r}")
+    if deepest:
+        _warn_deep_strip(prefix, *deepest[0])
     metadata = _metadata_of(state_dict)
     if metadata is None:
         return new

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+from ddpstate._keys.rename import _rename, _rename_metadata
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["is_module", "is_tensor", "optimized_module_type", "wrapper_chain", "wrapper_types"]
+__all__ = [
+    "is_module",
+    "is_tensor",
+    "optimized_module_type",
+    "unwrapped_state_dict",
+    "wrapper_chain",
+    "wrapper_types",
+]
 
 
 def optimized_module_type() -> type | None:
@@ -133,3 +142,55 @@ def wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
         if not isinstance(inner, nn.Module):
             return
         model = inner
+
+
+def unwrapped_state_dict(model: nn.Module) -> dict[str, Any]:
+    """The plain model's state dict: exactly the segments of the wrappers ``model`` holds removed.
+
+    The outer wrappers (DataParallel, DDP, ``torch.compile`` in any nesting) are
+    peeled off the live model, and each compiled submodule inside it loses its
+    ``_orig_mod`` segment. Only wrapper objects found in the model count: a real
+    child named ``module`` (``torch.optim.swa_utils.AveragedModel`` keeps the
+    averaged model there) stays in the keys, so the file loads back into it.
+
+    Args:
+        model: A plain or wrapped module; not changed.
+
+    Returns:
+        The state dict (with ``_metadata``, its module paths renamed alike).
+
+    Example:
+        >>> import torch
+        >>> from torch.optim.swa_utils import AveragedModel
+        >>> from ddpstate._keys.wrappers import unwrapped_state_dict
+        >>> ema = AveragedModel(torch.nn.Linear(2, 2))
+        >>> list(unwrapped_state_dict(torch.nn.DataParallel(ema)))
+        ['n_averaged', 'module.weight', 'module.bias']
+    """
+    *_, plain = wrapper_chain(model)
+    state = plain.state_dict()
+    compiled = optimized_module_type()
+    inner = (
+        set()
+        if compiled is None
+        else {p for p, m in plain.named_modules(remove_duplicate=False) if isinstance(m, compiled)}
+    )
+    if not inner:
+        return state
+
+    # The segment after a compiled submodule's own path is its `_orig_mod`: drop it.
+    def drop(path: str, keep_last: bool) -> tuple[str, int]:
+        segments = path.split(".")
+        limit = len(segments) - 1 if keep_last else len(segments)
+        kept = [
+            s
+            for i, s in enumerate(segments)
+            if not (i < limit and s == "_orig_mod" and ".".join(segments[:i]) in inner)
+        ]
+        return ".".join(kept), len(segments) - len(kept)
+
+    out: Any = _rename(state, lambda key: drop(key, True), "error", "removing wrapper segments")
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        out._metadata = _rename_metadata(metadata, lambda path: drop(path, False))
+    return cast("dict[str, Any]", out)

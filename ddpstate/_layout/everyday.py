@@ -12,7 +12,8 @@ __all__ = ["EVERYDAY_GLOBALS"]
 #: ``module.name`` of every global such a value's pickle names. They carry data and
 #: run no code of the file's choosing: numpy scalars and numeric arrays (numpy 1.x
 #: and 2.x names), paths, datetime values, ``argparse.Namespace``, and ddpstate's
-#: own ``defaultdict`` rebuilder (the factory comes from a fixed table of builtins).
+#: own ``defaultdict`` rebuilder, which only files of earlier versions name (save
+#: now refuses a defaultdict; the factory comes from a fixed table of builtins).
 EVERYDAY_GLOBALS: tuple[str, ...] = (
     "numpy.ndarray",
     "numpy.dtype",

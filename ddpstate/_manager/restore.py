@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ddpstate import checkpoint, storage
+from ddpstate._calls import calling, restore_call
 from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._dcp import write as _dcp
@@ -290,58 +291,65 @@ def restore(
     Returns where the state came from; its ``step`` is None when there is no
     checkpoint (``state`` untouched).
     """
-    names = check_state(state, "restore")
-    if step is not None:
-        step = check_step(step)
-    timeout = writer.timeout
-    # The node-local tier answers first when it holds a step at least as new as the durable
-    # (a collective: every rank gets the same answer).
-    found = local.choose(writer.latest_step) if local is not None and step is None else None
-    choice: Optional[tuple[int, dict[str, Any]]] = None
-    if found is not None and found[0].step is not None:
-        choice = (found[0].step, found[1])
-    choose_error: Optional[Exception] = None
-    # Several ranks: each checksums a share of the candidate's files (_manager.verify_split).
-    split = found is None and is_distributed() and get_world_size() > 1
-    if found is None and get_rank() == 0:
+    with calling(restore_call(step)):
+        names = check_state(state, "restore")
+        if step is not None:
+            step = check_step(step)
+        timeout = writer.timeout
+        # The node-local tier answers first when it holds a step at least as new as the durable
+        # (a collective: every rank gets the same answer).
+        found = local.choose(writer.latest_step) if local is not None and step is None else None
+        choice: Optional[tuple[int, dict[str, Any]]] = None
+        if found is not None and found[0].step is not None:
+            choice = (found[0].step, found[1])
+        choose_error: Optional[Exception] = None
+        # Several ranks: each checksums a share of the candidate's files (_manager.verify_split).
+        split = found is None and is_distributed() and get_world_size() > 1
+        if found is None and get_rank() == 0:
+            try:
+                choice = choose(writer, step, split)
+            except Exception as exc:
+                if not is_distributed():
+                    raise
+                choose_error = exc
+            finally:
+                if split:
+                    _verify_split.finish(timeout)
+        elif split:
+            _verify_split.follow(writer.storage_options, timeout)
+        if found is None:
+            share_outcome(choose_error, name="CheckpointManager.restore", timeout=timeout)
+            choice = broadcast_object(choice, src=0, timeout=timeout)
+        if choice is None:
+            return RestoreSource(None, "none")
+        chosen_step, manifest = choice
+        folder = writer.checkpoint_path(chosen_step) if found is None else str(found[0].path)
+        saved_entries: dict[str, Any] = manifest["entries"]
+        missing = [n for n in names if n not in saved_entries]
+        unexpected = [n for n in saved_entries if n not in names]
+        if strict and (missing or unexpected):
+            raise KeyMismatchError(
+                f"CheckpointManager.restore: {folder} has entries {sorted(saved_entries)}, but "
+                f"state has {sorted(names)} (missing from the checkpoint: {missing}; not in "
+                f"state: {unexpected}); pass strict=False to restore the common entries",
+                missing=missing,
+                unexpected=unexpected,
+            )
+        error: Optional[Exception] = None
         try:
-            choice = choose(writer, step, split)
+            # The local tier is node-local memory: map it instead of copying (see load_into).
+            load_into(
+                writer,
+                state,
+                folder,
+                manifest,
+                map_location,
+                ignore_mismatched,
+                mmap=found is not None,
+            )
         except Exception as exc:
             if not is_distributed():
                 raise
-            choose_error = exc
-        finally:
-            if split:
-                _verify_split.finish(timeout)
-    elif split:
-        _verify_split.follow(writer.storage_options, timeout)
-    if found is None:
-        share_outcome(choose_error, name="CheckpointManager.restore", timeout=timeout)
-        choice = broadcast_object(choice, src=0, timeout=timeout)
-    if choice is None:
-        return RestoreSource(None, "none")
-    chosen_step, manifest = choice
-    folder = writer.checkpoint_path(chosen_step) if found is None else str(found[0].path)
-    saved_entries: dict[str, Any] = manifest["entries"]
-    missing = [n for n in names if n not in saved_entries]
-    unexpected = [n for n in saved_entries if n not in names]
-    if strict and (missing or unexpected):
-        raise KeyMismatchError(
-            f"CheckpointManager.restore: {folder} has entries {sorted(saved_entries)}, but "
-            f"state has {sorted(names)} (missing from the checkpoint: {missing}; not in "
-            f"state: {unexpected}); pass strict=False to restore the common entries",
-            missing=missing,
-            unexpected=unexpected,
-        )
-    error: Optional[Exception] = None
-    try:
-        # The local tier is node-local memory: map it instead of copying (see load_into).
-        load_into(
-            writer, state, folder, manifest, map_location, ignore_mismatched, mmap=found is not None
-        )
-    except Exception as exc:
-        if not is_distributed():
-            raise
-        error = exc
-    share_restore_outcome(chosen_step, error, timeout)
-    return found[0] if found is not None else RestoreSource(chosen_step, "durable", folder)
+            error = exc
+        share_restore_outcome(chosen_step, error, timeout)
+        return found[0] if found is not None else RestoreSource(chosen_step, "durable", folder)

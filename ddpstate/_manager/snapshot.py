@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpstate._keys.wrappers import unwrapped_state_dict
 from ddpstate._manager.entries import (
     KIND_MODULE,
     KIND_STATEFUL,
@@ -23,7 +24,6 @@ from ddpstate._manager.entries import (
     Entry,
     has_state_dict,
 )
-from ddpstate.keys import normalize_keys, unwrap_model
 
 
 class Snapshot:
@@ -43,7 +43,7 @@ class Snapshot:
         entries: dict[str, Entry] = {}
         for name, obj in state.items():
             if isinstance(obj, nn.Module):
-                entry = Entry(KIND_MODULE, normalize_keys(unwrap_model(obj).state_dict()))
+                entry = Entry(KIND_MODULE, unwrapped_state_dict(obj))
             elif has_state_dict(obj):
                 entry = Entry(KIND_STATEFUL, obj.state_dict())
             else:

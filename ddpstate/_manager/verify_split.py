@@ -9,16 +9,20 @@ is read by several ranks at once and its CRC-32 put together from the pieces'
 with ``_crc``); the shares' findings meet on rank 0 in one gather round, where
 ``restore.choose`` decides exactly as it does alone (same
 candidate order, same fallback, same warning text). The other ranks follow
-:func:`follow` until rank 0 ends the loop with :func:`finish`.
+:func:`follow` until rank 0 ends the loop with :func:`finish`. A rank that
+cannot see the manifest rank 0 read makes :func:`verify` raise that the folder
+is not shared storage between the ranks, never that the checkpoint is damaged.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from ddpstate import _checksum, _manifest, storage
+from ddpstate import _checksum, _manifest, _visibility, storage
 from ddpstate._manager.entries import Timeout
+from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.dist import broadcast_object, gather_and_decide, get_rank, get_world_size
+from ddpstate.errors import CheckpointNotFoundError
 
 _NAME = "CheckpointManager.restore (verify)"
 
@@ -56,8 +60,27 @@ def check_share(
 
 def _check_share(
     folder: str, manifest: dict[str, Any], opts: Optional[dict[str, Any]]
-) -> list[_checksum.Finding]:
-    return check_share(folder, manifest, opts, get_rank(), get_world_size())
+) -> tuple[Optional[int], list[_checksum.Finding]]:
+    """What this rank sees of ``folder``'s manifest, and its share's findings.
+
+    A rank that cannot see the manifest rank 0 read checks nothing: its
+    findings would call the intact files missing.
+    """
+    seen = _visibility.stat(storage.join(folder, MANIFEST_NAME))
+    if seen is None:
+        return None, []
+    return seen, check_share(folder, manifest, opts, get_rank(), get_world_size())
+
+
+def _not_shared(folder: str, seen: list[Optional[int]]) -> Optional[CheckpointNotFoundError]:
+    return _visibility.not_shared(
+        storage.join(folder, MANIFEST_NAME),
+        0,
+        seen,
+        "sees",
+        "nothing is damaged; put the checkpoint folder on storage every rank sees (a shared "
+        "filesystem or an fsspec URL)",
+    )
 
 
 def verify(
@@ -72,11 +95,17 @@ def verify(
     _manifest.check_listing(folder, manifest["files"], listing, opts)
     broadcast_object((folder, manifest), src=0, timeout=timeout)
     shares: list[list[_checksum.Finding]] = []
+    seen: list[Optional[int]] = []
 
     def collect(payloads: list[Any]) -> None:
-        shares.extend(payloads)
+        seen.extend(view for view, _ in payloads)
+        shares.extend(share for _, share in payloads)
 
     gather_and_decide(_check_share(folder, manifest, opts), collect, name=_NAME, timeout=timeout)
+    # Some ranks cannot see the folder rank 0 reads: not damage (see restore.choose).
+    not_shared = _not_shared(folder, seen)
+    if not_shared is not None:
+        raise not_shared
     # Back in manifest order, so the text is what one rank checking the whole folder reports.
     found = _checksum.file_problems(_manifest.checked_files(manifest), shares)
     problems = [*check.problems, *found, *listing.problems]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ddpstate import _fs, storage
+from ddpstate import _fs, _visibility, storage
 from ddpstate._checksum import checksum_hex, error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.safetensors_io import write_safetensors
@@ -417,6 +417,21 @@ class StepWriter:
                 raise shared from cause
             raise
 
+    def check_seen(self, step: int, folder: str) -> None:
+        """Every rank: each sees the manifest the writer committed, or every rank raises."""
+        if not is_distributed() or _fs.is_remote(folder):
+            return
+        _visibility.check_seen(
+            storage.join(folder, MANIFEST_NAME),
+            WRITER_RANK,
+            "wrote",
+            f"the checkpoint is committed on rank {WRITER_RANK}'s disk, but restore() needs "
+            f"every rank to see it: use a directory on shared storage (a shared filesystem or "
+            f"an fsspec URL)",
+            name=f"CheckpointManager.save(step={step})",
+            timeout=self.timeout,
+        )
+
     def start_async(
         self,
         flight: InFlight,
@@ -475,3 +490,4 @@ class StepWriter:
             else self.failure_for(pending.step, pending.folder, 0, error)
         )
         self.share_outcome(pending.step, pending.folder, failure, error)
+        self.check_seen(pending.step, pending.folder)
