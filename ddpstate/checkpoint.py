@@ -19,7 +19,12 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
-from ddpstate._io.model_state import IncompatibleKeys, load_fitting, warn_if_little_matched
+from ddpstate._io.model_state import (
+    IncompatibleKeys,
+    adapt_named,
+    load_fitting,
+    warn_if_little_matched,
+)
 from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate._keys.wrappers import unwrapped_state_dict
@@ -39,7 +44,6 @@ from ddpstate.errors import (
     CheckpointWriteError,
     DDPStateError,
     InvalidArgumentError,
-    KeyMismatchError,
 )
 from ddpstate.formats import (
     DCP,
@@ -97,13 +101,6 @@ def _write(
 ) -> None:
     _savecheck.check_tensors(obj, "obj", path)
     remote = _fs.is_remote(path)
-    if max_shard_size is None and not remote and os.path.isdir(_fs.local_path(path)):
-        # The rename onto a folder would fail as IsADirectoryError, reported as a
-        # write failure ("check free space and permissions") that hides the real fix.
-        raise InvalidArgumentError(
-            f"{path} is a folder; save needs a file path such as "
-            f"{os.path.join(path, 'model.pt')} (or {os.path.join(path, 'model.safetensors')})"
-        )
     parent = posixpath.dirname(path) if remote else os.path.dirname(_fs.local_path(path))
     if parent and not parent.endswith("://"):
         storage.makedirs(parent, storage_options=storage_options)
@@ -735,7 +732,7 @@ def load_model_state(
     """
     with calling(f"ddpstate.load_model_state({path_text(source)})"):
         _savecheck.check_safe_globals(safe_globals, "load_model_state")
-        from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
+        from ddpstate.keys import find_state_dict, match_keys
 
         if isinstance(source, (str, os.PathLike)):
             name = os.fspath(source)
@@ -763,13 +760,7 @@ def load_model_state(
             return _dcp_read.load_full_into_sharded(
                 model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
             )
-        try:
-            adapted = adapt_state_dict(state_dict, model, strict=strict)
-        except KeyMismatchError as exc:
-            # Name the file (and the entry the state dict came from), as ShapeMismatchError does.
-            at = "".join(f"[{k!r}]" for k in found_key)
-            inside = f" (the state dict at checkpoint{at})" if at else ""
-            raise with_message(exc, f"{name}{inside}: {exc}") from exc
+        adapted = adapt_named(state_dict, model, strict=strict, name=name, found_at=found_key)
         skipped = load_fitting(
             model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
         )

@@ -12,12 +12,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ddpstate._keys.match import KeyMatch, prefix_hint
+from ddpstate._collectives import with_message
+from ddpstate._keys.match import KeyMatch, adapt_state_dict, prefix_hint
 from ddpstate._warn import warn
 from ddpstate.dist import get_rank, is_distributed
-from ddpstate.errors import ShapeMismatchError
+from ddpstate.errors import KeyMismatchError, ShapeMismatchError
 
-__all__ = ["IncompatibleKeys", "load_fitting", "shape_mismatches", "warn_if_little_matched"]
+__all__ = [
+    "IncompatibleKeys",
+    "adapt_named",
+    "load_fitting",
+    "shape_mismatches",
+    "warn_if_little_matched",
+]
 
 
 class IncompatibleKeys(NamedTuple):
@@ -30,6 +37,39 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+def adapt_named(
+    state_dict: Mapping[Any, Any],
+    model: torch.nn.Module,
+    *,
+    strict: bool,
+    name: str,
+    found_at: tuple[Any, ...] = (),
+) -> Mapping[str, Any]:
+    """``adapt_state_dict(state_dict, model)`` whose ``KeyMismatchError`` names the file.
+
+    Args:
+        state_dict: The loaded state dict.
+        model: The model it goes into.
+        strict: Refuse keys that do not pair up.
+        name: The file (or "the given state dict"), for the message.
+        found_at: The keys leading to the state dict inside the checkpoint
+            (``find_state_dict``'s path; ``()`` for a bare state dict).
+
+    Returns:
+        The state dict with the model's keys.
+
+    Raises:
+        KeyMismatchError: ``strict`` and the keys do not pair up; the message starts
+            with the file and the entry, as :class:`ShapeMismatchError`'s does.
+    """
+    try:
+        return adapt_state_dict(state_dict, model, strict=strict)
+    except KeyMismatchError as exc:
+        at = "".join(f"[{k!r}]" for k in found_at)
+        inside = f" (the state dict at checkpoint{at})" if at else ""
+        raise with_message(exc, f"{name}{inside}: {exc}") from exc
 
 
 def load_fitting(

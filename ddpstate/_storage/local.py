@@ -24,7 +24,7 @@ from ddpstate._storage.temps import (
     temp_name_for,
 )
 from ddpstate._warn import warn
-from ddpstate.errors import CheckpointWriteError
+from ddpstate.errors import CheckpointWriteError, InvalidArgumentError
 
 __all__ = ["atomic_write_local", "wait_for_freed", "write_by_name"]
 
@@ -194,6 +194,7 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
 
     Raises:
         CheckpointWriteError: Creating, syncing or renaming the temp file failed.
+        InvalidArgumentError: ``path`` is a folder.
 
     Example:
         >>> import os, tempfile
@@ -205,6 +206,12 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
         ['x.bin']
     """
     target = os.path.abspath(path)
+    if os.path.isdir(target):
+        # The final rename would fail with IsADirectoryError after the whole file was
+        # written, and read as a write failure ("check free space and permissions").
+        raise InvalidArgumentError(
+            f"{path} is a folder; save needs a file path such as {os.path.join(path, 'model.pt')}"
+        )
     folder = os.path.dirname(target)
     temp, fd = _create_locked_temp(folder, os.path.basename(target), path)
     try:
