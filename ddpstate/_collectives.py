@@ -48,13 +48,13 @@ import pickle
 import struct
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Optional, cast
 
 from ddpstate import _calls, errors
 from ddpstate._calls import LEFT, mismatch_error
+from ddpstate._warn import warn
 from ddpstate.errors import (
     BarrierTimeoutError,
     DDPStateError,
@@ -223,7 +223,9 @@ def _still_waiting(
     return (
         f"rank {group.rank}: still waiting at {name!r} after {elapsed:.0f} s for rank{plural} "
         f"{who} of {group.world} (giving up in {left:.0f} s). Was {name!r} called under "
-        f"`if rank == 0:`? {REMINDER}. ({WARN_AFTER_ENV} sets when this warning starts.)"
+        f"`if rank == 0:`? {REMINDER}. If this call runs on one rank only (a framework hook, "
+        f"evaluation on rank 0), pass barrier=False (and src_rank=<that rank> to save/load) "
+        f"so it does not wait for the others. ({WARN_AFTER_ENV} sets when this warning starts.)"
     )
 
 
@@ -357,11 +359,11 @@ def _wait(
         now = time.monotonic()
         if now >= deadline - 0.001:
             raise timeout_error(group, name, missing(), seconds) from cause
-        warnings.warn(
-            _still_waiting(group, name, missing(), now - start, deadline - now),
-            UserWarning,
-            stacklevel=5,
-        )
+        absent = missing()
+        # Once per job: the lowest rank of those waiting says it, the others stay quiet.
+        waiting = sorted(set(range(group.world)) - set(absent))
+        if not absent or not waiting or waiting[0] == group.rank:
+            warn(_still_waiting(group, name, absent, now - start, deadline - now))
         warn_every *= 2
         warn_at = start + warn_every
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -21,6 +20,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpstate._keys.wrappers import wrapper_chain
+from ddpstate._warn import warn
+from ddpstate.dist import get_rank
 from ddpstate.errors import BatchNormBufferSyncError, DDPStateError
 
 __all__ = [
@@ -247,7 +248,7 @@ class TwoForwardGuard:
                 "both will fail with 'one of the variables needed for gradient computation has "
                 "been modified by an inplace operation'."
             )
-            warnings.warn(_explanation(self.layer_names, opening), UserWarning, stacklevel=3)
+            warn(_explanation(self.layer_names, opening), rank=get_rank())
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook: mark a backward pending until it reaches this forward's outputs."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import warnings
 import weakref
 import zlib
 from typing import Any, Callable, Literal, Optional, Union
@@ -27,9 +26,11 @@ from ddpstate._ddp_buffers import (
     find_ddp,
     plain_bn_names,
 )
+from ddpstate._warn import warn
 from ddpstate.dist import (
     compare_across_ranks,
     get_local_rank,
+    get_rank,
     get_world_size,
     is_distributed,
 )
@@ -453,12 +454,11 @@ def warn_if_checksums_differ(model: nn.Module, gathered: list[Any], *, where: st
     shown = ", ".join(map(repr, differing[:3])) + (
         f" and {len(differing) - 3} more" if len(differing) > 3 else ""
     )
-    warnings.warn(
+    warn(
         f"{where}: BatchNorm running statistics differ across ranks ({shown}), so the file "
         f"holds rank 0's alone. Call ddpstate.sync_batchnorm_stats(model) on every rank before "
         f"saving (and evaluating), or use SyncBatchNorm",
-        UserWarning,
-        stacklevel=4,
+        rank=get_rank(),
     )
 
 

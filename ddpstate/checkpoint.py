@@ -19,7 +19,12 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
-from ddpstate._io.model_state import IncompatibleKeys, load_fitting, warn_if_little_matched
+from ddpstate._io.model_state import (
+    IncompatibleKeys,
+    adapt_named,
+    load_fitting,
+    warn_if_little_matched,
+)
 from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate._keys.wrappers import unwrapped_state_dict
@@ -733,7 +738,7 @@ def load_model_state(
     """
     with calling(f"ddpstate.load_model_state({path_text(source)})"):
         _savecheck.check_safe_globals(safe_globals, "load_model_state")
-        from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
+        from ddpstate.keys import find_state_dict, match_keys
 
         if isinstance(source, (str, os.PathLike)):
             name = os.fspath(source)
@@ -756,19 +761,19 @@ def load_model_state(
             )
         else:
             name, checkpoint = "the given state dict", source
-        _, state_dict = find_state_dict(checkpoint, key)
+        found_key, state_dict = find_state_dict(checkpoint, key)
         if _dcp_read.is_sharded_model(model):
             return _dcp_read.load_full_into_sharded(
                 model, state_dict, name=name, strict=strict, ignore_mismatched=ignore_mismatched
             )
-        adapted = adapt_state_dict(state_dict, model, strict=strict)
+        adapted = adapt_named(state_dict, model, strict=strict, name=name, found_at=found_key)
         skipped = load_fitting(
             model, adapted, name=name, strict=strict, ignore_mismatched=ignore_mismatched
         )
         if strict:
             return IncompatibleKeys(skipped, [])
         match = match_keys(state_dict, model)
-        warn_if_little_matched(match, state_dict, name=name, stacklevel=2)
+        warn_if_little_matched(match, state_dict, name=name)
         return IncompatibleKeys(
             [*skipped, *match.missing],
             [k if isinstance(k, str) else repr(k) for k in match.unexpected],

@@ -28,7 +28,9 @@ safetensors alone.
 
 ``--local-every K`` also saves every K steps to a node-local tier (``--local-dir``,
 default ``/dev/shm/ddpstate-<run id>-<out dir name>``), in the background; a worker
-that crashes is back within seconds and loses fewer than K steps:
+that crashes is back within seconds and loses fewer than K steps. The tier is RAM, so a
+run that ends (finished or preempted, its last durable checkpoint committed) deletes it;
+``--keep-local`` keeps it:
 
     torchrun --standalone --nproc-per-node=2 --max-restarts=1 examples/train_ddp.py \
         --local-every=5 --save-every=50
@@ -101,6 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--local_dir",
         default=None,
         help="node-local folder for --local-every (default: /dev/shm/ddpstate-<run id>)",
+    )
+    add(
+        "--keep-local",
+        "--keep_local",
+        action="store_true",
+        help="keep the node-local tier when the run ends (default: deleted once the last "
+        "durable checkpoint is committed; a crash always leaves it for the restart)",
     )
     add(
         "--resume",
@@ -365,7 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         ddpstate.save(ddpstate.normalize_keys(plain.state_dict()), export)
         log(f"exported {export}")
         log(f"final validation accuracy: {100 * val_acc:.2f}%")
-    manager.close()  # waits for an in-flight async save
+    manager.wait()  # the last durable checkpoint is committed (or its error raised here)
+    if local_dir is not None and not args.keep_local:
+        # The node-local tier lives in RAM (/dev/shm) and a later launch gets a new run id,
+        # so a finished run removes it; a crash never gets here and leaves it for the restart.
+        manager.clear_local()
+    manager.close()
     if ctx.is_distributed:
         dist.destroy_process_group()
     return 0

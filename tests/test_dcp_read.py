@@ -191,7 +191,7 @@ def test_fsdp2_mismatches_fail_on_every_rank_or_are_skipped_and_whole_files_load
     whole = tmp_path / "ddp.pt"
     torch.save({"model": add_prefix(reference(), "module.")}, whole)
     args = (str(folders[2]), str(whole))
-    for out in run_ranks(_mismatch_fsdp2, 2, args=args, timeout=240):
+    for rank, out in enumerate(run_ranks(_mismatch_fsdp2, 2, args=args, timeout=240)):
         assert out["from_file"] == ([], [])
         assert_bitwise(out["file_state"], reference())
         kind, message = out["keys"]
@@ -200,7 +200,8 @@ def test_fsdp2_mismatches_fail_on_every_rank_or_are_skipped_and_whole_files_load
         assert kind == "ShapeMismatchError", message
         assert "'3.weight' (saved [5, 16], model [3, 16])" in message
         assert out["ignored"] == (["3.weight", "3.bias"], [])
-        assert out["warned"] == [__file__]  # the warning points at the caller
+        # The warning points at the caller, and is said once per job: by rank 0.
+        assert out["warned"] == ([__file__] if rank == 0 else [])
         assert torch.equal(out["0.weight"], reference()["0.weight"])
 
 

@@ -187,10 +187,13 @@ def test_unsynced_batchnorm_is_warned_about_or_synced_by_the_manager(tmp_path: P
     assert not torch.equal(results[0]["before"], results[1]["before"])
     mean = (results[0]["before"] + results[1]["before"]) / 2
     for rank, out in enumerate(results):
-        # save_model_state: rank 0's statistics went to the file, and every rank was told.
+        # save_model_state: rank 0's statistics went to the file; rank 0 says so, once a job.
         assert torch.equal(out["saved_by_save"], results[0]["before"])
         named = [m for m in out["save_warnings"] if "BatchNorm running statistics differ" in m]
-        assert len(named) == 1 and "'1'" in named[0] and "sync_batchnorm_stats" in named[0]
+        if rank == 0:
+            assert len(named) == 1 and "'1'" in named[0] and "sync_batchnorm_stats" in named[0]
+        else:
+            assert named == []
         # CheckpointManager: the average of both ranks, the same live on both, no warning.
         assert torch.allclose(out["saved"], mean) and torch.equal(out["live"], out["saved"])
         assert not [m for m in out["manager_warnings"] if "BatchNorm" in m]
@@ -264,7 +267,10 @@ def test_batchnorm_checks_run_after_the_ranks_agree(tmp_path: Path) -> None:
         assert kind == "InvalidArgumentError", (rank, out["ema"])
         assert "['ema', 'model']" in message and "['model']" in message
         assert out["nan"] == []
-        assert len(out["swapped"]) == 1 and "'1'" in out["swapped"][0]
+        if rank == 0:  # said once a job, by rank 0
+            assert len(out["swapped"]) == 1 and "'1'" in out["swapped"][0]
+        else:
+            assert out["swapped"] == []
         assert out["async_synced"]
     assert not os.path.exists(tmp_path / "ema" / "step_0000000001")
     kind, message = run_ranks(_bn_alone_worker, 2, args=(str(tmp_path),), timeout=60)[0]

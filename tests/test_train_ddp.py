@@ -263,6 +263,16 @@ def test_kill9_of_one_worker_restarts_from_the_local_tier_bitwise(tmp_path: Path
         assert torch.equal(final[key], tensor), key
 
 
+@pytest.mark.slow
+def test_a_finished_run_deletes_its_node_local_tier(tmp_path: Path) -> None:
+    out, shm = tmp_path / "run", tmp_path / "shm"
+    args = ("--epochs=1", "--max-steps=10", "--local-every=5", "--save-every=10", *FAST)
+    proc = _run(_torchrun(*args, f"--out-dir={out}", f"--local-dir={shm}"))
+    assert "final validation accuracy" in proc.stdout
+    assert _steps(out) == [10]
+    assert not shm.exists(), f"the local tier was left behind: {sorted(shm.rglob('*'))}"
+
+
 def test_two_nodes_a_wiped_node_gets_the_local_step_from_the_other(tmp_path: Path) -> None:
     def both_nodes(*args: str) -> list[str]:
         port = _free_port()
@@ -296,7 +306,8 @@ def test_two_nodes_a_wiped_node_gets_the_local_step_from_the_other(tmp_path: Pat
             assert p.returncode == 0, stderr[-4000:]
         return [o for o, _ in outs]
 
-    args = ("--epochs=2", "--max-steps=14", "--local-every=5", "--save-every=4", *FAST)
+    args = ("--epochs=2", "--max-steps=14", "--local-every=5", "--save-every=4", "--keep-local")
+    args = (*args, *FAST)
     both_nodes(*args)
     assert _steps(tmp_path / "run") == [12, 14] and _steps(tmp_path / "shm1") == [5, 10]
     shutil.rmtree(tmp_path / "shm1")  # node 1 was replaced

@@ -164,8 +164,6 @@ def _plan(
         for k, _, _ in shape_mismatches(
             adapted, own, name=path, target=type(model).__name__,
             ignore_mismatched=ignore_mismatched,
-            # _plan <- load_sharded_model_state <- checkpoint._load_sharded <- load_model_state
-            stacklevel=6,
         )
     ]  # fmt: skip
     names = flat_names(metadata)
@@ -297,7 +295,6 @@ def load_full_into_sharded(
         for k, _, _ in shape_mismatches(
             adapted, own, name=name, target=type(model).__name__,
             ignore_mismatched=ignore_mismatched,
-            stacklevel=5,  # load_full_into_sharded <- load_model_state <- the caller
         )
     ]  # fmt: skip
     loaded = {k: v for k, v in adapted.items() if k not in skipped}

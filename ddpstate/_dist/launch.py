@@ -117,27 +117,94 @@ def device_for(backend: Optional[str], local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_given_ranks(
+    rank: Optional[int], world_size: Optional[int], init_method: Optional[str]
+) -> None:
+    """Refuse a half-given or impossible ``rank``/``world_size``, or no way to meet."""
+    if (rank is None) != (world_size is None):
+        raise InvalidArgumentError(
+            f"init_distributed(rank={rank!r}, world_size={world_size!r}): pass both rank= and "
+            f"world_size= (inside mp.spawn: init_distributed(rank=rank, world_size=world_size))"
+        )
+    if rank is None or world_size is None:
+        if init_method is not None:
+            raise InvalidArgumentError(
+                f"init_distributed(init_method={init_method!r}) needs rank= and world_size= too: "
+                f"init_distributed(rank=rank, world_size=world_size, init_method=...)"
+            )
+        return
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise InvalidArgumentError(
+            f"init_distributed(world_size={world_size!r}): pass the number of processes, >= 1"
+        )
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise InvalidArgumentError(
+            f"init_distributed(rank={rank!r}, world_size={world_size}): rank must be in "
+            f"0..{world_size - 1} (mp.spawn passes each worker its index as the first argument)"
+        )
+    if init_method is None and not (
+        os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+    ):
+        raise InvalidArgumentError(
+            f"init_distributed(rank={rank}, world_size={world_size}): no way to meet the other "
+            f"ranks; set MASTER_ADDR and MASTER_PORT before mp.spawn (e.g. "
+            f"os.environ['MASTER_ADDR'] = '127.0.0.1'; os.environ['MASTER_PORT'] = '29500'), or "
+            f"pass init_method='tcp://host:port'"
+        )
+
+
+def _refuse_unknown_rank() -> None:
+    """MASTER_ADDR/MASTER_PORT say "a job", but nothing says which rank this is."""
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        # Running alone here would make every process a 1-rank job claiming rank 0:
+        # each would write the same files and wrap_ddp would return the bare model.
+        raise InvalidArgumentError(
+            f"init_distributed(): MASTER_ADDR={os.environ['MASTER_ADDR']} and "
+            f"MASTER_PORT={os.environ['MASTER_PORT']} are set, but not this process's rank "
+            f"(no RANK/WORLD_SIZE, no SLURM): every process would run alone as rank 0. Pass "
+            f"init_distributed(rank=rank, world_size=world_size) inside mp.spawn, or launch "
+            f"with torchrun; for a single process, unset MASTER_ADDR and MASTER_PORT"
+        )
+
+
 def init_distributed(
-    *, backend: str = "auto", timeout: float | timedelta | None = None
+    *,
+    backend: str = "auto",
+    timeout: float | timedelta | None = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    init_method: Optional[str] = None,
 ) -> DistContext:
-    """Initialise the process group when launched by torchrun or srun.
+    """Initialise the process group under torchrun, srun or ``mp.spawn``.
 
     Under torchrun (``RANK``/``WORLD_SIZE`` set) or srun (``SLURM_*`` set),
     initialises ``torch.distributed`` with ``env://`` (NCCL when CUDA is
     available, else gloo), and on CUDA sets this process's device to
-    ``cuda:LOCAL_RANK``. Otherwise initialises nothing and returns the
-    single-process context. Calling it again returns the same context.
+    ``cuda:LOCAL_RANK``. Inside ``torch.multiprocessing.spawn`` workers, pass
+    ``rank=`` and ``world_size=``: the group meets at ``MASTER_ADDR``/``MASTER_PORT``
+    (or ``init_method``), and ``LOCAL_RANK`` defaults to ``rank`` (one node).
+    With none of these, initialises nothing and returns the single-process
+    context. Calling it again returns the same context.
 
     Args:
         backend: ``"auto"``, ``"nccl"``, ``"gloo"`` or any backend string torch takes.
         timeout: Process-group timeout (seconds or ``timedelta``); default as
             :func:`default_timeout`.
+        rank: This process's rank, for launchers that do not set ``RANK``
+            (``mp.spawn`` passes each worker its index); give ``world_size`` too.
+        world_size: The number of processes, with ``rank``.
+        init_method: Where the ranks meet, e.g. ``"tcp://10.0.0.1:29500"``; default
+            ``env://`` (``MASTER_ADDR``/``MASTER_PORT``). Only with ``rank``.
 
     Returns:
         A frozen :class:`DistContext` with rank, local rank, world size, device
         and backend.
 
     Raises:
+        InvalidArgumentError: ``MASTER_ADDR``/``MASTER_PORT`` are set but no rank
+            is known (no ``RANK``/``WORLD_SIZE``, no SLURM, no ``rank=``): every
+            process would run alone as rank 0; or ``rank``/``world_size`` is
+            half-given or out of range.
         DDPStateError: The launch environment is inconsistent (e.g. srun with no
             way to find the first node).
 
@@ -146,23 +213,36 @@ def init_distributed(
         >>> ctx = ddpstate.init_distributed()  # plain `python script.py`
         >>> (ctx.rank, ctx.world_size, ctx.is_distributed)
         (0, 1, False)
+
+        The official DDP tutorial's launcher (the workers are started by ``mp.spawn``)::
+
+            def worker(rank, world_size):
+                ctx = ddpstate.init_distributed(rank=rank, world_size=world_size)
+                model = ddpstate.wrap_ddp(MyNet())
+                ...
+
+            if __name__ == "__main__":
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
+                os.environ["MASTER_PORT"] = "29500"
+                torch.multiprocessing.spawn(worker, args=(2,), nprocs=2)
     """
+    _check_given_ranks(rank, world_size, init_method)
     local_rank = get_local_rank()
     if _pg_ready():
         used = str(dist.get_backend())
         return DistContext(
             get_rank(), local_rank, get_world_size(), device_for(used, local_rank), used
         )
+    if rank is not None and world_size is not None:
+        return _init_given(rank, world_size, init_method, backend, timeout)
     launcher = _launched_env() if dist.is_available() else None
     if launcher is None:
+        _refuse_unknown_rank()
         return DistContext(0, local_rank, 1, device_for(None, local_rank), None)
     if launcher == "slurm":
         _slurm_to_env()
         local_rank = get_local_rank()
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if "nccl" in backend and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    backend = _chosen_backend(backend, local_rank)
     pg_timeout = timedelta(seconds=resolve_timeout(timeout))
     # Under torchrun's shared agent store, each restart attempt gets keys of its own.
     store = _elastic.attempt_store(pg_timeout)
@@ -182,4 +262,39 @@ def init_distributed(
         dist.get_world_size(),
         device_for(backend, local_rank),
         backend,
+    )
+
+
+def _chosen_backend(backend: str, local_rank: int) -> str:
+    """``backend`` with "auto" resolved; on NCCL, this process's GPU made current."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if "nccl" in backend and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return backend
+
+
+def _init_given(
+    rank: int,
+    world_size: int,
+    init_method: Optional[str],
+    backend: str,
+    timeout: float | timedelta | None,
+) -> DistContext:
+    """Start the group for a launcher that passes the rank (``mp.spawn``)."""
+    # mp.spawn starts one worker per GPU of this node, numbered from 0: that index is
+    # the local rank, which device placement ("auto" = cuda:LOCAL_RANK) and
+    # get_local_rank() read from the environment, as under torchrun.
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    local_rank = get_local_rank()
+    backend = _chosen_backend(backend, local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method or "env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=resolve_timeout(timeout)),
+    )
+    return DistContext(
+        dist.get_rank(), local_rank, dist.get_world_size(), device_for(backend, local_rank), backend
     )

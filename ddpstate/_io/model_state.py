@@ -7,18 +7,21 @@ and the DCP reader's sharded loads), so a wrong shape is always :class:`ShapeMis
 from __future__ import annotations
 
 import collections
-import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import torch
 
-from ddpstate._keys.match import KeyMatch, prefix_hint
-from ddpstate.errors import DTypeMismatchError, ShapeMismatchError
+from ddpstate._collectives import with_message
+from ddpstate._keys.match import KeyMatch, adapt_state_dict, prefix_hint
+from ddpstate._warn import warn
+from ddpstate.dist import get_rank, is_distributed
+from ddpstate.errors import DTypeMismatchError, KeyMismatchError, ShapeMismatchError
 
 __all__ = [
     "DTypePolicy",
     "IncompatibleKeys",
+    "adapt_named",
     "check_dtypes",
     "load_fitting",
     "shape_mismatches",
@@ -43,6 +46,39 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
+def adapt_named(
+    state_dict: Mapping[Any, Any],
+    model: torch.nn.Module,
+    *,
+    strict: bool,
+    name: str,
+    found_at: tuple[Any, ...] = (),
+) -> Mapping[str, Any]:
+    """``adapt_state_dict(state_dict, model)`` whose ``KeyMismatchError`` names the file.
+
+    Args:
+        state_dict: The loaded state dict.
+        model: The model it goes into.
+        strict: Refuse keys that do not pair up.
+        name: The file (or "the given state dict"), for the message.
+        found_at: The keys leading to the state dict inside the checkpoint
+            (``find_state_dict``'s path; ``()`` for a bare state dict).
+
+    Returns:
+        The state dict with the model's keys.
+
+    Raises:
+        KeyMismatchError: ``strict`` and the keys do not pair up; the message starts
+            with the file and the entry, as :class:`ShapeMismatchError`'s does.
+    """
+    try:
+        return adapt_state_dict(state_dict, model, strict=strict)
+    except KeyMismatchError as exc:
+        at = "".join(f"[{k!r}]" for k in found_at)
+        inside = f" (the state dict at checkpoint{at})" if at else ""
+        raise with_message(exc, f"{name}{inside}: {exc}") from exc
+
+
 def load_fitting(
     model: torch.nn.Module,
     state_dict: Mapping[str, Any],
@@ -51,7 +87,6 @@ def load_fitting(
     strict: bool,
     ignore_mismatched: bool,
     dtypes: DTypePolicy = "warn",
-    stacklevel: int = 3,
 ) -> list[str]:
     """``model.load_state_dict`` with shape mismatches named, or skipped and returned.
 
@@ -59,8 +94,6 @@ def load_fitting(
     Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
     through here, so a wrong shape is always :class:`ShapeMismatchError`.
     ``dtypes`` says what a tensor of another dtype does (see :func:`check_dtypes`).
-    ``stacklevel`` (counted from this function) points the ``ignore_mismatched``
-    and dtype warnings at the user's call: 3 when a public function calls this directly.
     """
     mismatched = shape_mismatches(
         state_dict,
@@ -68,7 +101,6 @@ def load_fitting(
         name=name,
         target=type(model).__name__,
         ignore_mismatched=ignore_mismatched,
-        stacklevel=stacklevel + 1,
     )
     if mismatched:
         skip = {k for k, _, _ in mismatched}
@@ -83,7 +115,6 @@ def load_fitting(
         name=name,
         target=type(model).__name__,
         policy=dtypes,
-        stacklevel=stacklevel + 1,
     )
     try:
         model.load_state_dict(state_dict, strict=strict and not mismatched)
@@ -102,7 +133,6 @@ def shape_mismatches(
     name: str,
     target: str,
     ignore_mismatched: bool,
-    stacklevel: int = 4,
 ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """``(key, saved shape, model shape)`` of each tensor that does not fit ``own``'s.
 
@@ -110,7 +140,7 @@ def shape_mismatches(
     warns and returns them for the caller to skip. ``state_dict``'s keys are
     already the model's; ``own`` is the model's state dict (DTensors compare by
     their global shape, so sharded models are checked the same way).
-    ``stacklevel`` points the warning at the caller of the public function.
+    The warning names the user's line and is said by rank 0 alone (every rank loads alike).
     """
     mismatched = [
         (k, tuple(v.shape), tuple(own[k].shape))
@@ -130,12 +160,11 @@ def shape_mismatches(
             f"ignore_mismatched=True to skip these entries and keep the model's own values"
         )
     if mismatched:
-        warnings.warn(
+        warn(
             f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
             f"{target}'s (ignore_mismatched=True); the model keeps its own values "
             f"there: {listing}",
-            UserWarning,
-            stacklevel=stacklevel,
+            rank=get_rank() if is_distributed() else None,
         )
     return mismatched
 
@@ -159,7 +188,6 @@ def check_dtypes(
     name: str,
     target: str,
     policy: DTypePolicy,
-    stacklevel: int = 4,
 ) -> list[tuple[str, torch.dtype, torch.dtype]]:
     """Refuse, allow or warn about the tensors whose dtype differs from ``own``'s.
 
@@ -204,13 +232,12 @@ def check_dtypes(
             f"saved values to the model's dtypes"
         )
     pairs = collections.Counter(f"{_dtype_name(a)} -> {_dtype_name(b)}" for _, a, b in changes)
-    warnings.warn(
+    warn(
         f"{name}: cast {len(changes)} tensor(s) to {target}'s dtypes: "
         + ", ".join(f"{pair} ({n})" for pair, n in pairs.most_common())
         + f" (e.g. {listing(changes[:1])}); cast the model to the saved dtype first to load "
         f"the values as saved",
-        UserWarning,
-        stacklevel=stacklevel,
+        rank=get_rank() if is_distributed() else None,
     )
     return changes
 
@@ -220,16 +247,13 @@ def check_dtypes(
 _FEW_MATCHED = 0.10
 
 
-def warn_if_little_matched(
-    match: KeyMatch, source: Mapping[Any, Any], *, name: str, stacklevel: int
-) -> None:
+def warn_if_little_matched(match: KeyMatch, source: Mapping[Any, Any], *, name: str) -> None:
     """Warn when a ``strict=False`` load paired (almost) none of the keys, naming the fix.
 
     Args:
         match: The pairing of the file's keys with the model's.
         source: The file's state dict.
         name: The file, for the message.
-        stacklevel: Points the warning at the user's call (counted from here).
     """
     source_keys = [k for k in source if isinstance(k, str)]
     target_keys = [*match.mapping, *match.missing]
@@ -238,9 +262,8 @@ def warn_if_little_matched(
         return
     if matched >= _FEW_MATCHED * len(source_keys) and matched >= _FEW_MATCHED * len(target_keys):
         return
-    warnings.warn(
+    warn(
         f"{name}: strict=False loaded {matched} of the file's {len(source_keys)} entries into "
         f"a model that expects {len(target_keys)}; {prefix_hint(source_keys, target_keys)}",
-        UserWarning,
-        stacklevel=stacklevel + 1,
+        rank=get_rank() if is_distributed() else None,
     )

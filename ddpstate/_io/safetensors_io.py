@@ -15,7 +15,8 @@ import io
 import json
 import os
 import stat
-import warnings
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import IO, Any, Optional, Union
 
@@ -38,6 +39,7 @@ from ddpstate._layout.safetensors import (
     restore_extras,
     state_dict_metadata_json,
 )
+from ddpstate._warn import warn
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
 
 __all__ = [
@@ -196,14 +198,30 @@ def _find_ties(
         (_view(k, t) for k, t in state_dict.items() if k in shared), overlapping=overlapping
     )
     if overlaps:
-        warnings.warn(
+        warn(
             f"{name}: tensors overlap in memory without being identical "
             f"({'; '.join(overlaps[:_SHOW])}); each is written as its own copy and loads as "
             f"an independent tensor",
-            UserWarning,
-            stacklevel=4,
         )
     return aliases
+
+
+# The storages whose ties were reported. Ties are harmless and the same at every save
+# of a model, so they are said once per process, not every epoch. Weakly held: torch
+# keeps one Python object per live storage, and a freed model's entry goes with it (a
+# new model at the same address is reported again, which a data_ptr key would miss).
+_TIES_REPORTED: weakref.WeakSet[Any] = weakref.WeakSet()
+_TIES_LOCK = threading.Lock()
+
+
+def _first_report_of_ties(state_dict: Mapping[str, torch.Tensor], aliases: dict[str, str]) -> bool:
+    """True the first time this process writes these tied storages (then remembered)."""
+    storages = [state_dict[canonical].untyped_storage() for canonical in set(aliases.values())]
+    with _TIES_LOCK:
+        if all(s in _TIES_REPORTED for s in storages):
+            return False
+        _TIES_REPORTED.update(storages)
+    return True
 
 
 def safetensors_header_for(
@@ -356,15 +374,13 @@ def write_safetensors(
         aliases = _find_ties(state_dict, name, overlapping)
         if aliases:
             meta[ALIASES_KEY] = json.dumps(aliases, separators=(",", ":"))
-    if aliases:
+    if aliases and _first_report_of_ties(state_dict, aliases):
         shown = ", ".join(f"{a} -> {c}" for a, c in list(aliases.items())[:_SHOW])
-        warnings.warn(
+        warn(
             f"{name}: {len(aliases)} tensor(s) share memory with another entry and are written "
             f"once ({shown}); the aliases are kept in the header metadata {ALIASES_KEY!r} and "
             f"ddpstate.load restores them as shared, while other safetensors readers see only "
             f"the canonical keys",
-            UserWarning,
-            stacklevel=2,
         )
     if local is not None:
         # save_file writes a temp file of its own and renames it onto the path;

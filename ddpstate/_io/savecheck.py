@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import importlib
 import pickle
 import sys
@@ -390,6 +391,8 @@ def _find(root: Any, what: str, refused: Any) -> Optional[tuple[str, Any]]:
     for path, value in walk(root, what, set()):
         if value is refused or type(value) is refused:
             return path, value
+        if refused is getattr and isinstance(value, types.MethodType):
+            return path, value  # a bound method pickles as getattr(obj, name)
         if type(getattr(value, "dtype", None)) is refused:  # e.g. a numpy object array
             return path, value
     return None
@@ -419,6 +422,9 @@ def _refusal(root: Any, what: str, where: str, refused: Any) -> UnsafeCheckpoint
         return _defaultdict_refusal(root, what, where, refused)
     name = _qualified(refused)
     found = _find(root, what, refused)
+    code = _code_refusal(where, found, refused, name)
+    if code is not None:
+        return code
     if found is None:
         at, shown = f"something in {what}", name
     else:
@@ -441,6 +447,52 @@ def _refusal(root: Any, what: str, where: str, refused: Any) -> UnsafeCheckpoint
         f"safe_globals=[{cls}])); else store plain values (dicts, numbers, strings, tensors)",
         unsafe_globals=[name],
     )
+
+
+_FUNCTION_KINDS = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    functools.partial,
+)
+
+
+def _code_refusal(
+    where: str, found: Optional[tuple[str, Any]], refused: Any, name: str
+) -> Optional[UnsafeCheckpointError]:
+    """The refusal of a model, a function or a local class: never fixed by safe_globals.
+
+    Allowing such a global would let the file run code when loaded (a model's class
+    rebuilds a whole module; a function is code), and a class defined inside a
+    function cannot even be imported again; so the message says what to save instead.
+    """
+    at, value = found if found is not None else (f"something in {where}", refused)
+    if isinstance(value, torch.nn.Module) or (
+        isinstance(refused, type) and issubclass(refused, torch.nn.Module)
+    ):
+        kind = type(value).__qualname__ if isinstance(value, torch.nn.Module) else refused.__name__
+        return UnsafeCheckpointError(
+            f"{where} cannot be saved: {at} is a whole model ({kind}, an nn.Module), whose "
+            f"loading would run its class's code. Pass model.state_dict() or use "
+            f"save_model_state(model, path); in a CheckpointManager state, put the model at "
+            f"the top level ({{'model': model}}), where its state dict is saved",
+            unsafe_globals=[name],
+        )
+    if isinstance(value, _FUNCTION_KINDS) or isinstance(refused, _FUNCTION_KINDS):
+        shown = _qualified(value.func if isinstance(value, functools.partial) else value)
+        return UnsafeCheckpointError(
+            f"{where} cannot be saved: {at} is a function ({shown}); save what it computes "
+            f"or its configuration (the name or settings that rebuild it) instead",
+            unsafe_globals=[name],
+        )
+    if "<locals>" in name or "<lambda>" in name:
+        return UnsafeCheckpointError(
+            f"{where} cannot be saved: {at} is a {name}, an object of a class defined inside "
+            f"a function, which no other process can import to load it; save its fields as "
+            f"a dict (or plain values) instead",
+            unsafe_globals=[name],
+        )
+    return None
 
 
 def save_torch(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Optional, TypeVar, cast, overload
 
+from ddpstate._warn import warn
 from ddpstate.errors import InvalidArgumentError, KeyCollisionError
 
 __all__ = ["OnCollision", "add_prefix", "normalize_keys", "strip_prefix"]
@@ -143,13 +143,11 @@ def _warn_deep_strip(prefix: str, levels: int, key: str) -> None:
     # leading `module.` is more often a real submodule of that name, e.g. the
     # averaged model of torch's AveragedModel, which loading then cannot find.
     example = " (AveragedModel's averaged model is one)" if prefix == "module." else ""
-    warnings.warn(
+    warn(
         f"strip_prefix({prefix!r}) removed {levels} leading {prefix!r} from {key!r} (and "
         f"any key so led): only the outer one is certainly a wrapper's; if the model has a "
         f"real submodule named {prefix[:-1]!r}{example}, strip one level instead: "
-        f"{{k[len({prefix!r}):] if k.startswith({prefix!r}) else k: v for k, v in sd.items()}}",
-        UserWarning,
-        stacklevel=3,
+        f"{{k[len({prefix!r}):] if k.startswith({prefix!r}) else k: v for k, v in sd.items()}}"
     )
 
 

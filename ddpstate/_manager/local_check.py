@@ -24,12 +24,12 @@ again in the next round, split by the node membership the first round showed.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Optional
 
 from ddpstate import _checksum, _manifest
 from ddpstate._manager import verify_split
 from ddpstate._manager.entries import Timeout
+from ddpstate._warn import warn
 from ddpstate.dist import gather_to_receivers, get_local_rank, get_rank
 
 __all__ = ["local_world_size", "check_share_of_step", "newest_on_nodes"]
@@ -166,11 +166,7 @@ def newest_on_nodes(
     while True:
         for step, problems in answer["failed"].get(node, []):
             folder = os.path.join(directory, _manifest.step_name(step))
-            warnings.warn(
-                f"CheckpointManager.restore: skipping the local {folder}: {'; '.join(problems)}",
-                UserWarning,
-                stacklevel=5,
-            )
+            warn(f"CheckpointManager.restore: skipping the local {folder}: {'; '.join(problems)}")
         if not answer["again"]:
             return answer["held"], answer["durable"]
         mine: dict[str, Any] = {"step": None}

@@ -24,7 +24,6 @@ import math
 import os
 import shutil
 import threading
-import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from ddpstate import _checksum, _manifest, storage
 from ddpstate._manager import local_check
 from ddpstate._manager.entries import Entry, Timeout
 from ddpstate._manager.snapshot import Snapshot
+from ddpstate._warn import warn
 from ddpstate.dist import (
     broadcast_object,
     compare_across_ranks,
@@ -269,14 +269,12 @@ class LocalTier:
         if self._warned:
             return
         self._warned = True
-        warnings.warn(
+        warn(
             f"CheckpointManager: the node-local tier skipped step {step} on rank {get_rank()} "
             f"({_checksum.error_text(exc)}); training goes on and the durable checkpoints are "
             f"untouched. "
             f"{self.directory} needs free space for local_keep + 1 copies of the state; "
-            f"later local failures are not warned about again (see manager.local_skipped)",
-            UserWarning,
-            stacklevel=4,
+            f"later local failures are not warned about again (see manager.local_skipped)"
         )
 
     def wait(self) -> None:
@@ -314,21 +312,17 @@ class LocalTier:
             check = _manifest.check_folder(folder, step, None)
             if check.manifest is not None:
                 return step, folder
-            warnings.warn(
+            warn(
                 f"CheckpointManager.restore: skipping the local {folder}: "
-                f"{'; '.join(check.problems)}",
-                UserWarning,
-                stacklevel=5,
+                f"{'; '.join(check.problems)}"
             )
         return None
 
     def _skip_restore(self, exc: BaseException) -> None:
-        warnings.warn(
+        warn(
             f"CheckpointManager.restore: the node-local tier {self.directory} cannot be read "
             f"on rank {get_rank()} ({_checksum.error_text(exc)}); this node counts as holding "
-            f"no local step",
-            UserWarning,
-            stacklevel=5,
+            f"no local step"
         )
 
     def choose(
@@ -392,13 +386,11 @@ class LocalTier:
             )
             if failed:
                 if rank == 0:
-                    warnings.warn(
+                    warn(
                         f"CheckpointManager.restore: sending local step {best} to the nodes "
                         f"that lack it failed ("
                         + "; ".join(f"rank {r}: {e}" for r, e in failed)
-                        + "); restoring from the durable tier instead",
-                        UserWarning,
-                        stacklevel=5,
+                        + "); restoring from the durable tier instead"
                     )
                 return None
         manifest, problem = _manifest.read_manifest(folder, None)

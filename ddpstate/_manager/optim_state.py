@@ -22,7 +22,6 @@ position as before.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -31,6 +30,7 @@ from torch import nn
 
 from ddpstate._io.model_state import DTypePolicy
 from ddpstate._keys.wrappers import wrapper_chain
+from ddpstate._warn import warn
 from ddpstate.errors import DTypeMismatchError, InvalidArgumentError, OptimizerStateMismatchError
 
 _PARAMS = "params"
@@ -293,13 +293,10 @@ def warn_unpaired(state: Mapping[str, Any], folder: str) -> None:
     """Warn once per optimizer of ``state`` that no model entry owns (saved by position)."""
     for name, obj in state.items():
         if isinstance(obj, torch.optim.Optimizer) and owner(obj, state, folder) is None:
-            warnings.warn(
+            warn(
                 f"CheckpointManager.save ({folder}): optimizer entry {name!r} has no model in "
                 f"the same state, so its state is saved by parameter position: a model whose "
                 f"layers are later declared in another order would take the wrong layers' "
                 f"state. Pass its model in the same state (e.g. {{'model': model, "
-                f"{name!r}: optimizer}}) to save it by parameter name",
-                UserWarning,
-                # warn_unpaired <- _manager.save.save <- CheckpointManager.save <- user
-                stacklevel=4,
+                f"{name!r}: optimizer}}) to save it by parameter name"
             )

@@ -8,7 +8,6 @@ entries into the live objects and restores its own RNG states.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional
 
@@ -27,6 +26,7 @@ from ddpstate._manager.entries import Timeout, check_state, check_step, has_stat
 from ddpstate._manager.local_tier import LocalTier, RestoreSource
 from ddpstate._manager.writer import StepWriter
 from ddpstate._manifest import MANIFEST_NAME, RNG_FILE, check_folder, parse_step
+from ddpstate._warn import warn
 from ddpstate.dist import (
     broadcast_object,
     gather_and_decide,
@@ -102,11 +102,10 @@ def choose(
         manifest, problem = _verify(writer, folder, s, split)
         if manifest is not None:
             for bad_folder, why in skipped:
-                warnings.warn(
+                warn(
                     f"CheckpointManager.restore: skipping {bad_folder}: {why}; restoring "
                     f"step {s} instead",
-                    UserWarning,
-                    stacklevel=4,
+                    rank=get_rank(),
                 )
             return s, manifest
         skipped.append((folder, str(problem)))
@@ -119,10 +118,9 @@ def choose(
             f"({listing}). Move the folder away to start fresh, or repair the files"
         )
     for bad_folder, why in skipped:
-        warnings.warn(
+        warn(
             f"CheckpointManager.restore: ignoring {bad_folder}: {why}; no checkpoint to restore",
-            UserWarning,
-            stacklevel=4,
+            rank=get_rank(),
         )
     return None
 
@@ -195,8 +193,6 @@ def load_into(
                 strict=True,
                 ignore_mismatched=ignore_mismatched,
                 dtypes=policy,
-                # load_fitting <- load_into <- restore() <- CheckpointManager.restore <- user
-                stacklevel=5,
             )
             params = dict(target.named_parameters())
             skipped.update(id(params[k]) for k in keys if k in params)
@@ -270,13 +266,12 @@ def restore_rng(rng: Any, manifest: dict[str, Any]) -> None:
         restore_rng_state(states[rank])
         return
     if rank == 0:
-        warnings.warn(
+        warn(
             f"CheckpointManager.restore: step {manifest.get('step')} was saved by "
             f"{saved_world} ranks and is restored by {world}: ranks below {saved_world} "
             f"restore their own saved RNG states; a rank r >= {saved_world} restores rank "
             f"r % {saved_world}'s and re-seeds every generator from it and r",
-            UserWarning,
-            stacklevel=5,
+            rank=get_rank(),
         )
     base = states[rank % saved_world]
     restore_rng_state(base)
@@ -322,11 +317,10 @@ def without_skipped(value: Any, optimizer: Any, skipped: set[int], where: str) -
     dropped = [k for k in value["state"] if k in positions]
     if not dropped:
         return value
-    warnings.warn(
+    warn(
         f"{where}: dropped the saved optimizer state of {len(dropped)} parameter(s) skipped "
         f"by ignore_mismatched=True (they start with fresh optimizer state)",
-        UserWarning,
-        stacklevel=5,
+        rank=get_rank(),
     )
     kept = dict(value)
     kept["state"] = {k: v for k, v in value["state"].items() if k not in positions}

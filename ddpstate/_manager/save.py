@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from ddpstate._calls import calling
-from ddpstate._checksum import error_text
 from ddpstate._dcp import write as _dcp
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._manager import optim_state
@@ -131,7 +130,7 @@ def save(
                 writer.commit(step, entries, rng_states(rng_blobs), checked_metrics)
             except Exception as exc:
                 causes.append(exc)
-                return writer.write_failure(step, folder, [(WRITER_RANK, error_text(exc))])
+                return writer.failure_for(step, folder, WRITER_RANK, exc)
             return None
 
         try:
@@ -179,9 +178,7 @@ def save(
                         writer.commit(step, entries, rng_states(rng_blobs), checked_metrics)
                     except Exception as exc:
                         cause = exc
-                        failure = writer.write_failure(
-                            step, folder, [(WRITER_RANK, error_text(exc))]
-                        )
+                        failure = writer.failure_for(step, folder, WRITER_RANK, exc)
                 writer.share_outcome(step, folder, failure, cause)
                 writer.check_seen(step, folder)
                 return

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,8 +35,9 @@ from ddpstate._manifest import (
     read_manifest,
     step_name,
 )
+from ddpstate._warn import warn
 from ddpstate.dist import is_distributed, share_outcome
-from ddpstate.errors import CheckpointWriteError, DDPStateError
+from ddpstate.errors import CheckpointWriteError, DDPStateError, UnsafeCheckpointError
 from ddpstate.formats import SAFETENSORS
 
 #: The rank that writes the rank-0 entries and commits every step.
@@ -296,12 +296,10 @@ class StepWriter:
                     storage.remove(storage.join(path, inner), storage_options=opts, missing_ok=True)
             if found > step and not self._warned_newer:
                 self._warned_newer = True
-                warnings.warn(
+                warn(
                     f"CheckpointManager: saving step {step}, but {path} (a higher step) already "
                     f"exists: this save is a rollback. Once step {step} is committed, it becomes "
-                    f"latest and every higher step is deleted",
-                    UserWarning,
-                    stacklevel=4,
+                    f"latest and every higher step is deleted"
                 )
 
     def rotate(self, newest: int) -> None:
@@ -388,6 +386,17 @@ class StepWriter:
             f"saving step {step} to {folder} failed ({detail}); {outcome}. Check free space, "
             f"permissions and that {self.directory} is a writable folder"
         )
+
+    def failure_for(self, step: int, folder: str, rank: int, exc: BaseException) -> DDPStateError:
+        """The error every rank raises when writing ``step`` raised ``exc`` on ``rank``.
+
+        A refusal of the state itself (a model, a function, a type weights_only loading
+        refuses) is raised as it is: it says what to save instead, and free space or
+        permissions have nothing to do with it. Anything else is a write failure.
+        """
+        if isinstance(exc, UnsafeCheckpointError):
+            return exc
+        return self.write_failure(step, folder, [(rank, error_text(exc))])
 
     def share_outcome(
         self,
@@ -478,7 +487,7 @@ class StepWriter:
             if error is None
             else error
             if pending.shared and isinstance(error, DDPStateError)
-            else self.write_failure(pending.step, pending.folder, [(0, error_text(error))])
+            else self.failure_for(pending.step, pending.folder, 0, error)
         )
         self.share_outcome(pending.step, pending.folder, failure, error)
         self.check_seen(pending.step, pending.folder)

@@ -12,7 +12,6 @@ import os
 import shutil
 import stat
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import IO, Optional
 
@@ -24,7 +23,8 @@ from ddpstate._storage.temps import (
     retired_name_for,
     temp_name_for,
 )
-from ddpstate.errors import CheckpointWriteError
+from ddpstate._warn import warn
+from ddpstate.errors import CheckpointWriteError, InvalidArgumentError
 
 __all__ = ["atomic_write_local", "wait_for_freed", "write_by_name"]
 
@@ -68,11 +68,10 @@ def _free_later(retired: str) -> None:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            warnings.warn(
+            warn(
                 f"could not delete the replaced checkpoint {retired} ({exc}); it is safe to "
                 f"delete by hand",
                 RuntimeWarning,
-                stacklevel=1,
             )
 
     # Not a daemon: the interpreter waits for it at exit, so no copy is left behind.
@@ -195,6 +194,7 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
 
     Raises:
         CheckpointWriteError: Creating, syncing or renaming the temp file failed.
+        InvalidArgumentError: ``path`` is a folder.
 
     Example:
         >>> import os, tempfile
@@ -206,6 +206,12 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
         ['x.bin']
     """
     target = os.path.abspath(path)
+    if os.path.isdir(target):
+        # The final rename would fail with IsADirectoryError after the whole file was
+        # written, and read as a write failure ("check free space and permissions").
+        raise InvalidArgumentError(
+            f"{path} is a folder; save needs a file path such as {os.path.join(path, 'model.pt')}"
+        )
     folder = os.path.dirname(target)
     temp, fd = _create_locked_temp(folder, os.path.basename(target), path)
     try:
