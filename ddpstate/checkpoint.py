@@ -17,15 +17,15 @@ from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate._dcp import read as _dcp_read
 from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
+from ddpstate._io import read_file as _read_file
 from ddpstate._io import savecheck as _savecheck
-from ddpstate._io import torch_io as _torch_io
 from ddpstate._io.model_state import (
     IncompatibleKeys,
     adapt_named,
     load_fitting,
     warn_if_little_matched,
 )
-from ddpstate._io.safetensors_io import read_safetensors, write_safetensors
+from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate._keys.wrappers import unwrapped_state_dict
 from ddpstate.dist import (
@@ -38,7 +38,6 @@ from ddpstate.dist import (
     share_outcome,
 )
 from ddpstate.errors import (
-    CheckpointAccessError,
     CheckpointCorruptError,
     CheckpointFormatError,
     CheckpointWriteError,
@@ -48,18 +47,13 @@ from ddpstate.errors import (
 from ddpstate.formats import (
     DCP,
     HF_SHARDED,
-    LEGACY,
     SAFETENSORS,
     TORCH_ZIP,
-    TORCHSCRIPT,
-    detect_format,
     parse_format,
 )
 from ddpstate.location import (
     MapLocation,
     ResolvedMapLocation,
-    place_all,
-    require_reachable,
     resolve_map_location,
 )
 
@@ -395,95 +389,6 @@ def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:
 # ------------------------------------------------------------------------------- load
 
 
-def _detect(text: str, storage_options: Optional[dict[str, Any]]) -> str:
-    try:
-        return detect_format(text, storage_options=storage_options)
-    except PermissionError as exc:
-        raise CheckpointAccessError(
-            f"{text}: permission denied ({exc}); check the file's permissions"
-        ) from exc
-
-
-def _mmap_refused(text: str, why: str) -> CheckpointFormatError:
-    return CheckpointFormatError(f"{text}: mmap=True is not possible here ({why}); pass mmap=None")
-
-
-def _read(
-    text: str,
-    resolved: ResolvedMapLocation,
-    weights_only: bool,
-    mmap: Optional[bool],
-    storage_options: Optional[dict[str, Any]],
-    safe_globals: Sequence[Any] = (),
-) -> Any:
-    require_reachable(resolved, text)
-    kind = _detect(text, storage_options)
-    remote = _fs.is_remote(text)
-    local = _fs.local_path(text)
-    if kind == TORCHSCRIPT:
-        raise CheckpointFormatError(
-            f"{text}: this is a TorchScript archive, not a checkpoint: use torch.jit.load"
-        )
-    if kind == HF_SHARDED:
-        from ddpstate._hf.read import load_sharded
-
-        return load_sharded(
-            text,
-            resolved,
-            weights_only=weights_only,
-            mmap=mmap,
-            storage_options=storage_options,
-            safe_globals=safe_globals,
-        )
-    if kind == DCP:
-        if mmap:
-            raise _mmap_refused(text, "a torch.distributed.checkpoint folder")
-        state = _torch_io.load_dcp(
-            text if remote else local,
-            name=text,
-            weights_only=weights_only,
-            storage_options=storage_options,
-            remote=remote,
-            safe_globals=safe_globals,
-        )
-        return place_all(state, "cpu", resolved)
-    if kind == SAFETENSORS:
-        if mmap and remote:
-            raise _mmap_refused(text, "the file is remote")
-        if remote:
-            with storage.open_read(text, storage_options=storage_options) as f:
-                tensors = read_safetensors(f, mmap=False)
-        else:
-            tensors = read_safetensors(local, mmap=mmap is None or mmap)
-        return place_all(tensors, "cpu", resolved)
-    # torch.save's zip or legacy format
-    if mmap and (remote or kind == LEGACY):
-        raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
-    # torch.load cannot map a torch file named .safetensors (it goes by the suffix).
-    mappable = kind == TORCH_ZIP and not remote and not local.endswith(_SAFETENSORS_SUFFIXES)
-    use_mmap = mappable if mmap is None else bool(mmap)
-    if remote:
-        with storage.open_read(text, storage_options=storage_options) as f:
-            return _torch_io.load_torch_file(
-                f,
-                kind=kind,
-                name=text,
-                map_location=resolved,
-                weights_only=weights_only,
-                mmap=False,
-                safe_globals=safe_globals,
-            )
-    return _torch_io.load_torch_file(
-        local,
-        kind=kind,
-        name=text,
-        map_location=resolved,
-        weights_only=weights_only,
-        mmap=use_mmap,
-        safe_globals=safe_globals,
-    )
-
-
 def _load_and_broadcast(
     text: str,
     resolved: ResolvedMapLocation,
@@ -508,7 +413,7 @@ def _load_and_broadcast(
             return stored
 
         try:
-            obj = _read(text, remember, weights_only, mmap, storage_options, safe_globals)
+            obj = _read_file.read(text, remember, weights_only, mmap, storage_options, safe_globals)
         except Exception as exc:
             cause = exc
             error = (
@@ -608,7 +513,9 @@ def load(
             found = _visibility.stat(text) if src_rank is None else 0
             _check_same_call(LOAD_COLLECTIVE, (text, None, src_rank), timeout, found)
         if src_rank is None or not distributed:
-            return _read(text, resolved, weights_only, mmap, storage_options, safe_globals)
+            return _read_file.read(
+                text, resolved, weights_only, mmap, storage_options, safe_globals
+            )
         return _load_and_broadcast(
             text, resolved, weights_only, mmap, storage_options, src_rank, timeout, safe_globals
         )
@@ -742,7 +649,10 @@ def load_model_state(
 
         if isinstance(source, (str, os.PathLike)):
             name = os.fspath(source)
-            if _dcp_read.is_sharded_model(model) and _detect(name, storage_options) == DCP:
+            if (
+                _dcp_read.is_sharded_model(model)
+                and _read_file.detect(name, storage_options) == DCP
+            ):
                 return _load_sharded(
                     model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
                     storage_options=storage_options, timeout=timeout,
