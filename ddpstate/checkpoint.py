@@ -101,7 +101,7 @@ def _write(
     if max_shard_size is not None:
         from ddpstate._hf.write import save_sharded
 
-        save_sharded(_flat_tensors(obj, path), path, max_shard_size, metadata)
+        save_sharded(obj, path, max_shard_size, metadata)
         return
     with storage.atomic_write(path, storage_options=storage_options) as fileobj:
         if fmt == SAFETENSORS:
@@ -110,17 +110,6 @@ def _write(
             torch.save(obj, fileobj)
         else:
             _savecheck.save_torch(obj, fileobj, what="obj", where=path, extra=safe_globals)
-
-
-def _flat_tensors(obj: Any, path: str) -> Mapping[str, torch.Tensor]:
-    if not isinstance(obj, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
-    ):
-        raise CheckpointFormatError(
-            f"{path}: max_shard_size writes safetensors shards, which hold a flat map of names "
-            f"to tensors only; save a state dict (or use save_model_state)"
-        )
-    return obj
 
 
 def _save_error(exc: BaseException, path: str, writer: int) -> DDPStateError:

@@ -21,7 +21,13 @@ from typing import IO, TYPE_CHECKING, Any, Optional, Union
 
 from ddpstate import _fs
 from ddpstate._hf.index import SAFETENSORS_INDEX, find_index, read_index
-from ddpstate.errors import CheckpointExistsError, DDPStateError, InvalidArgumentError
+from ddpstate._keys.wrappers import is_tensor
+from ddpstate.errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    DDPStateError,
+    InvalidArgumentError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -221,7 +227,7 @@ def write_sharded(
 
 
 def save_sharded(
-    state: Mapping[str, Any],
+    state: Any,
     target: str,
     max_shard_size: Union[int, str],
     metadata: Optional[Mapping[str, str]] = None,
@@ -241,12 +247,18 @@ def save_sharded(
         The weight map written.
 
     Raises:
-        CheckpointFormatError: ``state`` holds something other than tensors
-            (as :func:`ddpstate._io.safetensors_io.write_safetensors` says).
+        CheckpointFormatError: ``state`` is not a flat map of names to tensors.
         CheckpointExistsError: ``target`` holds other files.
     """
     from ddpstate._io.safetensors_io import write_safetensors
 
+    if not isinstance(state, Mapping) or not all(
+        isinstance(k, str) and is_tensor(v) for k, v in state.items()
+    ):
+        raise CheckpointFormatError(
+            f"{target}: max_shard_size writes safetensors shards, which hold a flat map of "
+            f"names to tensors only; save a state dict (or use save_model_state)"
+        )
     limit = parse_size(max_shard_size)
     keys = [str(k) for k in state]
     nbytes: dict[str, int] = {}
