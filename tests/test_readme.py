@@ -43,3 +43,50 @@ def test_ci_runs_readme_main_job_verbatim_in_a_fresh_environment() -> None:
     venv = next(i for i, line in enumerate(ci) if line.startswith("python3 -m venv "))
     first_install = next(i for i, line in enumerate(ci) if line.startswith("pip install"))
     assert venv < first_install
+
+
+_DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.*)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_readme_is_a_user_guide_not_a_diary() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 350, "README.md over 350 lines: move detail to docs/"
+    assert "last green run" not in text.lower(), "CI timings belong in .ci/run's output"
+    # Benchmark tables live in docs/benchmarks.md: no table row with a ratio column here.
+    assert not re.search(r"^\|.*\bratio\b.*\|$", text, flags=re.M | re.I)
+    for page in ("cli", "mistakes", "benchmarks", "reliability", "local-tier", "architecture"):
+        assert f"](docs/{page}.md)" in text, f"README does not link docs/{page}.md"
+
+
+def test_relative_links_in_readme_and_docs_resolve() -> None:
+    broken = []
+    for name in _DOCS:
+        page = ROOT / name
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists() or (anchor and anchor not in _anchors(dest)):
+                broken.append(f"{name}: {target}")
+    assert not broken, broken
+
+
+def test_benchmark_figures_keep_their_commands_in_docs() -> None:
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    for command in (
+        "python -m benchmarks --full",
+        "python -m benchmarks --only safetensors",
+        "python -m benchmarks --only hf_sharded",
+        "python -m benchmarks.dcp --size-mib 1024 --worlds 2,4 --repeats 3",
+        "python -m benchmarks.scale --rounds 9",
+        "python -m benchmarks.local_tier --restarts 3",
+    ):
+        assert command in bench, f"docs/benchmarks.md lost the command {command!r}"
