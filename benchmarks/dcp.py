@@ -1,7 +1,7 @@
 """DCP saves on gloo ranks: DDP ``writers="all"`` vs rank 0, and FSDP2 state, against plain ``dcp``.
 
 Run: ``python -m benchmarks.dcp --size-mib 1024 --worlds 2,4`` (the figures in
-README); ``--size-mib 64`` for a quick check. Also a family of ``python -m
+docs/benchmarks.md); ``--size-mib 64`` for a quick check. Also a family of ``python -m
 benchmarks`` (``--only dcp``, at ``--dist-size``, 2 ranks, /dev/shm and disk).
 
 Per world size (N real processes, gloo on 127.0.0.1) and place (``/dev/shm``,

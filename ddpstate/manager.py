@@ -216,7 +216,7 @@ class CheckpointManager:
             and optimizers; ``"all"``: every rank writes a part of them through
             ``torch.distributed.checkpoint`` (its planner splits the tensors by
             size). On one node it ties or loses to ``"rank0"`` (the ranks share
-            CPUs and disk; see the README's DCP table); it can pay off where each
+            CPUs and disk; see docs/benchmarks.md's DCP table); it can pay off where each
             rank has its own write bandwidth. Sharded state always uses every rank.
 
     Raises:

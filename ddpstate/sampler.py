@@ -20,6 +20,9 @@ _COUNT_MODES = ("yielded", "consumed")
 # How far up from the sampler's generator the DataLoader iterator's frame can be:
 # the generator, BatchSampler.__iter__ (or a user batch sampler), _next_index.
 _LOADER_FRAME_DEPTH = 6
+# The loader iterator's batch counters the position is read from (torch has no public ones):
+# batches sent to the workers, and batches given to the loop.
+_LOADER_COUNTERS = ("_send_idx", "_rcvd_idx")
 
 
 def _prefetching_loader() -> Optional[Any]:
@@ -40,6 +43,14 @@ def _prefetching_loader() -> Optional[Any]:
                 return None
             owner = frame.f_locals.get("self")
             if isinstance(owner, loader_kind):
+                missing = [a for a in _LOADER_COUNTERS if not hasattr(owner, a)]
+                if missing:  # a torch whose loader no longer keeps these: say so, never guess
+                    raise DDPStateError(
+                        f"ResumableDistributedSampler: this torch's DataLoader iterator has no "
+                        f"{', '.join(missing)}, so the batches its workers prefetched cannot be "
+                        f"told from those the loop trained on; construct the sampler with "
+                        f"count='consumed' and call sampler.advance(len(batch)) after each step"
+                    )
                 return owner
             frame = frame.f_back
         return None
@@ -225,8 +236,8 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         loader = self._prefetcher() if self._prefetcher is not None else None
         if loader is None:
             return
-        batch = int(getattr(loader, "_send_idx", len(self._batch_ends)))
-        self._delivered = int(getattr(loader, "_rcvd_idx", 0))
+        batch = int(loader._send_idx)
+        self._delivered = int(loader._rcvd_idx)
         while len(self._batch_ends) <= batch:
             self._batch_ends.append(self._position)
         self._batch_ends[batch] = self._position
@@ -322,7 +333,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
                 "sampler.advance(len(batch)) after each step, or drop in_order=False"
             )
         if loader is not None:
-            delivered = int(getattr(loader, "_rcvd_idx", self._delivered))
+            delivered = int(loader._rcvd_idx)
         elif self._exhausted:
             delivered = len(self._batch_ends)  # the loop finished the pass
         else:

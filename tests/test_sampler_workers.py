@@ -82,3 +82,19 @@ def test_consumed_counting_resumes_exactly_under_two_workers() -> None:
     resumed.load_state_dict(state)
     rest = [i for batch in _loader(resumed) for i in batch.tolist()]
     assert seen + rest == list(_sampler(count="consumed"))
+
+
+def test_the_loader_counters_the_sampler_reads_exist_in_this_torch() -> None:
+    # The position under prefetching workers is read from these private counters; a torch
+    # that renames them must fail here (and the sampler raises), never over-count silently.
+    from torch.utils.data import dataloader
+
+    from ddpstate.sampler import _LOADER_COUNTERS
+
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1)
+    it = iter(loader)
+    try:
+        assert isinstance(it, dataloader._MultiProcessingDataLoaderIter)
+        assert all(isinstance(getattr(it, name), int) for name in _LOADER_COUNTERS)
+    finally:
+        del it
