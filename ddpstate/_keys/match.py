@@ -389,22 +389,20 @@ def prefix_hint(source: Sequence[str], target: Sequence[str]) -> str:
     """
     own, theirs = set(source), set(target)
     best: tuple[int, str] = (0, "")
-    for lead in _leads(source)[:8]:
-        hits = sum(k.startswith(lead) and k[len(lead) :] in theirs for k in source)
-        if hits > best[0]:
-            best = (
-                hits,
-                f"the file's keys start with {lead!r} where the model's do not: strip it with "
-                f"ddpstate.strip_prefix(state_dict, {lead!r})",
-            )
-    for lead in _leads(target)[:8]:
-        hits = sum(k.startswith(lead) and k[len(lead) :] in own for k in target)
-        if hits > best[0]:
-            best = (
-                hits,
-                f"the model's keys start with {lead!r} where the file's do not: add it with "
-                f"ddpstate.add_prefix(state_dict, {lead!r})",
-            )
+    # A prefix the file's keys have and the model's lack (strip it), or the other way (add it).
+    sides = (
+        (source, theirs, "the file's keys", "the model's", "strip it with ddpstate.strip_prefix"),
+        (target, own, "the model's keys", "the file's", "add it with ddpstate.add_prefix"),
+    )
+    for keys, other, these, those, fix in sides:
+        for lead in _leads(keys)[:8]:
+            hits = sum(k.startswith(lead) and k[len(lead) :] in other for k in keys)
+            if hits > best[0]:
+                best = (
+                    hits,
+                    f"{these} start with {lead!r} where {those} do not: {fix}(state_dict, "
+                    f"{lead!r})",
+                )
     if best[0]:
         return best[1]
     first = next(iter(source), None)
