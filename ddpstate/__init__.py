@@ -1,106 +1,151 @@
-"""ddpstate: safe, durable PyTorch checkpoints and model state under DDP."""
+"""ddpstate: safe, durable PyTorch checkpoints and model state under DDP.
+
+The public names (``ddpstate.__all__``), by area:
+
+Save and load (every rank calls; rank 0 writes; ``weights_only`` loads)
+    save, load                  -- a state dict or any checkpoint, atomically written
+    save_model_state            -- a model's weights, unwrapped, keys normalized
+    load_model_state            -- weights into a model, across any wrapping
+Training state over time
+    CheckpointManager           -- rotation, verified auto-resume, async saves, SIGTERM
+    RestoreSource               -- which tier and step ``restore`` took the state from
+    verify_checkpoint           -- check a manager folder's steps, without torch
+    ResumableDistributedSampler -- exact mid-epoch resume of the data order
+    capture_rng_state, restore_rng_state -- every RNG a training step touches
+Processes and ranks
+    init_distributed            -- torchrun / srun / mp.spawn aware process group
+    barrier                     -- all ranks meet, with a deadline
+    get_rank, get_world_size, get_local_rank, is_main_process
+    main_process_first, rank_zero_only -- rank 0 first, or rank 0 only
+Models under DDP
+    wrap_ddp                    -- device, DDP and a BatchNorm policy in one call
+    convert_sync_batchnorm, revert_sync_batchnorm, sync_batchnorm_stats
+    explain_ddp_errors          -- names the cause of DDP's in-place BatchNorm error
+State-dict keys
+    strip_prefix, add_prefix, normalize_keys -- ``module.`` / ``_orig_mod.`` prefixes
+    adapt_state_dict            -- keys matched to a target model's structure
+    find_state_dict, replace_state_dict -- the state dict inside a checkpoint
+    unwrap_model                -- the model inside DDP / DataParallel / torch.compile
+Files
+    detect_format               -- a checkpoint's format from its bytes
+    convert_file                -- the ``ddpstate convert`` command as a function
+Errors (all derive from DDPStateError)
+    DDPStateError, InvalidArgumentError, CheckpointNotFoundError,
+    CheckpointFormatError, CheckpointCorruptError, UnsafeCheckpointError,
+    KeyMismatchError, BarrierTimeoutError
+
+Every other name stays importable from ``ddpstate`` and lives in its submodule:
+``ddpstate.errors``, ``ddpstate.dist``, ``ddpstate.keys``, ``ddpstate.batchnorm``,
+``ddpstate.checkpoint``, ``ddpstate.manager``, ``ddpstate.convert``,
+``ddpstate.formats``, ``ddpstate.location``, ``ddpstate.storage``.
+"""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ddpstate._version import __version__
+# `NAME as NAME`: a name outside `__all__` that `from ddpstate import NAME` still
+# gives, re-exported explicitly (for strict type checkers).
+from ddpstate._version import __version__ as __version__
+from ddpstate.errors import AmbiguousStateDictError as AmbiguousStateDictError
 from ddpstate.errors import (
-    AmbiguousStateDictError,
     BarrierTimeoutError,
-    BatchNormBufferSyncError,
-    BatchNormPolicyError,
-    CheckpointAccessError,
     CheckpointCorruptError,
-    CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
-    CheckpointWriteError,
     DDPStateError,
-    DeviceMapError,
-    DTypeMismatchError,
     InvalidArgumentError,
-    KeyCollisionError,
     KeyMismatchError,
-    OptimizerStateMismatchError,
-    RankFailedError,
-    ShapeMismatchError,
-    ShardedStateError,
-    StateDictNotFoundError,
-    StoreConnectionError,
     UnsafeCheckpointError,
 )
+from ddpstate.errors import BatchNormBufferSyncError as BatchNormBufferSyncError
+from ddpstate.errors import BatchNormPolicyError as BatchNormPolicyError
+from ddpstate.errors import CheckpointAccessError as CheckpointAccessError
+from ddpstate.errors import CheckpointExistsError as CheckpointExistsError
+from ddpstate.errors import CheckpointWriteError as CheckpointWriteError
+from ddpstate.errors import DeviceMapError as DeviceMapError
+from ddpstate.errors import DTypeMismatchError as DTypeMismatchError
+from ddpstate.errors import KeyCollisionError as KeyCollisionError
+from ddpstate.errors import OptimizerStateMismatchError as OptimizerStateMismatchError
+from ddpstate.errors import RankFailedError as RankFailedError
+from ddpstate.errors import ShapeMismatchError as ShapeMismatchError
+from ddpstate.errors import ShardedStateError as ShardedStateError
+from ddpstate.errors import StateDictNotFoundError as StateDictNotFoundError
+from ddpstate.errors import StoreConnectionError as StoreConnectionError
 
 # Everything else loads on first use (PEP 562): most of it needs torch, and the
 # `ddpstate` command streams key rewrites without importing torch at all, which
 # keeps it in the memory of a file copy.
 if TYPE_CHECKING:
     from ddpstate._manager.local_tier import RestoreSource
-    from ddpstate._manifest import CheckpointVerification, verify_checkpoint
+    from ddpstate._manifest import CheckpointVerification as CheckpointVerification
+    from ddpstate._manifest import verify_checkpoint
+    from ddpstate.batchnorm import BatchNormNd as BatchNormNd
+    from ddpstate.batchnorm import BatchNormPolicy as BatchNormPolicy
     from ddpstate.batchnorm import (
-        BatchNormNd,
-        BatchNormPolicy,
         convert_sync_batchnorm,
         explain_ddp_errors,
         revert_sync_batchnorm,
         sync_batchnorm_stats,
         wrap_ddp,
     )
+    from ddpstate.checkpoint import IncompatibleKeys as IncompatibleKeys
     from ddpstate.checkpoint import (
-        IncompatibleKeys,
         load,
         load_model_state,
         save,
         save_model_state,
     )
-    from ddpstate.convert import (
-        ConvertResult,
-        DiffResult,
-        InspectResult,
-        VerifyResult,
-        convert_file,
-        diff_files,
-        inspect_file,
-        verify_file,
-    )
+    from ddpstate.convert import ConvertResult as ConvertResult
+    from ddpstate.convert import DiffResult as DiffResult
+    from ddpstate.convert import InspectResult as InspectResult
+    from ddpstate.convert import VerifyResult as VerifyResult
+    from ddpstate.convert import convert_file
+    from ddpstate.convert import diff_files as diff_files
+    from ddpstate.convert import inspect_file as inspect_file
+    from ddpstate.convert import verify_file as verify_file
+    from ddpstate.dist import DistContext as DistContext
+    from ddpstate.dist import all_gather_object as all_gather_object
     from ddpstate.dist import (
-        DistContext,
-        all_gather_object,
         barrier,
-        broadcast_object,
-        default_timeout,
         get_local_rank,
         get_rank,
         get_world_size,
         init_distributed,
-        is_distributed,
-        is_local_main_process,
         is_main_process,
         main_process_first,
         rank_zero_only,
     )
-    from ddpstate.formats import FormatName, detect_format, parse_format
+    from ddpstate.dist import broadcast_object as broadcast_object
+    from ddpstate.dist import default_timeout as default_timeout
+    from ddpstate.dist import is_distributed as is_distributed
+    from ddpstate.dist import is_local_main_process as is_local_main_process
+    from ddpstate.formats import FormatName as FormatName
+    from ddpstate.formats import detect_format
+    from ddpstate.formats import parse_format as parse_format
+    from ddpstate.keys import KNOWN_PREFIXES as KNOWN_PREFIXES
+    from ddpstate.keys import STATE_DICT_NAMES as STATE_DICT_NAMES
+    from ddpstate.keys import KeyMatch as KeyMatch
+    from ddpstate.keys import OnCollision as OnCollision
     from ddpstate.keys import (
-        KNOWN_PREFIXES,
-        STATE_DICT_NAMES,
-        KeyMatch,
-        OnCollision,
         adapt_state_dict,
         add_prefix,
-        detect_prefixes,
         find_state_dict,
-        match_keys,
         normalize_keys,
         replace_state_dict,
         strip_prefix,
         unwrap_model,
     )
-    from ddpstate.location import MapLocation, resolve_map_location
+    from ddpstate.keys import detect_prefixes as detect_prefixes
+    from ddpstate.keys import match_keys as match_keys
+    from ddpstate.location import MapLocation as MapLocation
+    from ddpstate.location import resolve_map_location as resolve_map_location
     from ddpstate.manager import CheckpointManager
     from ddpstate.rng import capture_rng_state, restore_rng_state
     from ddpstate.sampler import ResumableDistributedSampler
-    from ddpstate.storage import atomic_write, open_read
+    from ddpstate.storage import atomic_write as atomic_write
+    from ddpstate.storage import open_read as open_read
 
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -169,9 +214,31 @@ _EXPORTS: dict[str, str] = {
 }
 
 
+#: Public submodules, imported on first attribute access (``ddpstate.keys``).
+_SUBMODULES = frozenset(
+    {
+        "batchnorm",
+        "checkpoint",
+        "cli",
+        "convert",
+        "dist",
+        "errors",
+        "formats",
+        "keys",
+        "location",
+        "manager",
+        "rng",
+        "sampler",
+        "storage",
+    }
+)
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
+        if name in _SUBMODULES:
+            return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
@@ -179,101 +246,59 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    # The public face: what ``__all__`` lists, the public submodules and the
+    # module's own dunders. Every other name of ``_EXPORTS`` still resolves.
+    dunders = {name for name in globals() if name.startswith("__") and name.endswith("__")}
+    return sorted(set(__all__) | _SUBMODULES | dunders)
 
 
+# What README's "Using it" needs (tests/test_structure.py pins it).
 __all__ = [
-    "__version__",
     # checkpoint
-    "IncompatibleKeys",
     "load",
     "load_model_state",
     "save",
     "save_model_state",
-    # manager
+    # manager, sampler, rng
     "CheckpointManager",
-    "CheckpointVerification",
-    "verify_checkpoint",
     "RestoreSource",
+    "verify_checkpoint",
     "ResumableDistributedSampler",
     "capture_rng_state",
     "restore_rng_state",
-    # keys
-    "KNOWN_PREFIXES",
-    "STATE_DICT_NAMES",
-    "KeyMatch",
-    "OnCollision",
-    "adapt_state_dict",
-    "add_prefix",
-    "detect_prefixes",
-    "find_state_dict",
-    "match_keys",
-    "normalize_keys",
-    "replace_state_dict",
-    "strip_prefix",
-    "unwrap_model",
+    # dist
+    "barrier",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
+    "main_process_first",
+    "rank_zero_only",
     # batchnorm
-    "BatchNormNd",
-    "BatchNormPolicy",
     "convert_sync_batchnorm",
     "explain_ddp_errors",
     "revert_sync_batchnorm",
     "sync_batchnorm_stats",
     "wrap_ddp",
-    # storage, formats, location
-    "FormatName",
-    "MapLocation",
-    "atomic_write",
-    "detect_format",
-    "parse_format",
-    "open_read",
-    "resolve_map_location",
-    # convert, inspect, diff, verify (the ddpstate command)
-    "ConvertResult",
-    "DiffResult",
-    "InspectResult",
-    "VerifyResult",
+    # keys
+    "adapt_state_dict",
+    "add_prefix",
+    "find_state_dict",
+    "normalize_keys",
+    "replace_state_dict",
+    "strip_prefix",
+    "unwrap_model",
+    # formats, convert
     "convert_file",
-    "diff_files",
-    "inspect_file",
-    "verify_file",
-    # dist
-    "DistContext",
-    "all_gather_object",
-    "barrier",
-    "broadcast_object",
-    "default_timeout",
-    "get_local_rank",
-    "get_rank",
-    "get_world_size",
-    "init_distributed",
-    "is_distributed",
-    "is_local_main_process",
-    "is_main_process",
-    "main_process_first",
-    "rank_zero_only",
+    "detect_format",
     # errors
+    "DDPStateError",
     "BarrierTimeoutError",
-    "BatchNormBufferSyncError",
-    "BatchNormPolicyError",
     "CheckpointCorruptError",
-    "CheckpointExistsError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
-    "CheckpointWriteError",
-    "DDPStateError",
-    "KeyCollisionError",
-    "KeyMismatchError",
-    "StateDictNotFoundError",
-    "AmbiguousStateDictError",
-    "UnsafeCheckpointError",
     "InvalidArgumentError",
-    "RankFailedError",
-    "CheckpointAccessError",
-    "ShapeMismatchError",
-    "DTypeMismatchError",
-    "OptimizerStateMismatchError",
-    "ShardedStateError",
-    "DeviceMapError",
-    "StoreConnectionError",
+    "KeyMismatchError",
+    "UnsafeCheckpointError",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "KeyMismatchError",
     "KeyCollisionError",
     "StateDictNotFoundError",
+    "AmbiguousStateDictError",
     "BarrierTimeoutError",
     "CheckpointWriteError",
     "CheckpointExistsError",

@@ -67,6 +67,7 @@ from ddpstate._manager import restore as _restore
 from ddpstate._manager import save as _save
 from ddpstate._manager.entries import Timeout as Timeout
 from ddpstate._manager.entries import check_state, check_step
+from ddpstate._manager.local_tier import RestoreSource
 from ddpstate._manager.signals import StopSignals
 from ddpstate._manager.snapshot import Snapshot
 from ddpstate._manager.writer import InFlight, StepWriter
@@ -81,7 +82,7 @@ from ddpstate.dist import barrier, compare_across_ranks, is_distributed
 from ddpstate.errors import InvalidArgumentError
 from ddpstate.formats import PT, SAFETENSORS, parse_format
 
-__all__ = ["CheckpointManager", "CheckpointVerification", "verify_checkpoint"]
+__all__ = ["CheckpointManager", "CheckpointVerification", "RestoreSource", "verify_checkpoint"]
 
 
 def _check_options(
@@ -274,7 +275,7 @@ class CheckpointManager:
         # The node-local tier (see _manager/local_tier.py): off unless local_dir is given.
         local = (local_dir, local_every, local_keep, timeout)
         self._local = None if local_dir is None else _local_tier.LocalTier(*local)
-        self.restored_from: Optional[_local_tier.RestoreSource] = None
+        self.restored_from: Optional[RestoreSource] = None
         if handle_signals:
             self._signals.install()
 

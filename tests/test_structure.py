@@ -2,7 +2,8 @@
 
 These tests read the source with :mod:`ast` (nothing is imported but the public API):
 
-- every public name (``ddpstate.__all__``) and every CLI option still exists, so a
+- every public name (``ddpstate.__all__``, at most 40), every name that left it (still
+  importable from ``ddpstate`` and its submodule) and every CLI option still exists, so a
   refactor cannot drop one silently;
 - no module over 800 lines, no class over 500;
 - no import cycle among ddpstate modules, counting imports inside functions (a lazy
@@ -26,49 +27,77 @@ PACKAGE = Path(ddpstate.__file__).parent
 MAX_MODULE_LINES = 800
 MAX_CLASS_LINES = 500
 
+# ``ddpstate.__all__``: what README's "Using it" needs, at most 40 names.
 PUBLIC_API = {
-    "__version__",
     # checkpoint
-    "IncompatibleKeys",
     "load",
     "load_model_state",
     "save",
     "save_model_state",
-    # manager
+    # manager, sampler, rng
     "CheckpointManager",
-    "CheckpointVerification",
-    "verify_checkpoint",
     "RestoreSource",
+    "verify_checkpoint",
     "ResumableDistributedSampler",
     "capture_rng_state",
     "restore_rng_state",
-    # keys
-    "KNOWN_PREFIXES",
-    "STATE_DICT_NAMES",
-    "KeyMatch",
-    "OnCollision",
-    "adapt_state_dict",
-    "add_prefix",
-    "detect_prefixes",
-    "find_state_dict",
-    "match_keys",
-    "normalize_keys",
-    "replace_state_dict",
-    "strip_prefix",
-    "unwrap_model",
+    # dist
+    "barrier",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
+    "main_process_first",
+    "rank_zero_only",
     # batchnorm
-    "BatchNormNd",
-    "BatchNormPolicy",
     "convert_sync_batchnorm",
     "explain_ddp_errors",
     "revert_sync_batchnorm",
     "sync_batchnorm_stats",
     "wrap_ddp",
+    # keys
+    "adapt_state_dict",
+    "add_prefix",
+    "find_state_dict",
+    "normalize_keys",
+    "replace_state_dict",
+    "strip_prefix",
+    "unwrap_model",
+    # formats, convert
+    "convert_file",
+    "detect_format",
+    # errors
+    "DDPStateError",
+    "BarrierTimeoutError",
+    "CheckpointCorruptError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "InvalidArgumentError",
+    "KeyMismatchError",
+    "UnsafeCheckpointError",
+}
+
+# Names that left ``ddpstate.__all__``: still ``ddpstate.NAME`` and ``from ddpstate
+# import NAME``, and each in its public submodule's ``__all__``.
+STILL_IMPORTABLE = {
+    # checkpoint, manager
+    "IncompatibleKeys",
+    "CheckpointVerification",
+    # keys
+    "KNOWN_PREFIXES",
+    "STATE_DICT_NAMES",
+    "KeyMatch",
+    "OnCollision",
+    "detect_prefixes",
+    "match_keys",
+    # batchnorm
+    "BatchNormNd",
+    "BatchNormPolicy",
     # formats, storage, location
     "FormatName",
     "MapLocation",
     "atomic_write",
-    "detect_format",
     "parse_format",
     "open_read",
     "resolve_map_location",
@@ -77,41 +106,24 @@ PUBLIC_API = {
     "DiffResult",
     "InspectResult",
     "VerifyResult",
-    "convert_file",
     "diff_files",
     "inspect_file",
     "verify_file",
     # dist
     "DistContext",
     "all_gather_object",
-    "barrier",
     "broadcast_object",
     "default_timeout",
-    "get_local_rank",
-    "get_rank",
-    "get_world_size",
-    "init_distributed",
     "is_distributed",
     "is_local_main_process",
-    "is_main_process",
-    "main_process_first",
-    "rank_zero_only",
     # errors
-    "BarrierTimeoutError",
     "BatchNormBufferSyncError",
     "BatchNormPolicyError",
-    "CheckpointCorruptError",
     "CheckpointExistsError",
-    "CheckpointFormatError",
-    "CheckpointNotFoundError",
     "CheckpointWriteError",
-    "DDPStateError",
     "KeyCollisionError",
-    "KeyMismatchError",
     "StateDictNotFoundError",
     "AmbiguousStateDictError",
-    "UnsafeCheckpointError",
-    "InvalidArgumentError",
     "RankFailedError",
     "CheckpointAccessError",
     "ShapeMismatchError",
@@ -122,10 +134,32 @@ PUBLIC_API = {
     "StoreConnectionError",
 }
 
+# The public submodules (``dir(ddpstate)`` lists them; ``ddpstate.<name>`` imports one).
+PUBLIC_SUBMODULES = [
+    "batchnorm",
+    "checkpoint",
+    "cli",
+    "convert",
+    "dist",
+    "errors",
+    "formats",
+    "keys",
+    "location",
+    "manager",
+    "rng",
+    "sampler",
+    "storage",
+]
+
 # Where each public name is documented to live (``from ddpstate.<module> import <name>``).
 PUBLIC_HOMES = {
     "checkpoint": ["IncompatibleKeys", "load", "load_model_state", "save", "save_model_state"],
-    "manager": ["CheckpointManager", "CheckpointVerification", "verify_checkpoint"],
+    "manager": [
+        "CheckpointManager",
+        "CheckpointVerification",
+        "RestoreSource",
+        "verify_checkpoint",
+    ],
     "rng": ["capture_rng_state", "restore_rng_state"],
     "sampler": ["ResumableDistributedSampler"],
     "keys": [
@@ -367,8 +401,54 @@ def _private_uses(module: str) -> list[str]:
 
 def test_every_public_name_is_still_exported_and_importable() -> None:
     assert set(ddpstate.__all__) == PUBLIC_API
+    assert len(ddpstate.__all__) == len(PUBLIC_API) <= 40
     for name in sorted(PUBLIC_API):
         assert getattr(ddpstate, name) is not None, name
+    assert isinstance(ddpstate.__version__, str)
+
+
+@pytest.mark.parametrize("name", sorted(STILL_IMPORTABLE))
+def test_names_outside_all_still_import_from_ddpstate_and_their_submodule(name: str) -> None:
+    import importlib
+
+    assert name not in ddpstate.__all__
+    value = getattr(ddpstate, name)
+    namespace: dict[str, object] = {}
+    exec(f"from ddpstate import {name}", namespace)
+    assert namespace[name] is value
+    homes = [
+        module
+        for module in PUBLIC_SUBMODULES
+        if name in getattr(importlib.import_module(f"ddpstate.{module}"), "__all__", ())
+    ]
+    assert homes, f"{name} is in no public submodule's __all__"
+    for module in homes:
+        assert getattr(importlib.import_module(f"ddpstate.{module}"), name) is value
+
+
+def test_dir_lists_the_public_names_and_submodules() -> None:
+    listed = set(dir(ddpstate))
+    assert listed >= PUBLIC_API
+    assert listed >= set(PUBLIC_SUBMODULES)
+    assert not listed & STILL_IMPORTABLE
+    for module in PUBLIC_SUBMODULES:
+        assert getattr(ddpstate, module).__name__ == f"ddpstate.{module}"
+
+
+def test_import_and_dir_do_not_import_torch() -> None:
+    code = "import sys, ddpstate; dir(ddpstate); print('torch' in sys.modules)"
+    shown = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert shown.strip() == "False"
+
+
+def test_help_shows_the_public_names() -> None:
+    import pydoc
+
+    text = pydoc.render_doc(ddpstate, renderer=pydoc.plaintext)
+    for name in ("save", "load", "CheckpointManager", "load_model_state", "DDPStateError"):
+        assert f" {name}" in text, name
 
 
 @pytest.mark.parametrize("module", sorted(PUBLIC_HOMES))
@@ -378,7 +458,7 @@ def test_public_names_import_from_their_documented_module(module: str) -> None:
     loaded = importlib.import_module(f"ddpstate.{module}")
     for name in PUBLIC_HOMES[module]:
         value = getattr(loaded, name)
-        if name in PUBLIC_API:
+        if name in PUBLIC_API | STILL_IMPORTABLE:
             assert value is getattr(ddpstate, name), f"ddpstate.{module}.{name}"
 
 
