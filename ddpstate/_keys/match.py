@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KeyMatch", "adapt_state_dict", "match_keys"]
 
+#: The last words of a key mismatch report: a caller with other options rewrites them.
+STRICT_ADVICE = "pass strict=False to take the keys that match"
+
 
 @dataclass(frozen=True)
 class KeyMatch:
@@ -438,7 +441,7 @@ def _mismatch_message(match: KeyMatch) -> str:
         lines.append(f"  {title}: {shown}{more}")
     lines.append(
         "Check that the checkpoint belongs to this model; rename keys with "
-        "ddpstate.strip_prefix/add_prefix, or pass strict=False to take the keys that match."
+        f"ddpstate.strip_prefix/add_prefix, or {STRICT_ADVICE}."
     )
     return "\n".join(lines)
 

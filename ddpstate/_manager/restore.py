@@ -20,6 +20,7 @@ from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._dcp import write as _dcp
 from ddpstate._io import model_state
+from ddpstate._keys.match import STRICT_ADVICE
 from ddpstate._manager import optim_state
 from ddpstate._manager import verify_split as _verify_split
 from ddpstate._manager.entries import Timeout, check_state, check_step, has_state_dict
@@ -234,7 +235,19 @@ def _prepare(
                 f"{file}: entry {name!r} holds a {type(value).__name__}, not a state "
                 f"dict, so it cannot be loaded into {type(target).__name__}"
             )
-        adapted = adapt_state_dict(value, target)
+        try:
+            adapted = adapt_state_dict(value, target)
+        except KeyMismatchError as exc:
+            # restore's strict= is about the entries of `state`; a model's keys load whole.
+            raise with_message(
+                exc,
+                str(exc).replace(
+                    STRICT_ADVICE,
+                    f"to start a changed model (a new layer) from these weights, load them with "
+                    f"ddpstate.load_model_state(model, {file!r}, strict=False): restore loads "
+                    f"a model's keys strictly, its strict=False relaxes only the entries",
+                ),
+            ) from exc
         model_state.check_dtypes(
             adapted, target.state_dict(), name=where, target=type(target).__name__, policy=policy
         )
