@@ -263,6 +263,7 @@ def test_revert_of_a_syncbatchnorm_built_directly_trains_on_cpu() -> None:
         layer(torch.randn(3))
 
 
+@pytest.mark.slow
 def test_revert_through_wrappers_returns_the_plain_module() -> None:
     inner = convert_sync_batchnorm(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     wrapped = torch.compile(nn.DataParallel(inner))

@@ -6,6 +6,7 @@ import inspect
 import warnings
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -89,6 +90,7 @@ def _stats_rank(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_sync_batchnorm_stats_averages_across_ranks() -> None:
     r0, r1 = run_ranks(_stats_rank, 2)
     assert r0["before"]["1.running_mean"] != r1["before"]["1.running_mean"]  # really different
@@ -166,6 +168,7 @@ def _policies_rank(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_wrap_ddp_policies_on_cpu_and_two_forwards_train() -> None:
     r0, r1 = run_ranks(_policies_rank, 2, timeout=120)
     for r in (r0, r1):
@@ -258,6 +261,7 @@ def _explain_rank(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_inplace_error_is_explained_and_chained() -> None:
     for rank, r in enumerate(run_ranks(_explain_rank, 2, timeout=120)):
         assert r["explained"] is not None, "the in-place autograd error did not happen"

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_hf_sharded_family_writes_its_rows(tmp_path: Path) -> None:
     from benchmarks.__main__ import main
 

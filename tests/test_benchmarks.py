@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_quickest_case_writes_a_row_and_parseable_files(tmp_path: Path) -> None:
     from benchmarks.__main__ import main
 
@@ -25,6 +28,7 @@ def test_quickest_case_writes_a_row_and_parseable_files(tmp_path: Path) -> None:
     assert (out / "results.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_scale_benchmark_runs_every_collective_and_counts_store_operations() -> None:
     from benchmarks.scale import main
 

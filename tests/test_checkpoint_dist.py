@@ -283,12 +283,14 @@ def _assert_one_writer(
     assert not [n for kind, n in events if kind == "close_write" and n in targets]
 
 
+@pytest.mark.slow
 def test_two_ranks_save_then_load_with_one_writer(watched: tuple[Path, _Inotify]) -> None:
     folder, inotify = watched
     results = run_ranks(_save_load_worker, 2, args=(str(folder),), timeout=90)
     _assert_one_writer(results, inotify.events(), _SAVED, writer=0)
 
 
+@pytest.mark.slow
 def test_two_ranks_src_rank_save_and_broadcast_load(
     watched: tuple[Path, _Inotify], tmp_path: Path
 ) -> None:
@@ -323,6 +325,7 @@ def _unlock(folder: Path) -> None:
     folder.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_four_ranks_save_load_and_failures_reach_every_rank(
     watched: tuple[Path, _Inotify], tmp_path: Path
 ) -> None:

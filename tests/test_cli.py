@@ -186,6 +186,7 @@ def test_inspect_table_and_json(nested: tuple[Path, Net, Any]) -> None:
     assert [t["name"] for t in data["tensors"]] == list(ckpt["state_dict"])
 
 
+@pytest.mark.slow
 def test_diff_and_verify_exit_codes(nested: tuple[Path, Net, Any], tmp_path: Path) -> None:
     path, net, _ = nested
     torch.save(net.state_dict(), tmp_path / "plain.pt")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from ddpstate import _collectives as c
 from ddpstate._calls import calling
 from ddpstate.errors import InvalidArgumentError
@@ -31,6 +33,7 @@ def _all_in_step(groups: list[c.StoreGroup]) -> None:
     assert _on_ranks(groups, lambda g: c.barrier(g, "barrier", SECONDS)) == [None] * WORLD
 
 
+@pytest.mark.slow
 def test_one_rank_in_another_call_is_named_on_every_rank_at_once(
     clients: tuple[Any, list[Any]],  # noqa: F811
 ) -> None:

@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -30,6 +31,7 @@ def _own_paths(rank: int, world: int, folder: str) -> tuple[str, str]:
     return "returned", ""
 
 
+@pytest.mark.slow
 def test_each_rank_saving_its_own_path_is_refused_on_every_rank(tmp_path: Path) -> None:
     results = run_ranks(_own_paths, 2, args=(str(tmp_path),))
     for kind, message in results:
@@ -50,6 +52,7 @@ def _own_load_paths(rank: int, world: int, folder: str) -> tuple[str, str]:
     return "returned", ""
 
 
+@pytest.mark.slow
 def test_ranks_loading_different_paths_are_refused_on_every_rank(tmp_path: Path) -> None:
     results = run_ranks(_own_load_paths, 2, args=(str(tmp_path),))
     for kind, message in results:
@@ -74,6 +77,7 @@ def _only_rank_zero_saves(rank: int, world: int, folder: str) -> Any:
     return raised, [str(w.message) for w in caught if "still waiting" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_waiting_rank_warns_naming_the_missing_rank_and_the_collective(tmp_path: Path) -> None:
     results = run_ranks(
         _only_rank_zero_saves,
@@ -118,6 +122,7 @@ def _store_host_dies(rank: int, world: int, port: int, host_pid: int, folder: st
     return "returned", time.monotonic() - start, ""
 
 
+@pytest.mark.slow
 def test_a_dead_store_host_is_reported_at_once_as_a_lost_connection(tmp_path: Path) -> None:
     ports = _SPAWN.Queue()
     host = _SPAWN.Process(target=_host_store, args=(ports,), daemon=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import pytest
+
 from ddpstate import _collectives as c
 from ddpstate.dist import gather_to_receivers
 from ddpstate.errors import BarrierTimeoutError, RankFailedError, UnsafeCheckpointError
@@ -90,6 +92,7 @@ def test_a_failing_receiver_fails_its_own_ranks_only(clients: tuple[Any, list[An
             assert result == b"ok", (rank, result)
 
 
+@pytest.mark.slow
 def test_a_missing_rank_is_named_on_receivers_and_the_others(
     clients: tuple[Any, list[Any]],
 ) -> None:

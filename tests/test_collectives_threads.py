@@ -181,6 +181,7 @@ def _missing_rank_main() -> None:
 MISSING_TIMEOUT = 3.0
 
 
+@pytest.mark.slow
 def test_a_missing_thread_rank_is_named_within_timeout_plus_10_percent() -> None:
     # A fresh interpreter with torch's C++ warnings off: each store wait that times out
     # logs a warning whose formatting does a reverse DNS lookup of 127.0.0.1, which on a

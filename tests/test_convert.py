@@ -501,6 +501,7 @@ def test_read_checkpoint_dispatches_folders_and_files(tmp_path: Path) -> None:
         read_checkpoint(str(empty))
 
 
+@pytest.mark.slow
 def test_zip64_records_load_in_torch(tmp_path: Path) -> None:
     """A record of 4 GiB and records past 4 GiB get zip64 fields torch and zipfile read."""
     from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle

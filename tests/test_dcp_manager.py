@@ -110,6 +110,7 @@ def _fsdp_restore(rank: int, world: int, folder: str, step: Any) -> dict[str, An
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved_on", "restored_on"), [(2, 2), (4, 4), (4, 2), (2, 4)])
 def test_fsdp2_model_and_optimizer_restore_bitwise_and_reshard(
     tmp_path: Path, saved_on: int, restored_on: int
@@ -142,6 +143,7 @@ def _fsdp_async_save(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"full": _full(model, opt), "steps": steps}
 
 
+@pytest.mark.slow
 def test_async_manager_saves_fsdp2_state_and_restores_it_bitwise(tmp_path: Path) -> None:
     folder = str(tmp_path / "run")
     saved = run_ranks(_fsdp_async_save, 2, args=(folder,), timeout=150)
@@ -187,6 +189,7 @@ def _async_save_gated(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"in_flight": in_flight, "saved": saved, "after": after, "steps": steps}
 
 
+@pytest.mark.slow
 def test_async_dcp_save_returns_before_the_shards_are_written_and_restores_the_snapshot(
     tmp_path: Path,
 ) -> None:
@@ -229,6 +232,7 @@ def _async_save_fails(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"error": error, "steps_after_failure": steps_after_failure, "steps": steps}
 
 
+@pytest.mark.slow
 def test_a_failed_background_dcp_write_raises_on_every_rank_at_the_next_call(
     tmp_path: Path,
 ) -> None:
@@ -264,6 +268,7 @@ def _kill_rank_one_mid_save(rank: int, world: int, folder: str) -> str:
     return "saved"
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_save_leaves_the_previous_step_restorable(tmp_path: Path) -> None:
     folder = str(tmp_path / "run")
     saved = run_ranks(_fsdp_save, 2, args=(str(tmp_path / "ref"),), timeout=150)
@@ -284,6 +289,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step_restorable(tmp_path: Pa
     assert saved[0]["steps"] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_corrupted_shard_makes_restore_fall_back_with_a_warning_naming_it(
     tmp_path: Path,
 ) -> None:
@@ -302,6 +308,7 @@ def test_a_corrupted_shard_makes_restore_fall_back_with_a_warning_naming_it(
     _assert_bitwise(reference[0]["full"], restored[0]["full"])
 
 
+@pytest.mark.slow
 def test_an_unlisted_shard_fails_verification(tmp_path: Path) -> None:
     folder = str(tmp_path / "run")
     run_ranks(_fsdp_save, 2, args=(folder,), timeout=150)
@@ -351,6 +358,7 @@ def _restore_fsdp_from_ddp(rank: int, world: int, folder: str) -> dict[str, Any]
     return {"step": step, "full": _full(model, opt)}
 
 
+@pytest.mark.slow
 def test_ddp_writers_all_splits_the_write_and_restores_into_ddp_fsdp2_and_plain(
     tmp_path: Path,
 ) -> None:
@@ -423,6 +431,7 @@ def _save_sharded(rank: int, world: int, folder: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_save_writes_sharded_state_as_a_committed_dcp_folder(tmp_path: Path) -> None:
     results = run_ranks(_save_sharded, 2, args=(str(tmp_path),), timeout=150)
     target = tmp_path / "model_dcp"

@@ -109,6 +109,7 @@ def assert_same_tree(got: Any, want: Any) -> None:
 # --------------------------------------------------------------------------- load_model_state
 
 
+@pytest.mark.slow
 def test_plain_model_loads_a_sharded_folder_whatever_its_wrapping(folders: dict[int, Path]) -> None:
     folder = folders[2]
     want = reference()
@@ -149,6 +150,7 @@ def _load_fsdp2(rank: int, world: int, folder: str, wrap: bool) -> dict[str, tor
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 4), (4, 2)])
 def test_fsdp2_model_loads_resharded_bitwise(
     folders: dict[int, Path], saved_on: int, loaded_on: int
@@ -185,6 +187,7 @@ def _mismatch_fsdp2(rank: int, world: int, folder: str, whole_file: str) -> dict
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_mismatches_fail_on_every_rank_or_are_skipped_and_whole_files_load(
     folders: dict[int, Path], tmp_path: Path
 ) -> None:
@@ -258,6 +261,7 @@ def test_cli_consolidates_a_dcp_folder_into_pt_and_safetensors(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt", "model.safetensors"]
 
 
+@pytest.mark.slow
 def test_console_script_converts_a_dcp_folder(folders: dict[int, Path], tmp_path: Path) -> None:
     exe = shutil.which("ddpstate")
     assert exe is not None

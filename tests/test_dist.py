@@ -128,6 +128,7 @@ def _queries(rank: int, world: int) -> tuple[int, int, int, bool]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_queries_on_real_ranks(world: int) -> None:
     results = run_ranks(_queries, world)
@@ -147,6 +148,7 @@ def _collectives(rank: int, world: int) -> dict[str, object]:
     return {"bcast": got, "gather": gathered, "zero": only_zero()}
 
 
+@pytest.mark.slow
 def test_collectives_on_three_ranks() -> None:
     results = run_ranks(_collectives, 3)
     for rank, result in enumerate(results):
@@ -165,6 +167,7 @@ def _first(rank: int, world: int, folder: str) -> list[str]:
     return [seen]
 
 
+@pytest.mark.slow
 def test_main_process_first_orders_ranks(tmp_path: Path) -> None:
     assert run_ranks(_first, 2, args=(str(tmp_path),)) == [["built by rank 0"]] * 2
 
@@ -181,6 +184,7 @@ def _first_fails(rank: int, world: int) -> str:
         return f"told: {exc}"
 
 
+@pytest.mark.slow
 def test_main_process_first_propagates_leader_failure() -> None:
     zero, one = run_ranks(_first_fails, 2)
     assert zero == "own error: disk full while preprocessing"
@@ -199,6 +203,7 @@ def _skip_barrier(rank: int, world: int, timeout: float) -> object:
     return "no error"
 
 
+@pytest.mark.slow
 def test_barrier_timeout_names_missing_rank() -> None:
     timeout = 3.0
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -221,6 +226,7 @@ def _four_ranks_two_missing(rank: int, world: int) -> object:
     return "no error"
 
 
+@pytest.mark.slow
 def test_every_arriving_rank_names_all_missing_ranks() -> None:
     results = run_ranks(_four_ranks_two_missing, 4, timeout=60)
     for rank in (0, 2):
@@ -255,6 +261,7 @@ def _slurm_launch(rank: int, world: int, port: int) -> tuple[int, int, int, str 
     return ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend, again == ctx
 
 
+@pytest.mark.slow
 def test_init_distributed_under_slurm_variables() -> None:
     results = run_ranks(_slurm_launch, 2, args=(_free_port(),), init_pg=False)
     assert results == [(0, 0, 2, "gloo", True), (1, 1, 2, "gloo", True)]
@@ -279,6 +286,7 @@ _TORCHRUN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_torchrun_launch_and_barrier_timeout(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SCRIPT)

@@ -278,6 +278,7 @@ def _two_rank_worker(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     return {"same": same, "refused": refused}
 
 
+@pytest.mark.slow
 def test_two_ranks_save_and_load_sharded(tmp_path: Path) -> None:
     from tests.multiproc import run_ranks
 

@@ -51,6 +51,7 @@ def test_after_the_leaks():
 """
 
 
+@pytest.mark.slow
 def test_guard_fails_each_leaking_test_by_name(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -176,6 +176,7 @@ def _ddp_matrix(rank: int, world_size: int) -> dict[str, Any]:
     return {"checked": checked, "state_dicts": state_dicts}
 
 
+@pytest.mark.slow
 def test_matrix_with_ddp() -> None:
     """DDP, DDP(compiled), compiled(DDP) and DP(DDP) in both directions, every rank."""
     results = run_ranks(_ddp_matrix, 2, timeout=120)

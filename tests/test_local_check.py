@@ -113,6 +113,7 @@ def _expected_warning(folder: Path) -> str:
     return f"CheckpointManager.restore: skipping the local {folder}: {'; '.join(problems)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lws", ["2", None, "4"], ids=["launcher", "unset", "wrong"])
 def test_a_flip_in_local_rank_1s_share_falls_back_to_durable(
     tmp_path: Path, lws: Optional[str]
@@ -144,6 +145,7 @@ def test_a_flip_in_local_rank_1s_share_falls_back_to_durable(
         assert _local_shares(after[1]) == [(1, 4), (1, 2)]
 
 
+@pytest.mark.slow
 def test_sound_local_step_takes_one_round_split_by_local_rank(tmp_path: Path) -> None:
     args = (str(tmp_path), 2, "2")
     run_ranks(_save, 2, args=args)
@@ -155,6 +157,7 @@ def test_sound_local_step_takes_one_round_split_by_local_rank(tmp_path: Path) ->
         assert _local_shares(result) == [(rank, 2)]
 
 
+@pytest.mark.slow
 def test_four_ranks_a_node_with_a_flipped_share_receives_the_other_nodes_copy(
     tmp_path: Path,
 ) -> None:
@@ -207,6 +210,7 @@ def _restore_big(rank: int, world: int, root: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flip", [False, True], ids=["sound", "flipped"])
 def test_one_large_local_file_is_checked_half_by_each_local_rank(
     tmp_path: Path, flip: bool

@@ -162,6 +162,7 @@ def _run_both(
     return before, after
 
 
+@pytest.mark.slow
 def test_two_ranks_restore_the_local_step_bitwise(tmp_path: Path) -> None:
     before, after = _run_both(tmp_path, nodes=1)
     for rank in range(2):
@@ -172,6 +173,7 @@ def test_two_ranks_restore_the_local_step_bitwise(tmp_path: Path) -> None:
     assert before[0]["draws"] != before[1]["draws"]
 
 
+@pytest.mark.slow
 def test_a_node_without_the_local_step_receives_it_from_another(tmp_path: Path) -> None:
     def wipe_node1(shm: Path) -> None:
         assert (shm / "node1" / "step_0000000005" / MANIFEST_NAME).exists()
@@ -188,6 +190,7 @@ def test_a_node_without_the_local_step_receives_it_from_another(tmp_path: Path) 
     assert verify_checkpoint(tmp_path / "shm" / "node1" / "step_0000000005").ok
 
 
+@pytest.mark.slow
 def test_the_newest_step_of_any_node_wins(tmp_path: Path) -> None:
     def node0_lost_step5(shm: Path) -> None:
         (shm / "node0" / "step_0000000005" / MANIFEST_NAME).unlink()  # uncommitted there
@@ -199,6 +202,7 @@ def test_the_newest_step_of_any_node_wins(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_no_complete_local_step_falls_back_to_durable(tmp_path: Path) -> None:
     def uncommit_everywhere(shm: Path) -> None:
         for manifest in shm.glob(f"node*/step_*/{MANIFEST_NAME}"):
@@ -211,6 +215,7 @@ def test_no_complete_local_step_falls_back_to_durable(tmp_path: Path) -> None:
         assert after[rank]["path"] == str(tmp_path / "run" / "step_0000000002")
 
 
+@pytest.mark.slow
 def test_a_corrupt_local_step_is_skipped_for_the_durable_one(tmp_path: Path) -> None:
     def corrupt(shm: Path) -> None:
         for model in shm.glob("node*/step_*/model.pt"):
@@ -274,6 +279,7 @@ def _check_full_tier_outcome(results: list[Any], directory: Path, local: Path) -
     assert not list(local.glob("*/*")) if local.exists() else True
 
 
+@pytest.mark.slow
 def test_rlimit_fsize_on_the_local_tier_never_stops_training(tmp_path: Path) -> None:
     results = run_ranks(
         _train_on_a_full_local_tier,
@@ -300,6 +306,7 @@ def _tiny_tmpfs(path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=True)
 
 
+@pytest.mark.slow
 def test_enospc_on_a_tiny_tmpfs_never_stops_training(tmp_path: Path) -> None:
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
@@ -342,6 +349,7 @@ def _four_ranks_two_nodes(rank: int, world: int, root: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_four_ranks_on_two_nodes_the_replaced_node_receives_once(tmp_path: Path) -> None:
     results = run_ranks(_four_ranks_two_nodes, 4, args=(str(tmp_path),))
     assert [(r["tier"], r["sender"]) for r in results] == [
@@ -378,6 +386,7 @@ def _count_store_operations(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"ops": per_step, "started": started}
 
 
+@pytest.mark.slow
 def test_a_due_save_local_costs_the_non_writer_five_store_operations(tmp_path: Path) -> None:
     results = run_ranks(_count_store_operations, 2, args=(str(tmp_path),))
     non_writer = results[1]["ops"]
@@ -410,6 +419,7 @@ print("torch._dynamo" in sys.modules)
 """
 
 
+@pytest.mark.slow
 def test_restore_does_not_import_torch_dynamo(tmp_path: Path) -> None:
     # Importing torch._dynamo to recognise compiled wrappers took seconds of every restart;
     # a process that never compiled holds no compiled module to recognise.
@@ -449,6 +459,7 @@ def _restore_with_a_failing_receive(rank: int, world: int, directory: str, local
     }
 
 
+@pytest.mark.slow
 def test_a_failed_receive_falls_back_to_durable_on_every_rank(tmp_path: Path) -> None:
     args = (str(tmp_path / "run"), str(tmp_path / "shm"), 2, str(tmp_path))
     run_ranks(_train_with_tiers, 2, args=args, env={"LOCAL_RANK": "0"})
@@ -503,6 +514,7 @@ def _agree_counting_reads(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"held": held, "durable": durable, "ops": dict(counting.ops), "read": counting.read}
 
 
+@pytest.mark.slow
 def test_the_local_agreement_reads_one_answer_on_every_rank_but_rank_0(tmp_path: Path) -> None:
     results = run_ranks(_agree_counting_reads, 4, args=(str(tmp_path),))
     for result in results:

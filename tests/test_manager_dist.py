@@ -115,6 +115,7 @@ def _restore_and_report(rank: int, world: int, directory: str, refs: str) -> dic
     return {"step": step, "draws": draws, "rest": rest}
 
 
+@pytest.mark.slow
 def test_save_then_restore_in_new_processes_is_bitwise(tmp_path: Path) -> None:
     directory, refs = str(tmp_path / "run"), str(tmp_path)
     before = run_ranks(_train_and_save, 2, args=(directory, refs))
@@ -156,6 +157,7 @@ def _restore_with_warnings(rank: int, world: int, directory: str, grown: str) ->
     }
 
 
+@pytest.mark.slow
 def test_rotation_then_corrupted_checkpoints_fall_back_on_every_rank(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     kept = run_ranks(_save_series, 2, args=(str(directory),))
@@ -218,6 +220,7 @@ def _async_snapshot(rank: int, world: int, directory: str) -> dict[str, Any]:
     return {"draw": draw, "mutated_after_return": mutated_at > returned_after}
 
 
+@pytest.mark.slow
 def test_async_checkpoint_is_the_state_at_save_time_on_2_ranks(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     results = run_ranks(_async_snapshot, 2, args=(str(directory),))
@@ -253,6 +256,7 @@ def _async_failure(rank: int, world: int, directory: str) -> dict[str, Any]:
     return {"message": message, "steps_after_failure": steps, "steps": manager.steps()}
 
 
+@pytest.mark.slow
 def test_async_write_error_is_raised_on_every_rank(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     results = run_ranks(_async_failure, 2, args=(str(directory),))
@@ -315,6 +319,7 @@ def _restore_preempted(rank: int, world: int, directory: str) -> tuple[int | Non
     return step, float(model.module.weight[0, 0])
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(_TRAINER)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -74,6 +75,7 @@ def _fsdp2_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_state_is_refused_where_dcp_cannot_serve_on_every_rank(tmp_path: Path) -> None:
     results = run_ranks(_fsdp2_worker, 2, args=(str(tmp_path),), timeout=180)
     for rank, out in enumerate(results):
@@ -115,6 +117,7 @@ def _values_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_values_restore_cannot_read_are_refused_at_save_on_every_rank(tmp_path: Path) -> None:
     results = run_ranks(_values_worker, 2, args=(str(tmp_path),), timeout=120)
     for out in results:
@@ -182,6 +185,7 @@ def _bn_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_unsynced_batchnorm_is_warned_about_or_synced_by_the_manager(tmp_path: Path) -> None:
     results = run_ranks(_bn_worker, 2, args=(str(tmp_path),), timeout=120)
     assert not torch.equal(results[0]["before"], results[1]["before"])
@@ -260,6 +264,7 @@ def _bn_alone_worker(rank: int, world: int, folder: str) -> tuple[str, str]:
     )
 
 
+@pytest.mark.slow
 def test_batchnorm_checks_run_after_the_ranks_agree(tmp_path: Path) -> None:
     results = run_ranks(_bn_order_worker, 2, args=(str(tmp_path),), timeout=150)
     for rank, out in enumerate(results):
@@ -285,6 +290,7 @@ def _reuse_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"refused": refused, "steps": steps, "after": manager.steps()}
 
 
+@pytest.mark.slow
 def test_a_reused_folder_is_not_rolled_back_on_any_rank(tmp_path: Path) -> None:
     with ddpstate.CheckpointManager(tmp_path) as earlier:  # an earlier run's checkpoint
         earlier.save(10, {"x": 10})

@@ -111,6 +111,7 @@ def _save_to_a_folder(rank: int, world: int, folder: str) -> dict[str, tuple[str
     }
 
 
+@pytest.mark.slow
 def test_a_folder_given_to_save_asks_for_a_file_path_on_every_rank(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("kept")
     for out in run_ranks(_save_to_a_folder, 2, args=(str(tmp_path),)):
@@ -132,6 +133,7 @@ def _unrelated_keys(rank: int, world: int, path: str) -> tuple[str, str]:
     return _outcome(lambda: ddpstate.load_model_state(nn.Linear(3, 2), path))
 
 
+@pytest.mark.slow
 def test_key_mismatch_from_load_model_state_names_the_file_on_every_rank(tmp_path: Path) -> None:
     path = tmp_path / "other.pt"
     torch.save({"epoch": 3, "model": {"encoder.w": torch.ones(2)}}, path)

@@ -103,6 +103,7 @@ def _pending_uploads(server: S3Server, bucket: str) -> list[Any]:
     return list(fs.list_multipart_uploads(bucket))
 
 
+@pytest.mark.slow
 def test_s3_save_load_and_atomic_upload(s3_server: S3Server) -> None:  # noqa: F811
     opts = s3_server.storage_options
     bucket = s3_server.new_bucket()
@@ -162,6 +163,7 @@ def _s3_worker(rank: int, world: int, base: str, opts: dict[str, Any]) -> dict[s
     return {"error": error}
 
 
+@pytest.mark.slow
 def test_s3_two_ranks_save_load_and_shared_failure(s3_server: S3Server) -> None:  # noqa: F811
     bucket = s3_server.new_bucket()
     results = run_ranks(

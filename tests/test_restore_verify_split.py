@@ -67,6 +67,7 @@ def _corrupt_a_file_of_rank_1(folder: Path) -> str:
     return name
 
 
+@pytest.mark.slow
 def test_a_file_checked_by_rank_1_failing_falls_back_on_every_rank(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     run_ranks(_save_two_steps, 2, args=(str(directory),))
@@ -88,6 +89,7 @@ def test_a_file_checked_by_rank_1_failing_falls_back_on_every_rank(tmp_path: Pat
     assert bad in warning and "fails its checksum" in warning
 
 
+@pytest.mark.slow
 def test_the_exact_step_failing_on_rank_1_raises_on_every_rank(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     run_ranks(_save_two_steps, 2, args=(str(directory),))
@@ -100,6 +102,7 @@ def test_the_exact_step_failing_on_rank_1_raises_on_every_rank(tmp_path: Path) -
         assert bad in result["error"]
 
 
+@pytest.mark.slow
 def test_an_uncommitted_newest_folder_is_skipped_and_the_good_step_restores(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     run_ranks(_save_two_steps, 2, args=(str(directory),))
@@ -253,6 +256,7 @@ def _restore_big(rank: int, world: int, directory: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_one_large_file_is_checked_by_both_ranks_and_its_damage_found(
     tmp_path: Path, damage: str
@@ -287,6 +291,7 @@ def test_one_large_file_is_checked_by_both_ranks_and_its_damage_found(
     assert read1[0] == (start, len(blob) - start)
 
 
+@pytest.mark.slow
 def test_a_sound_large_file_restores_from_pieces(tmp_path: Path) -> None:
     directory = tmp_path / "run"
     run_ranks(_save_big, 2, args=(str(directory),))

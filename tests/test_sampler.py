@@ -146,6 +146,7 @@ def test_world_size_change_covers_the_rest_of_the_permutation_once(old: int, new
     assert list(later) == _full(n, new, 0, 2, seed=9)
 
 
+@pytest.mark.slow
 def test_world_size_change_then_save_again_keeps_counting() -> None:
     n = 22  # 6 consumed by 2 ranks, 16 left: divides by 4, so nothing is padded
     first = ResumableDistributedSampler(range(n), 2, 0, seed=4)

@@ -183,6 +183,7 @@ _KILLED_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_leaves_old_bytes_and_no_mistakable_temp(tmp_path: Path) -> None:
     target = tmp_path / "model.pt"
     torch.save({"old": torch.arange(10)}, target)

@@ -484,6 +484,7 @@ def test_no_module_is_longer_than_800_lines() -> None:
     assert not long, f"split these modules (lines): {long}"
 
 
+@pytest.mark.slow
 def test_no_class_is_longer_than_500_lines() -> None:
     long = {}
     for module, path in MODULES.items():
@@ -505,6 +506,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+@pytest.mark.slow
 def test_no_private_name_crosses_modules_outside_a_package() -> None:
     problems = [problem for module in MODULES for problem in _private_uses(module)]
     assert not problems, "\n".join(problems)

@@ -73,6 +73,7 @@ def _steps(out: Path) -> list[int]:
     )
 
 
+@pytest.mark.slow
 def test_trains_checkpoints_and_exports_a_plain_model(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = _run(_torchrun("--epochs=2", "--save-every=20", f"--out-dir={out}", *FAST))
@@ -121,6 +122,7 @@ def _killpg(proc: subprocess.Popen[str], sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path: Path) -> None:
     args = ["--epochs=2", "--save-every=10", *FAST]
     _run(_torchrun(*args, f"--out-dir={tmp_path / 'straight'}"))
@@ -149,6 +151,7 @@ def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path: Path) -
         assert torch.equal(final[key], tensor), key
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_final_checkpoint_and_exits_zero(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = _torchrun("--epochs=20", "--save-every=5", f"--out-dir={out}", *FAST)
@@ -186,6 +189,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_zero(tmp_path: Path) -> None
     assert f"resumed from step {match.group(1)}" in resumed.stdout
 
 
+@pytest.mark.slow
 def test_two_nodes_one_process_each_with_c10d_rendezvous(tmp_path: Path) -> None:
     port = _free_port()
     common = [
@@ -228,6 +232,7 @@ def _local_steps(folder: Path) -> list[int]:
     return _steps(folder) if folder.exists() else []
 
 
+@pytest.mark.slow
 def test_kill9_of_one_worker_restarts_from_the_local_tier_bitwise(tmp_path: Path) -> None:
     _run(_torchrun(*LOCAL, f"--out-dir={tmp_path / 'straight'}", f"--local-dir={tmp_path / 's'}"))
     reference = load_file(str(tmp_path / "straight" / "model.safetensors"))
@@ -273,6 +278,7 @@ def test_a_finished_run_deletes_its_node_local_tier(tmp_path: Path) -> None:
     assert not shm.exists(), f"the local tier was left behind: {sorted(shm.rglob('*'))}"
 
 
+@pytest.mark.slow
 def test_two_nodes_a_wiped_node_gets_the_local_step_from_the_other(tmp_path: Path) -> None:
     def both_nodes(*args: str) -> list[str]:
         port = _free_port()

@@ -76,6 +76,7 @@ def test_intact_step_and_directory_verify(run_dir: Path) -> None:
 
 # Every offset of the small files; every 7th of the RNG file (14 KB: mostly Mersenne
 # Twister state, so one byte in 7 covers its header, records and directory alike).
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "stride"), [("model.pt", 1), ("optimizer.pt", 1), ("_rng.pt", 7)])
 def test_every_flipped_byte_of_a_saved_file_is_caught(
     run_dir: Path, name: str, stride: int

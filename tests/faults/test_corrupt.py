@@ -122,6 +122,7 @@ def test_convert_refuses_a_damaged_version_record(
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_every_bit_flip_of_a_zip_directory_is_a_ddpstate_error(
     originals: dict[str, h.Original], tmp_path: Path
 ) -> None:

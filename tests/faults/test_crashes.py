@@ -35,6 +35,7 @@ def test_random_kills_lose_nothing(kind: str, tmp_path: Path) -> None:
     assert mid_write >= RANDOM_TRIALS // 2, "too few trials interrupted the write"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", h.CRASH_KINDS)
 def test_a_kill_at_every_file_system_call_loses_nothing(kind: str, tmp_path: Path) -> None:
     """A kill just before and just after each os.open/fsync/replace/rename/link/unlink/
@@ -94,6 +95,7 @@ def test_the_next_save_removes_a_dead_writers_temp_but_not_a_live_ones(tmp_path:
             os.waitpid(pid, 0)
 
 
+@pytest.mark.slow
 def test_killing_the_ddpstate_command_during_convert_in_place(tmp_path: Path) -> None:
     """The installed console script, killed with SIGKILL at spread-out moments of
     `ddpstate convert --in-place`: the file is always the whole old or the whole new one,

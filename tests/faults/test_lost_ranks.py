@@ -9,6 +9,7 @@ import pytest
 from tests.faults import _harness as h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", h.LOST_RANK_OPS)
 def test_lost_and_late_ranks_are_named_within_the_timeout(op: str, tmp_path: Path) -> None:
     """Three gloo ranks, 2 s timeout; rank 1 exits before save/load/restore, rank 2 arrives

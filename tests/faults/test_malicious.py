@@ -30,6 +30,7 @@ def test_payloads_are_refused_and_never_run(container: str, payload: str, tmp_pa
     assert not (tmp_path / "marker").exists()
 
 
+@pytest.mark.slow
 def test_every_command_refuses_the_os_system_payload(tmp_path: Path) -> None:
     """All four `ddpstate` commands, both containers, on the os.system payload."""
     for container in h.MALICIOUS_CONTAINERS:
@@ -54,6 +55,7 @@ def test_a_plain_pickle_is_not_a_checkpoint(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("container", h.MALICIOUS_CONTAINERS)
 def test_the_payloads_are_live_under_the_explicit_opt_in(container: str, tmp_path: Path) -> None:
     """Control: ddpstate.load(weights_only=False), the documented unsafe opt-in, DOES run

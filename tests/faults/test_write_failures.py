@@ -51,6 +51,7 @@ def _failing_saves_on_every_rank(rank: int, world: int, folder: str) -> list[tup
     return seen
 
 
+@pytest.mark.slow
 def test_a_failed_write_raises_the_same_error_on_every_rank(tmp_path: Path) -> None:
     """Two real gloo ranks; rank 0's write fails four ways: both ranks raise the same
     CheckpointWriteError (class and message, naming the file and the writer rank 0)."""
