@@ -21,7 +21,6 @@ from tests.test_optim_by_name import (
     Original,
     Reordered,
     _assert_bitwise,
-    _named,
     _restore_and_step,
     _run_and_save,
     _step,
@@ -34,23 +33,11 @@ K = 3
 
 
 def _ddp_train_and_save(rank: int, world: int, directory: str) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = DDP(Original())
-    opt = adam(model.parameters())
-    for i in range(K):
-        _step(model, opt, i)
-    CheckpointManager(directory).save(K, {"model": model, "optimizer": opt})
-    _step(model, opt, K)
-    return _named(model)
+    return _run_and_save(Path(directory), adam, wrap=DDP, k=K)
 
 
 def _ddp_restore_and_step(rank: int, world: int, directory: str) -> dict[str, torch.Tensor]:
-    torch.manual_seed(1 + rank)
-    model = DDP(Reordered())
-    opt = adam(model.parameters())
-    assert CheckpointManager(directory).restore({"model": model, "optimizer": opt}) == K
-    _step(model, opt, K)
-    return _named(model)
+    return _restore_and_step(Path(directory), adam, wrap=DDP, k=K)
 
 
 @pytest.mark.filterwarnings("ignore:CheckpointManager.restore. step 3 was saved by 2 ranks")
