@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import IO, Any, Final, Literal, Optional, Union
 
 from ddpstate import _fs
+from ddpstate._layout.hf_index import find_index, is_index_name
 from ddpstate._layout.safetensors import SAFETENSORS_MAX_HEADER
 from ddpstate._layout.zip import LOCAL_MAGIC, ZipEnd, read_directory
 from ddpstate.errors import (
@@ -308,14 +309,10 @@ def detect_format(
 
 
 def _is_index(name: str, head: bytes) -> bool:
-    from ddpstate._hf.index import is_index_name
-
     return is_index_name(name) and head.lstrip().startswith(b"{")
 
 
 def _hf_index(name: str, storage_options: Optional[dict[str, Any]]) -> bool:
-    from ddpstate._hf.index import find_index
-
     return find_index(name, storage_options) is not None
 
 

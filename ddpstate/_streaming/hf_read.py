@@ -1,32 +1,26 @@
-"""Hugging Face sharded checkpoints: the shards read as one checkpoint, streamed or loaded.
+"""Hugging Face sharded checkpoints streamed: the shards read as one checkpoint.
 
 The layout (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
 next to ``model-00001-of-00003.safetensors``...) is ``{"metadata": {"total_size":
-N}, "weight_map": {key: shard file name}}`` (:mod:`ddpstate._hf.index` reads it).
-This module opens the shards: as one merged :class:`~ddpstate._streaming.reader.Checkpoint`
-for the streaming commands (headers only, one tensor read at a time), or loaded
-with torch for :func:`ddpstate.load`. Nothing here imports torch at import time.
+N}, "weight_map": {key: shard file name}}`` (:mod:`ddpstate._layout.hf_index` reads it).
+This module opens the shards as one merged :class:`~ddpstate._streaming.reader.Checkpoint`
+for the streaming commands (headers only, one tensor read at a time);
+:mod:`ddpstate._io.hf_sharded` loads them with torch for :func:`ddpstate.load`.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
-import contextlib
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from ddpstate import _fs
-from ddpstate._hf.index import ShardIndex, check_keys, find_index, read_index
+from ddpstate import formats
+from ddpstate._layout.hf_index import ShardIndex, check_keys, find_index, read_index
+from ddpstate._streaming.pickle_scan import TensorRecord
+from ddpstate._streaming.progress import Progress
+from ddpstate._streaming.reader import Checkpoint, read_file
 from ddpstate._streaming.stream import Source
 from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError
-
-if TYPE_CHECKING:
-    from ddpstate._streaming.progress import Progress
-    from ddpstate._streaming.reader import Checkpoint
-    from ddpstate.location import ResolvedMapLocation
-
-
-# --------------------------------------------------------------------------- streaming view
 
 
 class _ShardsSource(Source):
@@ -53,8 +47,6 @@ class _ShardsSource(Source):
             source.close()
 
     def _locate(self, offset: int) -> tuple[Source, int]:
-        import bisect
-
         i = max(bisect.bisect_right(self.bases, offset) - 1, 0)
         return self.sources[i], offset - self.bases[i]
 
@@ -77,8 +69,6 @@ class _ShardsSource(Source):
 
 
 def _state_dict_of(ckpt: Checkpoint, shard: str, index: ShardIndex) -> dict[str, Any]:
-    from ddpstate._streaming.pickle_scan import TensorRecord
-
     obj = ckpt.obj
     if not isinstance(obj, dict) or not all(
         isinstance(k, str) and isinstance(v, TensorRecord) for k, v in obj.items()
@@ -113,9 +103,6 @@ def open_sharded(
         CheckpointFormatError: A shard is not a flat state dict, or the shards'
             byte orders differ.
     """
-    from ddpstate import formats
-    from ddpstate._streaming.reader import Checkpoint
-
     index_path = find_index(path, storage_options)
     if index_path is None:
         raise CheckpointFormatError(f"{path}: no *.safetensors.index.json or *.bin.index.json")
@@ -174,8 +161,6 @@ def open_sharded(
 def _open_shard(
     index: ShardIndex, shard: str, unsafe: bool, storage_options: Optional[dict[str, Any]]
 ) -> Checkpoint:
-    from ddpstate._streaming.reader import read_file
-
     where = index.shard_path(shard)
     try:
         return read_file(where, unsafe=unsafe, storage_options=storage_options)
@@ -184,113 +169,3 @@ def _open_shard(
             f"{where}: shard named by {index.path} is missing; download every shard the index "
             f"lists ({len(index.shards)} in all)"
         ) from exc
-
-
-# --------------------------------------------------------------------------- torch load
-
-
-def load_sharded(
-    path: str,
-    resolved: ResolvedMapLocation,
-    *,
-    weights_only: bool,
-    mmap: Optional[bool],
-    storage_options: Optional[dict[str, Any]],
-    safe_globals: Sequence[Any] = (),
-) -> collections.OrderedDict[str, Any]:
-    """Load a sharded checkpoint into one state dict, shard by shard.
-
-    safetensors shards go through ddpstate's safetensors reader, torch shards
-    through its safe ``torch.load`` (``weights_only`` as given); each shard's
-    keys are checked against the index before the next shard is read.
-
-    Args:
-        path: The index file or its folder.
-        resolved: The resolved ``map_location``.
-        weights_only: As for :func:`ddpstate.load` (``.bin`` shards).
-        mmap: As for :func:`ddpstate.load`.
-        storage_options: fsspec options for URLs.
-        safe_globals: As for :func:`ddpstate.load`.
-
-    Returns:
-        An ``OrderedDict`` of every tensor, in the index's order.
-
-    Raises:
-        CheckpointNotFoundError, CheckpointCorruptError, CheckpointFormatError,
-        UnsafeCheckpointError: As for :func:`open_sharded` and :func:`ddpstate.load`.
-    """
-    from ddpstate import formats, storage
-    from ddpstate._io.safetensors_io import read_safetensors
-    from ddpstate._io.torch_io import load_torch_file
-    from ddpstate.location import place_all
-
-    index_path = find_index(path, storage_options)
-    if index_path is None:
-        raise CheckpointFormatError(f"{path}: no *.safetensors.index.json or *.bin.index.json")
-    index = read_index(index_path, storage_options)
-    remote = _fs.is_remote(index_path)
-    if mmap and remote:
-        raise CheckpointFormatError(
-            f"{path}: mmap=True is not possible here (the shards are remote); pass mmap=None"
-        )
-    merged: collections.OrderedDict[str, Any] = collections.OrderedDict()
-    for shard in index.shards:
-        where = index.shard_path(shard)
-        try:
-            kind = formats.detect_format(where, storage_options=storage_options)
-        except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{where}: shard named by {index.path} is missing; download every shard the "
-                f"index lists ({len(index.shards)} in all)"
-            ) from exc
-        if kind == formats.SAFETENSORS:
-            if remote:
-                with storage.open_read(where, storage_options=storage_options) as f:
-                    tensors = read_safetensors(f, mmap=False)
-            else:
-                tensors = read_safetensors(_fs.local_path(where), mmap=mmap is None or mmap)
-            part = place_all(tensors, "cpu", resolved)
-        elif kind in (formats.TORCH_ZIP, formats.LEGACY):
-            local = not remote and kind == formats.TORCH_ZIP
-            if mmap and not local:
-                raise CheckpointFormatError(
-                    f"{where}: mmap=True is not possible here (a legacy torch file cannot be "
-                    f"mapped); pass mmap=None"
-                )
-            with _opened(where, remote, storage_options) as src:
-                part = load_torch_file(
-                    src,
-                    kind=kind,
-                    name=where,
-                    map_location=resolved,
-                    weights_only=weights_only,
-                    mmap=local if mmap is None else bool(mmap),
-                    safe_globals=safe_globals,
-                )
-        else:
-            raise CheckpointFormatError(
-                f"{where}: a shard of {index.path} in format {kind!r}; shards must be "
-                f"safetensors or torch.save files"
-            )
-        if not isinstance(part, dict) or not all(isinstance(k, str) for k in part):
-            raise CheckpointFormatError(
-                f"{where}: a shard of {index.path} that is not a state dict; a sharded "
-                f"checkpoint's shards hold state-dict entries only"
-            )
-        check_keys(index, shard, list(part))
-        merged.update(part)
-    # The index's order: a state dict's own for files ddpstate writes (then nothing moves).
-    if list(merged) == list(index.weight_map):
-        return merged
-    return collections.OrderedDict((k, merged[k]) for k in index.weight_map)
-
-
-@contextlib.contextmanager
-def _opened(where: str, remote: bool, storage_options: Optional[dict[str, Any]]) -> Iterator[Any]:
-    if not remote:
-        yield _fs.local_path(where)
-        return
-    from ddpstate import storage
-
-    with storage.open_read(where, storage_options=storage_options) as f:
-        yield f
