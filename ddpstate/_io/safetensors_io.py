@@ -64,18 +64,6 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 
 _SHOW = 8  # how many offending keys an error message lists
 
-# safetensors lays data out by its Dtype enum's order, last first, then by name. No
-# public name gives that order, so it is kept here; tests/test_safetensors_lib.py
-# checks it against the installed library.
-_LIBRARY_ORDER = {
-    code: rank
-    for rank, code in enumerate(
-        ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16",
-         "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"),
-        1,
-    )
-}  # fmt: skip
-
 Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, IO[bytes]]
 
 
@@ -275,8 +263,6 @@ def safetensors_header_for(
     entries = [
         (k, DTYPE_NAMES[t.dtype], t.shape, t.numel() * t.element_size()) for k, t in written.items()
     ]
-    # The library's order (dtype, then name), so the bytes are those save_file writes.
-    entries.sort(key=lambda e: (-_LIBRARY_ORDER.get(e[1], 0), e[0]))
     header, order, _ = build_header(entries, meta, aliases)
     return header, [(k, written[k]) for k in order], aliases
 
