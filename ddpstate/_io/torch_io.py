@@ -85,7 +85,9 @@ def _rewound(source: Source) -> Iterator[Source]:
 
 
 def _allowed_globals() -> set[str]:
-    # torch keeps its weights_only allowlist private; without it every global is listed.
+    # For legacy files only (zip files go through the public get_unsafe_globals_in_checkpoint):
+    # torch has no public getter for its built-in weights_only allowlist, so the private one
+    # is used (tests/test_safe_globals.py pins it); without it every global is listed.
     try:
         from torch import _weights_only_unpickler as wou
 
@@ -572,15 +574,29 @@ def load_dcp(
             super().load_bytes(read_item, value)
 
     if remote:
-        try:  # the public name, where torch exports one
-            from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined,unused-ignore]
-        except ImportError:  # torch 2.13 has none: its private module, deprecated later
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        reader: Any = FsspecReader(path, **(storage_options or {}))
+        reader: Any = fsspec_reader(path, storage_options)
     else:
         reader = FileSystemReader(path)
     state: dict[str, Any] = {}
     with dcp_read_errors(name):
         _load_state_dict(state, storage_reader=reader, planner=_Planner(), no_dist=True)  # type: ignore[no-untyped-call]
     return state
+
+
+def fsspec_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
+    """torch's ``FsspecReader`` for a DCP folder at an fsspec URL.
+
+    Args:
+        path: The folder's URL.
+        storage_options: fsspec options.
+
+    Returns:
+        A ``torch.distributed.checkpoint`` storage reader.
+    """
+    try:  # the public module (newer torch deprecates the private one)
+        from torch.distributed.checkpoint.fsspec_filesystem import (  # type: ignore[import-not-found,unused-ignore]
+            FsspecReader,
+        )
+    except ImportError:  # torch 2.13 has only its private module
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    return FsspecReader(path, **(storage_options or {}))
