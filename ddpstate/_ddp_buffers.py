@@ -40,17 +40,7 @@ __all__ = [
 _INPLACE_TEXT = "modified by an inplace operation"
 
 
-def _ddp_init_params() -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
-    except (TypeError, ValueError):  # pragma: no cover - a C-implemented or wrapped __init__
-        # torch 2.13 added forward_sync_buffers and deprecated broadcast_buffers.
-        if Version(torch.__version__).release >= (2, 13):
-            return frozenset({"broadcast_buffers", "forward_sync_buffers"})
-        return frozenset({"broadcast_buffers"})
-
-
-DDP_PARAMS = _ddp_init_params()
+DDP_PARAMS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 #: The name DDP prefers for "sync buffers before each forward" on this torch.
 BUFFER_SYNC_KWARG = (
     "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMS else "broadcast_buffers"

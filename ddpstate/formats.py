@@ -31,8 +31,10 @@ __all__ = [
     "PT",
     "PT_LEGACY",
     "SAFETENSORS",
+    "TABLE",
     "TORCHSCRIPT",
     "TORCH_ZIP",
+    "Format",
     "FormatName",
     "detect_format",
     "parse_format",
@@ -61,26 +63,71 @@ PT_LEGACY: Final = LEGACY
 FormatName = Literal[
     "pt", "pt_legacy", "safetensors", "torchscript", "dcp", "manager", "hf_sharded"
 ]
-FORMATS: tuple[FormatName, ...] = (
-    TORCH_ZIP,
-    LEGACY,
-    SAFETENSORS,
-    TORCHSCRIPT,
-    DCP,
-    MANAGER,
-    HF_SHARDED,
-)
 
+#: torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PREFIX = (
+    pickle.PROTO + b"\x02" + pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little")
+    + pickle.STOP
+)  # fmt: skip
+
+
+def _is_zip(head: bytes, size: Optional[int]) -> bool:
+    return head.startswith(LOCAL_MAGIC)
+
+
+def _is_legacy(head: bytes, size: Optional[int]) -> bool:
+    return head.startswith(_LEGACY_PREFIX)
+
+
+def _is_safetensors(head: bytes, size: Optional[int]) -> bool:
+    if len(head) < 9:
+        return False
+    (header_len,) = struct.unpack("<Q", head[:8])
+    fits = size is None or 8 + header_len <= size
+    return 2 <= header_len <= SAFETENSORS_MAX_HEADER and fits and head[8:9] == b"{"
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """What one checkpoint format is; :data:`TABLE` holds one per format.
+
+    Attributes:
+        name: Its one name (one of :data:`FORMATS`).
+        description: How it is named to a person (the CLI's output).
+        folder: A folder of files rather than one file.
+        suffixes: File-name suffixes that ask for it on output, the default first.
+        torch_free: The streaming commands read it without torch.
+        sniff: Whether a file's first bytes (and size, if known) are this format;
+            None for folders and for what a zip's directory tells (TorchScript).
+    """
+
+    name: FormatName
+    description: str
+    folder: bool = False
+    suffixes: tuple[str, ...] = ()
+    torch_free: bool = False
+    sniff: Optional[Callable[[bytes, Optional[int]], bool]] = None
+
+
+#: Every format, by name: adding a format adds a row here (and its reader).
+TABLE: dict[FormatName, Format] = {
+    f.name: f
+    for f in (
+        Format(TORCH_ZIP, "torch.save zip", suffixes=(".pt", ".pth", ".bin", ".ckpt"),
+               torch_free=True, sniff=_is_zip),
+        Format(LEGACY, "legacy torch.save (pre-1.6)", torch_free=True, sniff=_is_legacy),
+        Format(SAFETENSORS, "safetensors", suffixes=(".safetensors",), torch_free=True,
+               sniff=_is_safetensors),
+        Format(TORCHSCRIPT, "TorchScript archive"),
+        Format(DCP, "torch.distributed.checkpoint folder", folder=True),
+        Format(MANAGER, "CheckpointManager folder", folder=True, torch_free=True),
+        Format(HF_SHARDED, "Hugging Face sharded checkpoint", folder=True, torch_free=True),
+    )
+}  # fmt: skip
+FORMATS: tuple[FormatName, ...] = tuple(TABLE)
 #: How each format is named to a person (the CLI's output).
-DESCRIPTIONS: dict[FormatName, str] = {
-    TORCH_ZIP: "torch.save zip",
-    LEGACY: "legacy torch.save (pre-1.6)",
-    SAFETENSORS: "safetensors",
-    TORCHSCRIPT: "TorchScript archive",
-    DCP: "torch.distributed.checkpoint folder",
-    MANAGER: "CheckpointManager folder",
-    HF_SHARDED: "Hugging Face sharded checkpoint",
-}
+DESCRIPTIONS: dict[FormatName, str] = {name: f.description for name, f in TABLE.items()}
 
 # Names accepted on input, each for a reason: the canonical names; "torch", the
 # name save(format=) documented first; "torch_zip"/"torch_legacy", what detection
@@ -137,12 +184,6 @@ def parse_format(
     return name
 
 
-#: torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_PREFIX = (
-    pickle.PROTO + b"\x02" + pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little")
-    + pickle.STOP
-)  # fmt: skip
 _SNIFF_BYTES = 64
 
 Source = Union[str, "os.PathLike[str]", IO[bytes]]
@@ -212,16 +253,7 @@ def sniff_format(head: bytes, size: Optional[int] = None) -> Optional[FormatName
         >>> sniff_format(b"PK\\x03\\x04" + bytes(60))
         'pt'
     """
-    if head.startswith(LOCAL_MAGIC):
-        return TORCH_ZIP
-    if head.startswith(_LEGACY_PREFIX):
-        return LEGACY
-    if len(head) >= 9:
-        (header_len,) = struct.unpack("<Q", head[:8])
-        fits = size is None or 8 + header_len <= size
-        if 2 <= header_len <= SAFETENSORS_MAX_HEADER and fits and head[8:9] == b"{":
-            return SAFETENSORS
-    return None
+    return next((f.name for f in TABLE.values() if f.sniff and f.sniff(head, size)), None)
 
 
 def _describe(head: bytes) -> str:

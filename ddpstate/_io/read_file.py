@@ -10,6 +10,7 @@ shard through the same single-file reader.
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -23,6 +24,7 @@ from ddpstate.formats import (
     HF_SHARDED,
     LEGACY,
     SAFETENSORS,
+    TABLE,
     TORCH_ZIP,
     TORCHSCRIPT,
     detect_format,
@@ -32,7 +34,7 @@ from ddpstate.location import ResolvedMapLocation, place_all, require_reachable
 __all__ = ["detect", "load_sharded", "read"]
 
 # torch.load goes by this suffix: a torch file so named cannot be mapped by it.
-_SAFETENSORS_SUFFIXES = (".safetensors",)
+_SAFETENSORS_SUFFIXES = TABLE[SAFETENSORS].suffixes
 
 
 def detect(text: str, storage_options: Optional[dict[str, Any]]) -> str:
@@ -99,41 +101,30 @@ def _read_file(
     """One safetensors, torch.save zip or legacy torch file, its tensors placed."""
     remote = _fs.is_remote(text)
     local = _fs.local_path(text)
-    if kind == SAFETENSORS:
-        if mmap and remote:
-            raise _mmap_refused(text, "the file is remote")
-        if remote:
-            with storage.open_read(text, storage_options=storage_options) as f:
-                tensors = read_safetensors(f, mmap=False)
-        else:
-            tensors = read_safetensors(local, mmap=mmap is None or mmap)
-        return place_all(tensors, "cpu", resolved)
-    # torch.save's zip or legacy format
     if mmap and (remote or kind == LEGACY):
         raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
-    # torch.load cannot map a torch file named .safetensors (it goes by the suffix).
-    mappable = kind == TORCH_ZIP and not remote and not local.endswith(_SAFETENSORS_SUFFIXES)
-    use_mmap = mappable if mmap is None else bool(mmap)
-    if remote:
-        with storage.open_read(text, storage_options=storage_options) as f:
-            return torch_io.load_torch_file(
-                f,
-                kind=kind,
-                name=text,
-                map_location=resolved,
-                weights_only=weights_only,
-                mmap=False,
-                safe_globals=safe_globals,
+    with contextlib.ExitStack() as stack:
+        # A remote file is read through a file object, never mapped.
+        src = (
+            stack.enter_context(storage.open_read(text, storage_options=storage_options))
+            if remote
+            else local
+        )
+        if kind == SAFETENSORS:
+            return place_all(
+                read_safetensors(src, mmap=not remote and mmap is not False), "cpu", resolved
             )
-    return torch_io.load_torch_file(
-        local,
-        kind=kind,
-        name=text,
-        map_location=resolved,
-        weights_only=weights_only,
-        mmap=use_mmap,
-        safe_globals=safe_globals,
-    )
+        # torch.load cannot map a torch file named .safetensors (it goes by the suffix).
+        mappable = kind == TORCH_ZIP and not remote and not local.endswith(_SAFETENSORS_SUFFIXES)
+        return torch_io.load_torch_file(
+            src,
+            kind=kind,
+            name=text,
+            map_location=resolved,
+            weights_only=weights_only,
+            mmap=mappable if mmap is None else bool(mmap),
+            safe_globals=safe_globals,
+        )
 
 
 def load_sharded(

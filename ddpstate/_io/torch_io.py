@@ -14,6 +14,7 @@ from typing import IO, Any, Optional, Union
 
 import torch
 
+from ddpstate import storage
 from ddpstate._io.savecheck import loading_allowed
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -525,7 +526,6 @@ def load_dcp(
     Raises:
         UnsafeCheckpointError: Something in the folder needs arbitrary unpickling.
         CheckpointCorruptError: The folder's files are damaged or missing.
-        CheckpointFormatError: This torch cannot read DCP folders without a process group.
 
     Example:
         >>> import tempfile, torch, warnings
@@ -538,17 +538,11 @@ def load_dcp(
         >>> load_dcp(folder, name=folder, weights_only=True)
         {'w': tensor([1., 1.])}
     """
-    try:
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    except ImportError as exc:  # pragma: no cover - every torch >= 2.5 has them
-        raise CheckpointFormatError(
-            f"{name}: this torch ({torch.__version__}) cannot read a "
-            f"torch.distributed.checkpoint folder without a process group; convert it with "
-            f"torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
-        ) from exc
-    from ddpstate import storage
+    # Imported here: torch.distributed.checkpoint is large, and only DCP reads need it.
+    # Its private planner and loader read a folder without a process group (no public way).
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     if weights_only:
         with storage.open_read(
