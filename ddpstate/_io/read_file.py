@@ -103,19 +103,26 @@ def _read_file(
     local = _fs.local_path(text)
     if mmap and (remote or kind == LEGACY):
         raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
+    # torch.load (2.13+) picks its safetensors reader from this suffix, whatever the bytes
+    # say; a file object makes it read the bytes ddpstate detected (and cannot be mapped).
+    misnamed = kind != SAFETENSORS and local.endswith(_SAFETENSORS_SUFFIXES)
+    if mmap and misnamed:
+        raise CheckpointFormatError(
+            f"{text}: named .safetensors but holds a {torch_io.DESCRIPTIONS[kind]}; it cannot be "
+            f"memory-mapped under this name: load it with mmap=False, or rename it to .pt"
+        )
     with contextlib.ExitStack() as stack:
         # A remote file is read through a file object, never mapped.
         src = (
             stack.enter_context(storage.open_read(text, storage_options=storage_options))
-            if remote
+            if remote or misnamed
             else local
         )
         if kind == SAFETENSORS:
             return place_all(
                 read_safetensors(src, mmap=not remote and mmap is not False), "cpu", resolved
             )
-        # torch.load cannot map a torch file named .safetensors (it goes by the suffix).
-        mappable = kind == TORCH_ZIP and not remote and not local.endswith(_SAFETENSORS_SUFFIXES)
+        mappable = kind == TORCH_ZIP and isinstance(src, str)
         return torch_io.load_torch_file(
             src,
             kind=kind,

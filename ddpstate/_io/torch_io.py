@@ -18,7 +18,6 @@ from ddpstate import storage
 from ddpstate._io.savecheck import loading_allowed
 from ddpstate.errors import (
     CheckpointCorruptError,
-    CheckpointFormatError,
     CheckpointNotFoundError,
     DDPStateError,
     DeviceMapError,
@@ -27,6 +26,7 @@ from ddpstate.errors import (
 from ddpstate.formats import LEGACY, TORCH_ZIP
 
 __all__ = [
+    "DESCRIPTIONS",
     "check_dcp_metadata",
     "dcp_read_errors",
     "load_dcp",
@@ -37,7 +37,8 @@ __all__ = [
 
 Source = Union[str, IO[bytes]]
 
-_DESCRIBE = {TORCH_ZIP: "torch.save file", LEGACY: "legacy (pre-1.6) torch.save file"}
+#: How messages name the two torch.save formats.
+DESCRIPTIONS = {TORCH_ZIP: "torch.save file", LEGACY: "legacy (pre-1.6) torch.save file"}
 _SHOW = 10
 # Exceptions torch.load raises on damaged bytes (zip reader, unpickler, storage reads).
 _DAMAGE = (
@@ -65,8 +66,8 @@ def _first_line(exc: BaseException) -> str:
 
 def _corrupt(name: str, kind: str, exc: BaseException) -> CheckpointCorruptError:
     return CheckpointCorruptError(
-        f"{name}: damaged {_DESCRIBE.get(kind, kind)} ({type(exc).__name__}: {_first_line(exc)}); "
-        f"it is probably truncated or overwritten: re-save or re-download it"
+        f"{name}: damaged {DESCRIPTIONS.get(kind, kind)} ({type(exc).__name__}: "
+        f"{_first_line(exc)}); it is probably truncated or overwritten: re-save or re-download it"
     )
 
 
@@ -309,28 +310,6 @@ def load_torch_file(
         ...                 weights_only=True, mmap=False)
         {'w': tensor([1.])}
     """
-    if isinstance(source, str) and source.endswith(".safetensors"):
-        # torch.load (2.13+) picks its safetensors reader from this suffix, whatever the
-        # bytes say; a file object makes it read the bytes ddpstate detected.
-        if mmap:
-            raise CheckpointFormatError(
-                f"{name}: named .safetensors but holds a {_DESCRIBE.get(kind, kind)}; it cannot "
-                f"be memory-mapped under this name: load it with mmap=False, or rename it to .pt"
-            )
-        try:
-            opened = open(source, "rb")  # noqa: SIM115 - closed below
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
-        with opened:
-            return load_torch_file(
-                opened,
-                kind=kind,
-                name=name,
-                map_location=map_location,
-                weights_only=weights_only,
-                mmap=False,
-                safe_globals=safe_globals,
-            )
     allowed = loading_allowed(safe_globals) if weights_only else contextlib.nullcontext()
     try:
         with allowed, _rewound(source) as src:
