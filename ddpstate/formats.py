@@ -10,7 +10,7 @@ import zipfile
 from collections.abc import Callable, Iterable
 from typing import IO, Any, Final, Literal, Optional, Union
 
-from ddpstate import _fs
+from ddpstate import _fs, storage
 from ddpstate._layout.hf_index import find_index, is_index_name
 from ddpstate._layout.safetensors import SAFETENSORS_MAX_HEADER
 from ddpstate._layout.zip import LOCAL_MAGIC, ZipEnd, read_directory
@@ -308,44 +308,33 @@ def detect_format(
         return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>")).format
 
     name = os.fspath(source)
-    if _fs.is_remote(name):
-        fs, path = _fs.url_to_fs(name, storage_options)
-        if not fs.exists(path):
-            raise CheckpointNotFoundError(f"{name}: no such file or folder")
-        if fs.isdir(path):
-            if _hf_index(name, storage_options):
-                return HF_SHARDED
-            return _folder_kind(name, fs.exists(path.rstrip("/") + "/.metadata"))
-        with fs.open(path, "rb") as remote:
-            head = remote.read(_SNIFF_BYTES)
-            if _is_index(name, head):
-                return HF_SHARDED
-            size = fs.size(path)
-            remote.seek(0)
-            return _classify(remote, head, size, name).format
-
-    name = _fs.local_path(name)
-    if os.path.isdir(name):
-        if _hf_index(name, storage_options):
+    remote = _fs.is_remote(name)
+    if not remote:
+        name = _fs.local_path(name)
+    elif not storage.exists(name, storage_options=storage_options):
+        raise CheckpointNotFoundError(f"{name}: no such file or folder")
+    if storage.isdir(name, storage_options=storage_options):
+        if find_index(name, storage_options) is not None:
             return HF_SHARDED
-        return _folder_kind(name, os.path.exists(os.path.join(name, ".metadata")))
+        metadata = storage.join(name, ".metadata")
+        return _folder_kind(name, storage.exists(metadata, storage_options=storage_options))
     try:
-        with open(name, "rb") as local:
-            head = local.read(_SNIFF_BYTES)
+        opened: IO[bytes]
+        if remote:
+            opened = storage.open_read(name, storage_options=storage_options)
+        else:  # opened here, so that a PermissionError reaches the caller as such
+            opened = open(name, "rb")  # noqa: SIM115 - closed by the with below
+        with opened as f:
+            head = f.read(_SNIFF_BYTES)
             if _is_index(name, head):
                 return HF_SHARDED
-            size = os.fstat(local.fileno()).st_size
-            return _classify(local, head, size, name).format
+            return _classify(f, head, f.seek(0, os.SEEK_END), name).format
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
 
 
 def _is_index(name: str, head: bytes) -> bool:
     return is_index_name(name) and head.lstrip().startswith(b"{")
-
-
-def _hf_index(name: str, storage_options: Optional[dict[str, Any]]) -> bool:
-    return find_index(name, storage_options) is not None
 
 
 def _folder_kind(name: str, has_dcp_metadata: bool) -> FormatName:
