@@ -13,6 +13,7 @@ Face sharded layout's torch side: :func:`save_sharded`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import io
 import json
@@ -428,18 +429,14 @@ def read_safetensors_header(source: Source) -> SafetensorsHeader:
         ((2, 3), {'step': '7'})
     """
     name = _source_name(source)
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        view = memoryview(source)
-        parsed = parse_header(lambda at, n: bytes(view[at : at + n]), len(view), name)
-    elif isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as f:
-            parsed = parse_header(_reader_of(f), os.fstat(f.fileno()).st_size, name)
-    else:
+    with contextlib.ExitStack() as stack:
+        if isinstance(source, (str, os.PathLike)):
+            source = stack.enter_context(open(source, "rb"))
+        elif isinstance(source, (bytes, bytearray, memoryview)):
+            source = io.BytesIO(source)
         start = source.tell()
-        try:
-            parsed = parse_header(_reader_of(source), source.seek(0, os.SEEK_END), name)
-        finally:
-            source.seek(start)
+        stack.callback(source.seek, start)
+        parsed = parse_header(_reader_of(source), source.seek(0, os.SEEK_END), name)
     if parsed.problems:
         raise _corrupt(name, parsed.problems[0])
     tensors = {}
@@ -485,11 +482,6 @@ def _damage(path: str, name: str, exc: BaseException) -> BaseException:
 
 def _load_local(path: str, device: str, mmap: bool, name: str) -> Any:
     """Read a local file with the safetensors library: mapped, or read into fresh memory."""
-    with gc_paused():
-        return _load_local_unpaused(path, device, mmap, name)
-
-
-def _load_local_unpaused(path: str, device: str, mmap: bool, name: str) -> Any:
     options = {} if mmap else {"backend": "pread"}
     try:
         try:
@@ -498,7 +490,7 @@ def _load_local_unpaused(path: str, device: str, mmap: bool, name: str) -> Any:
             if not options:
                 raise
             opened, options = safetensors.safe_open(path, framework="pt", device=device), {}
-        with opened as f:
+        with opened as f, gc_paused():
             metadata = f.metadata() or {}
             get_all = getattr(f, "get_tensors", None)  # safetensors >= 0.7: one call
             tensors = (
