@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 from typing import Any, Optional
 
 from ddpstate import formats
@@ -34,12 +35,8 @@ class _ShardsSource(Source):
     def __init__(self, name: str, sources: list[Source]) -> None:
         self.name = name
         self.sources = sources
-        self.bases: list[int] = []
-        total = 0
-        for source in sources:
-            self.bases.append(total)
-            total += source.size
-        self.size = total
+        self.bases = [0, *itertools.accumulate(source.size for source in sources)]
+        self.size = self.bases.pop()
         self.fd = None  # no single descriptor: copies go through user space
 
     def close(self) -> None:
