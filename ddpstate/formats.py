@@ -98,6 +98,7 @@ class Format:
         folder: A folder of files rather than one file.
         suffixes: File-name suffixes that ask for it on output, the default first.
         torch_free: The streaming commands read it without torch.
+        mappable: A local file of it can be memory-mapped when loaded.
         sniff: Whether a file's first bytes (and size, if known) are this format;
             None for folders and for what a zip's directory tells (TorchScript).
     """
@@ -107,6 +108,7 @@ class Format:
     folder: bool = False
     suffixes: tuple[str, ...] = ()
     torch_free: bool = False
+    mappable: bool = False
     sniff: Optional[Callable[[bytes, Optional[int]], bool]] = None
 
 
@@ -115,10 +117,10 @@ TABLE: dict[FormatName, Format] = {
     f.name: f
     for f in (
         Format(TORCH_ZIP, "torch.save zip", suffixes=(".pt", ".pth", ".bin", ".ckpt"),
-               torch_free=True, sniff=_is_zip),
+               torch_free=True, mappable=True, sniff=_is_zip),
         Format(LEGACY, "legacy torch.save (pre-1.6)", torch_free=True, sniff=_is_legacy),
         Format(SAFETENSORS, "safetensors", suffixes=(".safetensors",), torch_free=True,
-               sniff=_is_safetensors),
+               mappable=True, sniff=_is_safetensors),
         Format(TORCHSCRIPT, "TorchScript archive"),
         Format(DCP, "torch.distributed.checkpoint folder", folder=True),
         Format(MANAGER, "CheckpointManager folder", folder=True, torch_free=True),

@@ -27,6 +27,7 @@ from ddpstate.formats import (
     TABLE,
     TORCH_ZIP,
     TORCHSCRIPT,
+    FormatName,
     detect_format,
 )
 from ddpstate.location import ResolvedMapLocation, place_all, require_reachable
@@ -37,7 +38,7 @@ __all__ = ["detect", "load_sharded", "read"]
 _SAFETENSORS_SUFFIXES = TABLE[SAFETENSORS].suffixes
 
 
-def detect(text: str, storage_options: Optional[dict[str, Any]]) -> str:
+def detect(text: str, storage_options: Optional[dict[str, Any]]) -> FormatName:
     try:
         return detect_format(text, storage_options=storage_options)
     except PermissionError as exc:
@@ -91,7 +92,7 @@ def read(
 
 def _read_file(
     text: str,
-    kind: str,
+    kind: FormatName,
     resolved: ResolvedMapLocation,
     weights_only: bool,
     mmap: Optional[bool],
@@ -101,7 +102,7 @@ def _read_file(
     """One safetensors, torch.save zip or legacy torch file, its tensors placed."""
     remote = _fs.is_remote(text)
     local = _fs.local_path(text)
-    if mmap and (remote or kind == LEGACY):
+    if mmap and (remote or not TABLE[kind].mappable):
         raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
     # torch.load (2.13+) picks its safetensors reader from this suffix, whatever the bytes
     # say; a file object makes it read the bytes ddpstate detected (and cannot be mapped).
@@ -118,18 +119,16 @@ def _read_file(
             if remote or misnamed
             else local
         )
+        use_mmap = TABLE[kind].mappable and isinstance(src, str) if mmap is None else bool(mmap)
         if kind == SAFETENSORS:
-            return place_all(
-                read_safetensors(src, mmap=not remote and mmap is not False), "cpu", resolved
-            )
-        mappable = kind == TORCH_ZIP and isinstance(src, str)
+            return place_all(read_safetensors(src, mmap=use_mmap), "cpu", resolved)
         return torch_io.load_torch_file(
             src,
             kind=kind,
             name=text,
             map_location=resolved,
             weights_only=weights_only,
-            mmap=mappable if mmap is None else bool(mmap),
+            mmap=use_mmap,
             safe_globals=safe_globals,
         )
 
