@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import pickle
 import pickletools
@@ -184,15 +185,9 @@ def _resolve_loaded(qualname: str) -> Any:
     """The object a global names, if its module is already imported (nothing is imported)."""
     parts = qualname.split(".")
     for cut in range(len(parts) - 1, 0, -1):
-        module = sys.modules.get(".".join(parts[:cut]))
-        if module is None:
-            continue
-        obj: Any = module
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                return None
-        return obj
+        module: Any = sys.modules.get(".".join(parts[:cut]))
+        if module is not None:
+            return functools.reduce(lambda obj, attr: getattr(obj, attr, None), parts[cut:], module)
     return None
 
 
