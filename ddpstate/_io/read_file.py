@@ -17,7 +17,7 @@ from typing import Any, Optional
 from ddpstate import _fs, storage
 from ddpstate._io import torch_io
 from ddpstate._io.safetensors_io import read_safetensors
-from ddpstate._layout.hf_index import check_keys, find_index, read_index
+from ddpstate._layout.hf_index import check_keys, open_index
 from ddpstate.errors import CheckpointAccessError, CheckpointFormatError, CheckpointNotFoundError
 from ddpstate.formats import (
     DCP,
@@ -164,11 +164,8 @@ def load_sharded(
         UnsafeCheckpointError: As for :func:`ddpstate.load`; a missing shard,
             or one the index disagrees with, is named with the index.
     """
-    index_path = find_index(path, storage_options)
-    if index_path is None:
-        raise CheckpointFormatError(f"{path}: no *.safetensors.index.json or *.bin.index.json")
-    index = read_index(index_path, storage_options)
-    if mmap and _fs.is_remote(index_path):
+    index = open_index(path, storage_options)
+    if mmap and _fs.is_remote(index.path):
         raise CheckpointFormatError(
             f"{path}: mmap=True is not possible here (the shards are remote); pass mmap=None"
         )
@@ -178,10 +175,7 @@ def load_sharded(
         try:
             kind = detect_format(where, storage_options=storage_options)
         except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{where}: shard named by {index.path} is missing; download every shard the "
-                f"index lists ({len(index.shards)} in all)"
-            ) from exc
+            raise index.missing(shard) from exc
         if kind not in (SAFETENSORS, TORCH_ZIP, LEGACY):
             raise CheckpointFormatError(
                 f"{where}: a shard of {index.path} in format {kind!r}; shards must be "

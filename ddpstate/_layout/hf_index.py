@@ -51,6 +51,13 @@ class ShardIndex:
         """The full path or URL of one shard."""
         return storage.join(self.folder, shard)
 
+    def missing(self, shard: str) -> CheckpointNotFoundError:
+        """The error for a shard the index names that is not there."""
+        return CheckpointNotFoundError(
+            f"{self.shard_path(shard)}: shard named by {self.path} is missing; download every "
+            f"shard the index lists ({len(self.shards)} in all)"
+        )
+
 
 def folder_of(index: str) -> str:
     """The folder holding an index file (a URL stays a URL)."""
@@ -94,6 +101,19 @@ def find_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> O
             f"{storage.join(path, names[0])}"
         )
     return storage.join(path, names[0]) if names else None
+
+
+def open_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> ShardIndex:
+    """Find and read the index of the sharded checkpoint at ``path`` (the index or its folder).
+
+    Raises:
+        CheckpointFormatError: ``path`` holds no index, or more than one.
+        CheckpointNotFoundError, CheckpointCorruptError: As for :func:`read_index`.
+    """
+    index_path = find_index(path, storage_options)
+    if index_path is None:
+        raise CheckpointFormatError(f"{path}: no *.safetensors.index.json or *.bin.index.json")
+    return read_index(index_path, storage_options)
 
 
 def _bad_index(path: str, detail: str) -> CheckpointCorruptError:

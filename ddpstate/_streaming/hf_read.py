@@ -16,7 +16,7 @@ import itertools
 from typing import Any, Optional
 
 from ddpstate import formats
-from ddpstate._layout.hf_index import ShardIndex, check_keys, find_index, read_index
+from ddpstate._layout.hf_index import ShardIndex, check_keys, open_index
 from ddpstate._streaming.pickle_scan import TensorRecord
 from ddpstate._streaming.progress import Progress
 from ddpstate._streaming.reader import Checkpoint, read_file
@@ -100,10 +100,7 @@ def open_sharded(
         CheckpointFormatError: A shard is not a flat state dict, or the shards'
             byte orders differ.
     """
-    index_path = find_index(path, storage_options)
-    if index_path is None:
-        raise CheckpointFormatError(f"{path}: no *.safetensors.index.json or *.bin.index.json")
-    index = read_index(index_path, storage_options)
+    index = open_index(path, storage_options)
     shards: list[Checkpoint] = []
     try:
         for shard in index.shards:
@@ -158,11 +155,7 @@ def open_sharded(
 def _open_shard(
     index: ShardIndex, shard: str, unsafe: bool, storage_options: Optional[dict[str, Any]]
 ) -> Checkpoint:
-    where = index.shard_path(shard)
     try:
-        return read_file(where, unsafe=unsafe, storage_options=storage_options)
+        return read_file(index.shard_path(shard), unsafe=unsafe, storage_options=storage_options)
     except CheckpointNotFoundError as exc:
-        raise CheckpointNotFoundError(
-            f"{where}: shard named by {index.path} is missing; download every shard the index "
-            f"lists ({len(index.shards)} in all)"
-        ) from exc
+        raise index.missing(shard) from exc
