@@ -369,17 +369,9 @@ def save_sharded(
         )
     limit = parse_size(max_shard_size)
     keys = list(state)
-    nbytes: dict[str, int] = {}
-    owner: dict[str, str] = {}
-    seen: dict[Any, str] = {}
-    for key, tensor in state.items():
-        view = _view(key, tensor)
-        if view is not None and view.identity in seen:
-            owner[key] = seen[view.identity]
-            continue
-        if view is not None:
-            seen[view.identity] = key
-        nbytes[key] = tensor.numel() * tensor.element_size()
+    # Tied keys go with the key whose tensor they share; write_safetensors warns of overlaps.
+    owner, _ = find_aliases(_view(k, t) for k, t in state.items())
+    nbytes = {k: t.numel() * t.element_size() for k, t in state.items() if k not in owner}
     entries = dict(metadata or {})
     entries.setdefault("format", "pt")
 

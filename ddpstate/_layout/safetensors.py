@@ -260,16 +260,12 @@ class View(NamedTuple):
     stop: int
 
 
-def find_aliases(
-    views: Iterable[Optional[View]], *, overlapping: Optional[set[str]] = None
-) -> tuple[dict[str, str], list[str]]:
+def find_aliases(views: Iterable[Optional[View]]) -> tuple[dict[str, str], list[str]]:
     """Tell tied tensors (identical views: written once) from other overlaps (written twice).
 
     Args:
         views: One :class:`View` per tensor in state-dict order; None for an
             empty tensor (nothing to tie).
-        overlapping: When given, the later key of each overlapping pair is
-            added to it (a writer that refuses shared memory copies those).
 
     Returns:
         ``({alias: canonical}, ["'b' overlaps 'a'", ...])``.
@@ -299,8 +295,6 @@ def find_aliases(
         for start, stop, key in entries[1:]:
             if start < reach:
                 overlaps.append(f"{key!r} overlaps {reacher!r}")
-                if overlapping is not None:
-                    overlapping.add(key)
             if stop > reach:
                 reach, reacher = stop, key
     return aliases, overlaps
