@@ -172,13 +172,9 @@ def _first_line(exc: BaseException) -> str:
 def _is_timeout(exc: BaseException) -> bool:
     import torch.distributed as dist
 
-    store_error = getattr(dist, "DistStoreError", None)
-    network_error = getattr(dist, "DistNetworkError", None)
-    if network_error is not None and isinstance(exc, network_error):
+    if isinstance(exc, dist.DistNetworkError):  # a DistStoreError's sibling: the host is gone
         return False
-    if store_error is not None and isinstance(exc, store_error):
-        return True
-    return "timeout" in str(exc).lower()
+    return isinstance(exc, dist.DistStoreError) or "timeout" in str(exc).lower()
 
 
 def lost_connection(group: StoreGroup, name: str, exc: BaseException) -> StoreConnectionError:
@@ -191,14 +187,17 @@ def lost_connection(group: StoreGroup, name: str, exc: BaseException) -> StoreCo
     )
 
 
+def _ranks(missing: Sequence[int]) -> str:
+    who = ", ".join(str(r) for r in missing) if missing else "unknown"
+    return f"rank{'s' if len(missing) != 1 else ''} {who}"
+
+
 def timeout_error(
     group: StoreGroup, name: str, missing: Sequence[int], seconds: float
 ) -> BarrierTimeoutError:
     """The error every arriving rank gets when ``missing`` never reached ``name``."""
-    who = ", ".join(str(r) for r in missing) if missing else "unknown"
-    plural = "s" if len(missing) != 1 else ""
     return BarrierTimeoutError(
-        f"rank {group.rank}: rank{plural} {who} of {group.world} did not reach {name!r} within "
+        f"rank {group.rank}: {_ranks(missing)} of {group.world} did not reach {name!r} within "
         f"{seconds:g} s. {REMINDER}. If a rank is legitimately slow, pass timeout= or set "
         f"{TIMEOUT_ENV} (seconds).",
         missing_ranks=list(missing),
@@ -209,12 +208,10 @@ def timeout_error(
 def _still_waiting(
     group: StoreGroup, name: str, missing: Sequence[int], elapsed: float, left: float
 ) -> str:
-    who = ", ".join(str(r) for r in missing) if missing else "unknown"
-    plural = "s" if len(missing) != 1 else ""
     return (
-        f"rank {group.rank}: still waiting at {name!r} after {elapsed:.0f} s for rank{plural} "
-        f"{who} of {group.world} (giving up in {left:.0f} s). Was {name!r} called under "
-        f"`if rank == 0:`? {REMINDER}. If this call runs on one rank only (a framework hook, "
+        f"rank {group.rank}: still waiting at {name!r} after {elapsed:.0f} s for "
+        f"{_ranks(missing)} of {group.world} (giving up in {left:.0f} s). Was {name!r} called "
+        f"under `if rank == 0:`? {REMINDER}. If this call runs on one rank only (a framework hook, "
         f"evaluation on rank 0), pass barrier=False (and src_rank=<that rank> to save/load) "
         f"so it does not wait for the others. ({WARN_AFTER_ENV} sets when this warning starts.)"
     )
