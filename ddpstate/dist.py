@@ -95,11 +95,14 @@ _lock = threading.Lock()
 _current: list[_collectives.StoreGroup] = []
 
 
+def _default_store() -> Any:
+    # Private, but the only way to the process group's store; every torch >= 2.5 has it.
+    return dist.distributed_c10d._get_default_store()
+
+
 def _group() -> _collectives.StoreGroup:
     """The store collectives' context for the current process group."""
-    # Private, but the only way to the process group's store; every torch >= 2.5 has it.
-    store = dist.distributed_c10d._get_default_store()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    store, rank, world = _default_store(), dist.get_rank(), dist.get_world_size()
     with _lock:
         if _current and (_current[0].store, _current[0].rank, _current[0].world) == (
             store,
