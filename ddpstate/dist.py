@@ -328,7 +328,7 @@ def gather_to_receivers(
     local rank 0): every rank names its receiver ``dst``, and a rank with
     ``dst == rank`` is a receiver. Each receiver calls ``decide`` with every
     rank's object (indexed by rank) and its small picklable answer goes to the
-    ranks that named it. A rank that is not a receiver costs four store
+    ranks that named it. A rank that is not a receiver costs three store
     operations and never reads the other ranks' objects.
 
     Args:
