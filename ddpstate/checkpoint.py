@@ -345,7 +345,7 @@ def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:
     )
     temp = made[0] if made else None
     if distributed:
-        temp = broadcast_object(temp, src=src_rank, timeout=timeout)
+        temp = broadcast_object(temp, src_rank=src_rank, timeout=timeout)
     info: dict[str, Any] = {}
     cause: Optional[BaseException] = None
     try:
