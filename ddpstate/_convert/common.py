@@ -1,6 +1,6 @@
 """What the file commands share: the model state dict and its key rule, output names, damage.
 
-Also used by :mod:`ddpstate._dcp.convert`, so it imports nothing of :mod:`ddpstate._convert`.
+Also used by :mod:`ddpstate._convert.dcp` (the torch side of the commands).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def inspect_file(
     from ddpstate import keys
 
     if is_dcp_folder(os.fspath(src), storage_options):
-        from ddpstate._dcp.convert import inspect_dcp
+        from ddpstate._convert.dcp import inspect_dcp
 
         return inspect_dcp(os.fspath(src), storage_options=storage_options)
     with read_checkpoint(os.fspath(src), unsafe=unsafe, storage_options=storage_options) as ckpt:

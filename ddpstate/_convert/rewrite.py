@@ -160,7 +160,7 @@ def convert_file(
                 "in_place=True cannot turn a file into a folder or a folder into a file; name DST"
             )
         # DCP needs torch; imported only here so the streaming paths stay torch-free.
-        from ddpstate._dcp import convert as _dcp_convert
+        from ddpstate._convert import dcp as _dcp_convert
 
         dst_text = None if dst is None else os.fspath(dst)
         options: dict[str, Any] = dict(

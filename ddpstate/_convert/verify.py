@@ -71,7 +71,7 @@ def verify_file(
         )
     if storage.isdir(text, storage_options=storage_options):
         if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
-            from ddpstate._dcp.convert import verify_dcp
+            from ddpstate._convert.dcp import verify_dcp
 
             return verify_dcp(text, storage_options=storage_options)
         return _verify_folder(text, storage_options)
