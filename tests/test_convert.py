@@ -27,6 +27,7 @@ from ddpstate._streaming.pickle_scan import scan_pickle
 from ddpstate._streaming.stream import Sink
 from ddpstate._streaming.zipwriter import ZipWriter
 from ddpstate.convert import (
+    StateEdit,
     convert_file,
     default_destination,
     diff_files,
@@ -621,3 +622,41 @@ def test_pickles_cannot_alter_the_stand_ins() -> None:
     record = scan_pickle(io.BytesIO(data), storage).obj["w"]
     assert isinstance(record, TensorRecord) and record.dtype == "float8_e5m2"
     assert not record.requires_grad
+
+
+def test_old_argument_names_still_work_and_name_the_new_ones(tmp_path: Path) -> None:
+    src = tmp_path / "dp.pt"
+    optimizer = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    torch.save({"state_dict": {"module.w": torch.ones(2)}, "optimizer": optimizer}, src)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = convert_file(
+            src, tmp_path / "old.pt", strip_prefix="module.", drop_optimizer=True, to="pt",
+            unsafe=False,
+        )  # fmt: skip
+    said = " ".join(str(w.message) for w in caught)
+    for new in ("edit=StateEdit(strip_prefix='module.')", "format='pt'", "weights_only=True"):
+        assert new in said, said
+    edit = StateEdit(strip_prefix="module.", drop_optimizer=True)
+    new_result = convert_file(src, tmp_path / "new.pt", edit=edit, format="pt")
+    assert (
+        (old.renamed, old.dropped)
+        == (new_result.renamed, new_result.dropped)
+        == (1, ("optimizer",))
+    )
+    assert (tmp_path / "old.pt").read_bytes() == (tmp_path / "new.pt").read_bytes()
+    with pytest.warns(DeprecationWarning, match=r"inspect_file\(unsafe=...\).*weights_only=False"):
+        assert inspect_file(src, unsafe=True).state_dict_path == "state_dict"
+    with pytest.warns(DeprecationWarning, match=r"verify_file\(unsafe=...\).*weights_only=False"):
+        assert verify_file(src, unsafe=True).ok
+    with pytest.warns(DeprecationWarning, match=r"diff_files\(unsafe=...\).*weights_only=False"):
+        assert diff_files(src, src, unsafe=True).equal
+    with pytest.raises(TypeError, match="unexpected keyword argument 'strip'"):
+        convert_file(src, strip="module.")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'to'"):
+        inspect_file(src, to="pt")
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError, match="not both"):
+        convert_file(src, edit=StateEdit(), key="state_dict")
+    with pytest.raises(InvalidArgumentError, match="pass format= only"):
+        convert_file(src, format="pt", to="pt")
+    with pytest.raises(InvalidArgumentError, match="at most one of strip_prefix"):
+        StateEdit(strip_prefix="module.", normalize=True)
