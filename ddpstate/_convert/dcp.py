@@ -10,9 +10,10 @@ one ``.pt``/``.safetensors`` file, or writes a file's state as a DCP folder.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import torch
@@ -33,7 +34,7 @@ from ddpstate._dcp import read as _dcp_read
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
 from ddpstate._io.safetensors_io import write_safetensors
-from ddpstate._manifest import verify_checkpoint
+from ddpstate._manifest import MANIFEST_NAME, verify_checkpoint
 from ddpstate.checkpoint import load
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -47,19 +48,13 @@ from ddpstate.formats import PT, SAFETENSORS
 
 __all__ = ["convert_from_dcp", "convert_to_dcp", "inspect_dcp", "verify_dcp"]
 
-#: The manifest ddpstate commits a checkpoint folder with (``manager.py``'s name).
-_MANIFEST = "manifest.json"
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def _nbytes(entry: Any) -> int:
-    numel = 1
-    for n in entry.size:
-        numel *= int(n)
-    return numel * int(entry.properties.dtype.itemsize)
+    return math.prod(int(n) for n in entry.size) * int(entry.properties.dtype.itemsize)
 
 
 def _file_sizes(path: str, storage_options: Optional[dict[str, Any]]) -> dict[str, int]:
@@ -88,15 +83,17 @@ def _describe(value: Any, role: Optional[str]) -> str:
     return counted(f"{type(value).__name__} of {len(value)} entries", role, count, size)
 
 
-def _leaves(value: Any) -> Any:
+def _flat(value: Any, name: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted name, leaf)`` for every leaf of a nested state."""
     if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _leaves(v)
+        items: Iterable[tuple[Any, Any]] = value.items()
     elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
+        items = enumerate(value)
     else:
-        yield value
+        yield name, value
+        return
+    for k, v in items:
+        yield from _flat(v, f"{name}.{k}" if name else str(k))
 
 
 def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -> InspectResult:
@@ -133,7 +130,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
         f"{tensor_count} tensors stored as {chunks} chunk(s) in {len(files)} file(s); "
         f"shapes are those of the whole (consolidated) tensors"
     )
-    items = list(sd.items()) if sd is not None else [(fqn, v) for fqn, v in _flat(tree)]
+    items = list(sd.items()) if sd is not None else list(_flat(tree))
     rows = [
         TensorInfo(
             str(k), _dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size(), "cpu"
@@ -156,16 +153,6 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
         tensors=tuple(rows),
         notes=tuple(notes),
     )
-
-
-def _flat(tree: Any, prefix: str = "") -> Any:
-    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
-    for k, v in items:
-        name = f"{prefix}{k}"
-        if isinstance(v, (Mapping, list)):
-            yield from _flat(v, f"{name}.")
-        else:
-            yield name, v
 
 
 # --------------------------------------------------------------------------- verify
@@ -229,12 +216,12 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
         isinstance(e, TensorStorageMetadata) for e in metadata.state_dict_metadata.values()
     )
     read = sizes.get(_dcp_read.METADATA_FILE, 0)
-    if _MANIFEST in sizes:
+    if MANIFEST_NAME in sizes:
         found = verify_checkpoint(path, storage_options=storage_options)
         problems.extend(found.problems)
         notes.extend(found.notes)
         read += found.bytes_read
-        notes.append(f"{found.files} file(s) checked against {_MANIFEST} (sizes and CRC-32)")
+        notes.append(f"{found.files} file(s) checked against {MANIFEST_NAME} (sizes and CRC-32)")
     else:
         notes.append(
             f"{len(needed)} data file(s) present and long enough; DCP records no checksums, "
@@ -254,7 +241,7 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
 
 
 def _tensor_stats(value: Any) -> tuple[int, int]:
-    tensors = [v for v in _leaves(value) if isinstance(v, torch.Tensor)]
+    tensors = [v for _, v in _flat(value) if isinstance(v, torch.Tensor)]
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, NamedTuple, Optional, Union
 
 from ddpstate import formats, storage
@@ -18,7 +19,7 @@ from ddpstate._convert.common import (
     same_file,
 )
 from ddpstate._convert.results import ConvertResult
-from ddpstate._convert.tensor_data import load_tensor, native_byteorder
+from ddpstate._convert.tensor_data import load_tensor
 from ddpstate._convert.writers import (
     alias_notes,
     copied_pickle,
@@ -328,7 +329,7 @@ def _write_file(
 def _plan_casts(ckpt: Checkpoint, tree: Any, dtype: Optional[str]) -> Optional[Casts]:
     if dtype is None:
         return None
-    if ckpt.byteorder != native_byteorder():
+    if ckpt.byteorder != sys.byteorder:
         raise CheckpointFormatError(
             f"{ckpt.path}: its tensors are stored {ckpt.byteorder}-endian; convert it without "
             f"--dtype first, load it and save it again on this machine, then cast"
