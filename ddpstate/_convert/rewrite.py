@@ -68,14 +68,14 @@ def convert_file(
     safetensors: the header is rewritten and the data copied. Across formats,
     one tensor at a time. Legacy (pre-1.6) files are streamed the same way.
     Key rules are :mod:`ddpstate.keys`' own, applied to the model state dict
-    :func:`ddpstate.keys.find_state_dict` locates (or ``key``); everything else
+    :func:`ddpstate.keys.find_state_dict` locates (or ``edit.key``); everything else
     in the checkpoint comes through unchanged. The output is written atomically
     and every storage is tagged ``cpu``, so it loads without ``map_location``
     on a machine without a GPU. No code from the file runs.
 
     A ``torch.distributed.checkpoint`` folder as ``src`` is consolidated into
     one ``.pt`` or ``.safetensors`` file (read whole, with torch: DCP has no
-    streaming reader); ``to="dcp"`` writes a file's state as a DCP folder,
+    streaming reader); ``format="dcp"`` writes a file's state as a DCP folder,
     under a temporary name first and renamed into place when complete.
 
     Args:
@@ -87,6 +87,10 @@ def convert_file(
             (``.safetensors``; ``.pt``, ``.pth``, ``.bin``, ``.ckpt``), else the source's kind.
             safetensors output holds the model state dict only; ``"dcp"`` writes
             ``dst`` as a ``torch.distributed.checkpoint`` folder (local, required).
+        max_shard_size: Write ``dst`` as a folder in the Hugging Face sharded
+            layout (``model-00001-of-0000N.safetensors`` shards of at most this
+            size, ``"2GB"``, ``"500MB"``, ``"1.5GiB"`` or bytes, and
+            ``model.safetensors.index.json``), atomically as a whole; safetensors only.
         in_place: Replace ``src`` itself (atomically).
         overwrite: Replace an existing ``dst``.
         weights_only: ``False`` accepts pickles naming globals
@@ -98,10 +102,6 @@ def convert_file(
             crash can leave the new file empty. Refused with ``in_place``,
             where the output replaces the only copy.
         storage_options: fsspec options for URLs.
-        max_shard_size: Write ``dst`` as a folder in the Hugging Face sharded
-            layout (``model-00001-of-0000N.safetensors`` shards of at most this
-            size, ``"2GB"``, ``"500MB"``, ``"1.5GiB"`` or bytes, and
-            ``model.safetensors.index.json``), atomically as a whole; safetensors only.
         **legacy: The old names, each with a ``DeprecationWarning``: ``to=`` (now
             ``format=``), ``unsafe=`` (now ``weights_only=``, inverted) and
             ``strip_prefix=``, ``add_prefix=``, ``normalize=``, ``key=``,
