@@ -449,19 +449,24 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
 # --------------------------------------------------------------------------- entry point
 
 
-# The Python argument an error concerns -> the option that sets it. Library messages
-# spell an argument `name=value`; the command line says the option instead.
+# How a library message spells a Python argument -> the option that does the same.
 _FLAGS = {
-    "key": "--key",
-    "in_place": "--in-place",
-    "overwrite": "--force",
-    "unsafe": "--unsafe",
-    "weights_only": "--unsafe",
+    "key=": "--key",  # followed by the value, if any: key='model.ema' -> --key model.ema
+    "in_place=True": "--in-place",
+    "overwrite=True": "--force",
+    "unsafe=True": "--unsafe",
+    "weights_only=False": "--unsafe",
 }
-# One pattern from the table: a name counts only where it starts a word that is not
+# The argument an error carries (DDPStateError.argument) -> its option.
+_ARGUMENT_FLAGS = {spelled.split("=")[0]: flag for spelled, flag in _FLAGS.items()}
+# One pattern from the table: a spelling counts only where it starts a word that is not
 # part of a path (no letter, digit, _ . / \\ - or : before it).
 _SPELLED = re.compile(
-    r"(?<![\w./\\:-])(" + "|".join(_FLAGS) + r")=('[^']*'|\"[^\"]*\"|True\b|False\b)?"
+    r"(?<![\w./\\:-])(?:"
+    + "|".join(
+        re.escape(s) + (r"(?:'[^']*'|\"[^\"]*\")?" if s.endswith("=") else r"\b") for s in _FLAGS
+    )
+    + ")"
 )
 # A pickled module's fix, which Python users make with .state_dict(), on the command line.
 _STATE_DICT_FIX = ("load it with --unsafe and call .state_dict()", "load it with --unsafe "
@@ -469,8 +474,11 @@ _STATE_DICT_FIX = ("load it with --unsafe and call .state_dict()", "load it with
 
 
 def _flag(match: re.Match[str]) -> str:
-    flag, value = _FLAGS[match[1]], match[2]
-    return flag if value in (None, "True", "False") else f"{flag} {value[1:-1]}"
+    for spelled, flag in _FLAGS.items():
+        if match[0].startswith(spelled):
+            value = match[0][len(spelled) :]
+            return f"{flag} {value[1:-1]}" if value else flag
+    raise AssertionError(match[0])  # the pattern matches only the table's spellings
 
 
 def _cli_terms(message: str, typed: Sequence[str] = (), argument: Optional[str] = None) -> str:
@@ -487,7 +495,7 @@ def _cli_terms(message: str, typed: Sequence[str] = (), argument: Optional[str] 
         message = message.replace(
             fix, "pass --unsafe (only for files you trust) to read its parameters"
         )
-    named = _FLAGS.get(argument or "")
+    named = _ARGUMENT_FLAGS.get(argument or "")
     if named is not None and named not in message:
         message += f" ({named})"
     for mask, value in masks.items():

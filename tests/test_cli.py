@@ -347,7 +347,7 @@ def test_option_names_never_rewrite_paths(
 def test_an_error_about_an_argument_names_its_option(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ddpstate.cli import _FLAGS, main
+    from ddpstate.cli import _ARGUMENT_FLAGS, _cli_terms, main
 
     src = tmp_path / "ck.pt"
     torch.save({"epoch": 3, "model": {"module.w": torch.zeros(1)}}, src)
@@ -361,4 +361,9 @@ def test_an_error_about_an_argument_names_its_option(
     assert info.value.argument == "key"
     with pytest.raises(ddpstate.errors.CheckpointExistsError) as exists:
         ddpstate.convert_file(src, src)
-    assert exists.value.argument == "in_place" and _FLAGS["in_place"] == "--in-place"
+    assert exists.value.argument == "in_place" and _ARGUMENT_FLAGS["in_place"] == "--in-place"
+    # Only the value the option sets is rewritten: weights_only=True is torch's own call.
+    text = "it names globals torch.load(weights_only=True) refuses: pass --unsafe (unsafe=True)"
+    assert (
+        _cli_terms(text) == "it names globals torch.load(weights_only=True) refuses: pass --unsafe"
+    )
