@@ -203,16 +203,11 @@ def diff_files(
         try:
             for k in shared:
                 va, vb = sd_a[k], sd_b[k]
-                if not (isinstance(va, TensorRecord) and isinstance(vb, TensorRecord)):
-                    if (
-                        isinstance(va, TensorRecord)
-                        or isinstance(vb, TensorRecord)
-                        or (describe(va) != describe(vb))
-                    ):
-                        mismatched.append((str(k), describe(va), describe(vb)))
-                    continue
-                if va.shape != vb.shape or va.dtype != vb.dtype:
-                    mismatched.append((str(k), describe(va), describe(vb)))
+                # A tensor's description is its dtype and shape: equal ones are comparable.
+                what_a, what_b = describe(va), describe(vb)
+                if what_a != what_b:
+                    mismatched.append((str(k), what_a, what_b))
+                if what_a != what_b or not isinstance(va, TensorRecord):
                     continue
                 diffs[str(k)] = _max_abs_diff(load_tensor(ca, va), load_tensor(cb, vb))
                 bar.update(va.nbytes + vb.nbytes)
