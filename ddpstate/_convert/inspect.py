@@ -116,19 +116,13 @@ def inspect_file(
         for storage in ckpt.storages:
             dtype_bytes[dtype_of.get(id(storage), storage.dtype)] += storage.nbytes
             devices[storage.location] += 1
-        rows: list[TensorInfo] = []
-        if sd is not None:
-            items = list(sd.items())
-        else:
-            items = [(dotted(p) or "", r) for p, r in iter_tensors(root)]
-        for name, value in items:
-            if isinstance(value, TensorRecord):
-                rows.append(
-                    TensorInfo(str(name), value.dtype, value.shape, value.nbytes,
-                               value.storage.location)
-                )  # fmt: skip
-            else:
-                rows.append(TensorInfo(str(name), describe(value), (), 0, ""))
+        every = ((dotted(p) or "", r) for p, r in iter_tensors(root))  # no state dict
+        rows = tuple(
+            TensorInfo(str(name), value.dtype, value.shape, value.nbytes, value.storage.location)
+            if isinstance(value, TensorRecord)
+            else TensorInfo(str(name), describe(value), (), 0, "")
+            for name, value in (sd.items() if sd is not None else every)
+        )
         prefixes = tuple(keys.detect_prefixes(sd)) if sd is not None else ()
         return InspectResult(
             path=ckpt.path,
@@ -141,7 +135,7 @@ def inspect_file(
             prefixes=prefixes,
             state_dict_path=dotted(path),
             structure=structure(root, path, _summary),
-            tensors=tuple(rows),
+            tensors=rows,
             unsafe_globals=ckpt.unsafe_globals,
             problems=tuple(ckpt.problems),
             notes=tuple(notes),
