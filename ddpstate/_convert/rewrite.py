@@ -29,9 +29,9 @@ from ddpstate._convert.writers import (
 )
 from ddpstate._fs import PathLike
 from ddpstate._gc import gc_paused
-from ddpstate._hf.index import folder_of
-from ddpstate._hf.write import parse_size
+from ddpstate._layout.hf_index import folder_of
 from ddpstate._streaming.cast import Casts, target_dtype
+from ddpstate._streaming.hf_write import parse_size
 from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import is_pickled_module, iter_tensors
 from ddpstate._streaming.progress import Progress

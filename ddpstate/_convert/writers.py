@@ -12,7 +12,6 @@ from typing import IO, Any, Optional
 from ddpstate import formats
 from ddpstate._convert.common import describe
 from ddpstate._convert.tensor_data import load_tensor, storage_bytes, torch_dtype
-from ddpstate._hf import write as _hf_write
 from ddpstate._layout.safetensors import (
     CODES,
     STATE_DICT_METADATA_KEY,
@@ -21,6 +20,7 @@ from ddpstate._layout.safetensors import (
     find_aliases,
     state_dict_metadata_json,
 )
+from ddpstate._streaming import hf_write as _hf_write
 from ddpstate._streaming.cast import Casts
 from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle
 from ddpstate._streaming.pickle_rewrite import rename_keys
