@@ -14,6 +14,7 @@ from typing import IO, Any, NoReturn, Optional
 from ddpstate import formats
 from ddpstate._streaming.progress import human_bytes
 from ddpstate._version import __version__
+from ddpstate.convert import StateEdit, convert_file, diff_files, inspect_file, verify_file
 from ddpstate.errors import DDPStateError, InvalidArgumentError
 from ddpstate.formats import DESCRIPTIONS, MANAGER, PT, SAFETENSORS, FormatName, parse_format
 
@@ -143,25 +144,38 @@ def _key_rule(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog="ddpstate",
         description="Convert, inspect, compare and verify PyTorch checkpoint files, streaming.",
         epilog=_MAIN_EPILOG,
-        formatter_class=formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"ddpstate {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
+    for add in (_add_convert, _add_inspect, _add_diff, _add_verify):
+        add(commands)
+    return parser
 
-    convert = commands.add_parser(
-        "convert",
+
+def _command(
+    commands: Any, name: str, func: Any, epilog: str, help: str, description: str
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=help, description=description, epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _add_convert(commands: Any) -> None:
+    convert = _command(
+        commands, "convert", _cmd_convert, _CONVERT_EPILOG,
         help="rewrite keys or format without loading the file into memory",
         description="Rewrite a checkpoint's model keys or format, streaming: constant memory, "
         "about the time of a copy.",
-        epilog=_CONVERT_EPILOG,
-        formatter_class=formatter,
-    )
+    )  # fmt: skip
     convert.add_argument(
         "src",
         metavar="SRC",
@@ -206,16 +220,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "loss can leave DST empty (not with --in-place)",
     )  # fmt: skip
     _add_common(convert)
-    convert.set_defaults(func=_cmd_convert)
 
-    inspect = commands.add_parser(
-        "inspect",
+
+def _add_inspect(commands: Any) -> None:
+    inspect = _command(
+        commands, "inspect", _cmd_inspect, _INSPECT_EPILOG,
         help="describe a checkpoint from its headers only",
         description="Show format, sizes, dtypes, devices, wrapper prefixes, structure and keys. "
         "Reads headers and the pickle structure only, never tensor data.",
-        epilog=_INSPECT_EPILOG,
-        formatter_class=formatter,
-    )
+    )  # fmt: skip
     inspect.add_argument(
         "src",
         metavar="SRC",
@@ -223,16 +236,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_common(inspect, progress=False)
-    inspect.set_defaults(func=_cmd_inspect)
 
-    diff = commands.add_parser(
-        "diff",
+
+def _add_diff(commands: Any) -> None:
+    diff = _command(
+        commands, "diff", _cmd_diff, _DIFF_EPILOG,
         help="compare two checkpoints' model weights",
         description="Compare the model state dicts of two checkpoints: keys only in one, "
         "shape/dtype mismatches, and the largest absolute difference per tensor.",
-        epilog=_DIFF_EPILOG,
-        formatter_class=formatter,
-    )
+    )  # fmt: skip
     diff.add_argument("a", metavar="A", help="first checkpoint file (or sharded folder)")
     diff.add_argument("b", metavar="B", help="second checkpoint file (or sharded folder)")
     _add_key_options(diff)
@@ -246,19 +258,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     diff.add_argument("--json", action="store_true", help="print JSON")
     _add_common(diff)
-    diff.set_defaults(func=_cmd_diff)
 
-    verify = commands.add_parser(
-        "verify",
+
+def _add_verify(commands: Any) -> None:
+    verify = _command(
+        commands, "verify", _cmd_verify, _VERIFY_EPILOG,
         help="check a checkpoint file or CheckpointManager folder is intact",
         description="Read a checkpoint end to end: every record present, of the right size, "
         "and matching its CRC-32 (torch.save files). For a CheckpointManager step folder or "
         "directory: the manifest (commit marker), every file's size and CRC-32, and the latest "
         "pointer. For a Hugging Face sharded folder: every shard as above, every key in exactly "
         "the shard its index names, and the index's total_size.",
-        epilog=_VERIFY_EPILOG,
-        formatter_class=formatter,
-    )
+    )  # fmt: skip
     verify.add_argument(
         "src", metavar="SRC",
         help="checkpoint file, CheckpointManager step folder or directory, Hugging Face "
@@ -266,8 +277,6 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     verify.add_argument("--json", action="store_true", help="print JSON")
     _add_common(verify)
-    verify.set_defaults(func=_cmd_verify)
-    return parser
 
 
 def _non_negative_float(text: str) -> float:
@@ -296,8 +305,6 @@ def _list(items: Sequence[str], limit: int = 8) -> str:
 
 
 def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
-    from ddpstate.convert import convert_file
-
     if args.in_place and args.dst is not None:
         raise _UsageError("convert: pass DST or --in-place, not both (see ddpstate convert --help)")
     if args.in_place and args.no_fsync:
@@ -305,17 +312,16 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
             "convert: --in-place replaces the only copy of SRC and needs fsync; drop "
             "--no-fsync or name a DST (see ddpstate convert --help)"
         )
+    edit = StateEdit(**_key_rule(args), drop_optimizer=args.drop_optimizer, dtype=args.dtype)
     result = convert_file(
         args.src,
         args.dst,
-        **_key_rule(args),
-        to=args.to,
-        dtype=args.dtype,
+        edit=edit,
+        format=args.to,
         max_shard_size=args.max_shard_size,
-        drop_optimizer=args.drop_optimizer,
         in_place=args.in_place,
         overwrite=args.force,
-        unsafe=args.unsafe,
+        weights_only=not args.unsafe,
         progress=not args.quiet,
         fsync=not args.no_fsync,
     )
@@ -345,9 +351,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
-    from ddpstate.convert import inspect_file
-
-    info = inspect_file(args.src, unsafe=args.unsafe)
+    info = inspect_file(args.src, weights_only=not args.unsafe)
     if args.json:
         print(json.dumps(info.to_dict(), indent=2), file=out)
         return 0
@@ -394,10 +398,8 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
-    from ddpstate.convert import diff_files
-
     result = diff_files(
-        args.a, args.b, raw_keys=args.raw_keys, atol=args.atol, unsafe=args.unsafe,
+        args.a, args.b, raw_keys=args.raw_keys, atol=args.atol, weights_only=not args.unsafe,
         progress=not args.quiet, **_key_rule(args),
     )  # fmt: skip
     if args.json:
@@ -423,9 +425,7 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
-    from ddpstate.convert import verify_file
-
-    result = verify_file(args.src, unsafe=args.unsafe, progress=not args.quiet)
+    result = verify_file(args.src, weights_only=not args.unsafe, progress=not args.quiet)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2), file=out)
         return 0 if result.ok else 1
@@ -449,34 +449,55 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
 # --------------------------------------------------------------------------- entry point
 
 
-# The library's messages name Python arguments; on the command line the user typed
-# options, so the messages say those instead. A name counts only where it starts a
-# word that is not part of a path (no letter, digit, _ . / \\ - or : before it), and
-# the paths the user typed are masked first, so "/runs/key=a/x.pt" stays as it is.
-_ARG = r"(?<![\w./\\:-])"
-_OPTION_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(pattern), replacement)
-    for pattern, replacement in (
-        (r" \((?:in_place|overwrite|unsafe)=True\)", ""),  # the option is named just before
-        (r"load it with weights_only=False and (?:use its|call) \.state_dict\(\)",
-         "pass --unsafe (only for files you trust) to read its parameters"),
-        (_ARG + r"key=(['\"])(.*?)\1", r"--key \2"),
-        (_ARG + r"key=", "--key"),
-        (_ARG + r"in_place=True\b", "--in-place"),
-        (_ARG + r"overwrite=True\b", "--force"),
-        (_ARG + r"(?:unsafe=True|weights_only=False)", "--unsafe"),
+# How a library message spells a Python argument -> the option that does the same.
+_FLAGS = {
+    "key=": "--key",  # followed by the value, if any: key='model.ema' -> --key model.ema
+    "in_place=True": "--in-place",
+    "overwrite=True": "--force",
+    "unsafe=True": "--unsafe",
+    "weights_only=False": "--unsafe",
+}
+# The argument an error carries (DDPStateError.argument) -> its option.
+_ARGUMENT_FLAGS = {spelled.split("=")[0]: flag for spelled, flag in _FLAGS.items()}
+# One pattern from the table: a spelling counts only where it starts a word that is not
+# part of a path (no letter, digit, _ . / \\ - or : before it).
+_SPELLED = re.compile(
+    r"(?<![\w./\\:-])(?:"
+    + "|".join(
+        re.escape(s) + (r"(?:'[^']*'|\"[^\"]*\")?" if s.endswith("=") else r"\b") for s in _FLAGS
     )
-)  # fmt: skip
+    + ")"
+)
+# A pickled module's fix, which Python users make with .state_dict(), on the command line.
+_STATE_DICT_FIX = ("load it with --unsafe and call .state_dict()", "load it with --unsafe "
+                   "and use its .state_dict()")  # fmt: skip
 
 
-def _cli_terms(message: str, typed: Sequence[str] = ()) -> str:
+def _flag(match: re.Match[str]) -> str:
+    for spelled, flag in _FLAGS.items():
+        if match[0].startswith(spelled):
+            value = match[0][len(spelled) :]
+            return f"{flag} {value[1:-1]}" if value else flag
+    raise AssertionError(match[0])  # the pattern matches only the table's spellings
+
+
+def _cli_terms(message: str, typed: Sequence[str] = (), argument: Optional[str] = None) -> str:
+    """``message`` naming options, not Python arguments (``typed`` values kept verbatim)."""
     masks: dict[str, str] = {}
     for i, value in enumerate(sorted(set(typed), key=len, reverse=True)):
         if len(value) > 1 and not value.startswith("-") and value in message:
             masks[f"\x00{i}\x00"] = value
             message = message.replace(value, f"\x00{i}\x00")
-    for pattern, replacement in _OPTION_NAMES:
-        message = pattern.sub(replacement, message)
+    message = _SPELLED.sub(_flag, message)
+    for flag in set(_FLAGS.values()):
+        message = message.replace(f"{flag} ({flag})", flag)  # "pass --force (overwrite=True)"
+    for fix in _STATE_DICT_FIX:
+        message = message.replace(
+            fix, "pass --unsafe (only for files you trust) to read its parameters"
+        )
+    named = _ARGUMENT_FLAGS.get(argument or "")
+    if named is not None and named not in message:
+        message += f" ({named})"
     for mask, value in masks.items():
         message = message.replace(mask, value)
     return message
@@ -485,7 +506,7 @@ def _cli_terms(message: str, typed: Sequence[str] = ()) -> str:
 def _one_line(exc: BaseException, typed: Sequence[str] = ()) -> str:
     text = " ".join(str(exc).split())
     if isinstance(exc, DDPStateError):
-        text = _cli_terms(text, typed)
+        text = _cli_terms(text, typed, exc.argument)
     return text or type(exc).__name__
 
 

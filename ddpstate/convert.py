@@ -3,7 +3,8 @@
 The public names of the ``ddpstate`` file commands; each lives in its own module of
 :mod:`ddpstate._convert` (``rewrite``: :func:`convert_file`, ``inspect``:
 :func:`inspect_file`, ``diff``: :func:`diff_files`, ``verify``: :func:`verify_file`,
-``results``: the result types), which import torch only where tensors are needed.
+``results``: the result types; ``common``: :class:`StateEdit`, what a conversion
+changes), which import torch only where tensors are needed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Final
 
 from ddpstate import formats
-from ddpstate._convert.common import default_destination
+from ddpstate._convert.common import StateEdit, default_destination
 from ddpstate._convert.diff import diff_files
 from ddpstate._convert.inspect import inspect_file
 from ddpstate._convert.results import (
@@ -27,6 +28,7 @@ from ddpstate._convert.verify import verify_file
 __all__ = [
     "ConvertResult",
     "DiffResult",
+    "StateEdit",
     "InspectResult",
     "TensorInfo",
     "VerifyResult",

@@ -8,6 +8,7 @@ involved and says what to do about it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional, TypeVar
 
 __all__ = [
     "DDPStateError",
@@ -38,7 +39,29 @@ __all__ = [
 
 
 class DDPStateError(Exception):
-    """Base class of every error ddpstate raises for a cause the user can fix."""
+    """Base class of every error ddpstate raises for a cause the user can fix.
+
+    Attributes:
+        argument: The Python argument whose value caused the error or would fix
+            it (``"key"``, ``"in_place"``, ``"overwrite"``, ``"weights_only"``), where
+            known; the ``ddpstate`` command names its option instead.
+    """
+
+    argument: Optional[str] = None
+
+
+_E = TypeVar("_E", bound=DDPStateError)
+
+
+def concerning(argument: str, error: _E) -> _E:
+    """``error`` marked as concerning the Python argument ``argument``; returns it.
+
+    Example:
+        >>> concerning("key", DDPStateError("no entry 'x'")).argument
+        'key'
+    """
+    error.argument = argument
+    return error
 
 
 class CheckpointNotFoundError(DDPStateError, FileNotFoundError):

@@ -14,6 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+import ddpstate
+import ddpstate.convert
+import ddpstate.errors
 from ddpstate import formats, keys
 from tests.payloads import RunsCommand
 from tests.samples import RESNET20, data_offset
@@ -339,3 +342,28 @@ def test_option_names_never_rewrite_paths(
     # Paths the user did not type (found inside a folder) are left alone too.
     text = "cannot read /data/key=b/unsafe=True/x.pt (key='model')"
     assert _cli_terms(text) == "cannot read /data/key=b/unsafe=True/x.pt (--key model)"
+
+
+def test_an_error_about_an_argument_names_its_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpstate.cli import _ARGUMENT_FLAGS, _cli_terms, main
+
+    src = tmp_path / "ck.pt"
+    torch.save({"epoch": 3, "model": {"module.w": torch.zeros(1)}}, src)
+    # keys.find_state_dict's message says "pass the key of the model state dict";
+    # the error carries argument="key", so the command names --key.
+    assert main(["convert", str(src), "--key", "epoch", "--strip-module", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "not a state dict" in err and err.rstrip().endswith("(--key)"), err
+    with pytest.raises(ddpstate.errors.StateDictNotFoundError) as info:
+        ddpstate.convert_file(src, edit=ddpstate.convert.StateEdit(key="epoch"))
+    assert info.value.argument == "key"
+    with pytest.raises(ddpstate.errors.CheckpointExistsError) as exists:
+        ddpstate.convert_file(src, src)
+    assert exists.value.argument == "in_place" and _ARGUMENT_FLAGS["in_place"] == "--in-place"
+    # Only the value the option sets is rewritten: weights_only=True is torch's own call.
+    text = "it names globals torch.load(weights_only=True) refuses: pass --unsafe (unsafe=True)"
+    assert (
+        _cli_terms(text) == "it names globals torch.load(weights_only=True) refuses: pass --unsafe"
+    )

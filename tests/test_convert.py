@@ -27,6 +27,7 @@ from ddpstate._streaming.pickle_scan import scan_pickle
 from ddpstate._streaming.stream import Sink
 from ddpstate._streaming.zipwriter import ZipWriter
 from ddpstate.convert import (
+    StateEdit,
     convert_file,
     default_destination,
     diff_files,
@@ -142,7 +143,7 @@ def test_strip_matches_the_in_memory_rules(tmp_path: Path, name: str) -> None:
     path, sd = keys.find_state_dict(loaded)
     expected = keys.replace_state_dict(loaded, path, keys.strip_prefix(sd, prefix))
 
-    result = convert_file(src, strip_prefix=prefix)
+    result = convert_file(src, edit=StateEdit(strip_prefix=prefix))
 
     assert result.dst == str(tmp_path / "src.converted.pt")
     assert result.renamed == len(sd) and result.state_dict_path == ".".join(path)
@@ -152,7 +153,7 @@ def test_strip_matches_the_in_memory_rules(tmp_path: Path, name: str) -> None:
     plain = Net()
     plain.load_state_dict(keys.find_state_dict(out)[1])
     # Converting the converted file again changes nothing, to the byte.
-    again = convert_file(result.dst, tmp_path / "again.pt", strip_prefix=prefix)
+    again = convert_file(result.dst, tmp_path / "again.pt", edit=StateEdit(strip_prefix=prefix))
     assert again.renamed == 0
     assert (tmp_path / "again.pt").read_bytes() == Path(result.dst).read_bytes()
 
@@ -162,9 +163,9 @@ def test_conflicting_arguments_are_named_and_leave_the_source_alone(tmp_path: Pa
     torch.save({"module.w": torch.ones(3)}, src)
     before = src.read_bytes()
     with pytest.raises(InvalidArgumentError, match="needs fsync"):
-        convert_file(src, in_place=True, strip_prefix="module.", fsync=False)
+        convert_file(src, edit=StateEdit(strip_prefix="module."), in_place=True, fsync=False)
     with pytest.raises(ValueError, match="at most one"):  # still a ValueError for old handlers
-        convert_file(src, strip_prefix="module.", normalize=True)
+        convert_file(src, edit=StateEdit(strip_prefix="module.", normalize=True))
     assert src.read_bytes() == before and os.listdir(tmp_path) == ["dp.pt"]
 
 
@@ -173,9 +174,9 @@ def test_normalize_and_add_prefix_match_keys(tmp_path: Path) -> None:
     sd = torch.compile(nn.DataParallel(net), backend="eager").state_dict()
     src = tmp_path / "mixed.pt"
     torch.save(sd, src)
-    convert_file(src, tmp_path / "norm.pt", normalize=True)
+    convert_file(src, tmp_path / "norm.pt", edit=StateEdit(normalize=True))
     assert_same(torch.load(tmp_path / "norm.pt"), keys.normalize_keys(torch.load(src)))
-    convert_file(tmp_path / "norm.pt", tmp_path / "dp.pt", add_prefix="module.")
+    convert_file(tmp_path / "norm.pt", tmp_path / "dp.pt", edit=StateEdit(add_prefix="module."))
     assert_same(
         torch.load(tmp_path / "dp.pt"), keys.add_prefix(torch.load(tmp_path / "norm.pt"), "module.")
     )
@@ -187,7 +188,7 @@ def test_tensor_records_are_copied_byte_for_byte_and_load_with_mmap(
     ckpt, _ = _checkpoints()["nested"]
     src = tmp_path / "src.pt"
     torch.save(ckpt, src)
-    dst = convert_file(src, strip_prefix="module.").dst
+    dst = convert_file(src, edit=StateEdit(strip_prefix="module.")).dst
     with zipfile.ZipFile(src) as a, zipfile.ZipFile(dst) as b:
         old = sorted(a.read(n) for n in a.namelist() if "/data/" in n)
         new = sorted(b.read(n) for n in b.namelist() if "/data/" in n)
@@ -229,7 +230,7 @@ def test_output_storages_are_tagged_cpu(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(src, weights_only=True)
     assert inspect_file(src).devices == {"cuda:0": 1}
-    dst = convert_file(src, strip_prefix="module.").dst
+    dst = convert_file(src, edit=StateEdit(strip_prefix="module.")).dst
     assert inspect_file(dst).devices == {"cpu": 1}
     assert_same(torch.load(dst, weights_only=True), {"w": torch.arange(4.0)})
 
@@ -253,14 +254,14 @@ def test_views_shared_storages_parameters_and_dtypes(tmp_path: Path) -> None:
     )
     src = tmp_path / "views.pt"
     torch.save(sd, src)
-    dst = convert_file(src, strip_prefix="module.").dst
+    dst = convert_file(src, edit=StateEdit(strip_prefix="module.")).dst
     out = torch.load(dst, weights_only=True)
     assert_same(out, keys.strip_prefix(torch.load(src, weights_only=True)))
     assert type(out["p"]) is nn.Parameter and out["p"].requires_grad
     assert out["view"].untyped_storage().data_ptr() == out["base"].untyped_storage().data_ptr()
     assert out["tied"] is out["base"]
 
-    st = convert_file(dst, to="safetensors")
+    st = convert_file(dst, format="safetensors")
     assert st.dst == str(tmp_path / "views.converted.safetensors")
     header = safetensors.torch.load_file(st.dst)
     assert "tied" not in header  # written once ...
@@ -277,7 +278,7 @@ def test_safetensors_round_trip_and_metadata(tmp_path: Path) -> None:
     src = tmp_path / "m.pt"
     torch.save({"epoch": 2, "state_dict": sd, "optimizer": {"state": {}, "param_groups": []}}, src)
 
-    result = convert_file(src, to="safetensors", strip_prefix="module.")
+    result = convert_file(src, edit=StateEdit(strip_prefix="module."), format="safetensors")
     assert result.dst == str(tmp_path / "m.safetensors")
     assert result.left_out == ("epoch", "optimizer")
     expected = keys.strip_prefix(sd)
@@ -290,11 +291,13 @@ def test_safetensors_round_trip_and_metadata(tmp_path: Path) -> None:
     assert meta["format"] == "pt" and STATE_DICT_METADATA_KEY in meta
 
     # safetensors -> safetensors: header rewritten, data copied.
-    again = convert_file(result.dst, tmp_path / "dp.safetensors", add_prefix="module.")
+    again = convert_file(
+        result.dst, tmp_path / "dp.safetensors", edit=StateEdit(add_prefix="module.")
+    )
     prefixed = keys.add_prefix(expected, "module.")
     assert_same(_in_order(read_safetensors(again.dst), prefixed), prefixed)
     # safetensors -> pt: a plain state dict that a plain model loads.
-    pt = convert_file(result.dst, tmp_path / "plain.pt", to="pt")
+    pt = convert_file(result.dst, tmp_path / "plain.pt", format="pt")
     assert_same(torch.load(pt.dst, weights_only=True), expected)
     Net().load_state_dict(torch.load(pt.dst, weights_only=True))
 
@@ -310,8 +313,10 @@ def test_key_path_and_drop_optimizer(tmp_path: Path) -> None:
     src = tmp_path / "ema.pt"
     torch.save(ckpt, src)
     with pytest.raises(StateDictNotFoundError):
-        convert_file(src, strip_prefix="module.")
-    result = convert_file(src, key="model.ema", strip_prefix="module.", drop_optimizer=True)
+        convert_file(src, edit=StateEdit(strip_prefix="module."))
+    result = convert_file(
+        src, edit=StateEdit(key="model.ema", strip_prefix="module.", drop_optimizer=True)
+    )
     assert result.dropped == ("optimizer_states", "opt")
     out = torch.load(result.dst, weights_only=True)
     assert list(out) == ["model", "epoch"]
@@ -325,20 +330,20 @@ def test_destination_rules(tmp_path: Path) -> None:
     dst = tmp_path / "b.pt"
     dst.write_bytes(b"keep me")
     with pytest.raises(CheckpointExistsError, match="--force"):
-        convert_file(src, dst, strip_prefix="module.")
+        convert_file(src, dst, edit=StateEdit(strip_prefix="module."))
     assert dst.read_bytes() == b"keep me"
-    convert_file(src, dst, strip_prefix="module.", overwrite=True)
+    convert_file(src, dst, edit=StateEdit(strip_prefix="module."), overwrite=True)
     assert list(torch.load(dst)) == ["w"]
     with pytest.raises(CheckpointExistsError, match="in-place"):
-        convert_file(src, src, strip_prefix="module.")
+        convert_file(src, src, edit=StateEdit(strip_prefix="module."))
     folder = tmp_path / "out"
     folder.mkdir()
-    assert convert_file(src, folder, to="safetensors").dst == str(folder / "a.safetensors")
+    assert convert_file(src, folder, format="safetensors").dst == str(folder / "a.safetensors")
 
     before = src.stat().st_ino
-    convert_file(src, in_place=True, strip_prefix="module.")
+    convert_file(src, edit=StateEdit(strip_prefix="module."), in_place=True)
     assert list(torch.load(src)) == ["w"] and src.stat().st_ino != before
-    untouched = convert_file(src, in_place=True, strip_prefix="module.")
+    untouched = convert_file(src, edit=StateEdit(strip_prefix="module."), in_place=True)
     assert not untouched.written and src.stat().st_ino != before
     assert sorted(os.listdir(tmp_path)) == ["a.pt", "b.pt", "out"]  # no temporary left
 
@@ -353,7 +358,7 @@ def test_real_dataparallel_sample_converts_and_loads_on_cpu(tmp_path: Path) -> N
     info = inspect_file(SAMPLE)
     assert info.format == formats.LEGACY and info.devices == {"cuda:0": 97}
     assert info.prefixes == ("module.",) and len(info.tensors) == 97
-    result = convert_file(SAMPLE, tmp_path / "resnet20.pt", strip_prefix="module.")
+    result = convert_file(SAMPLE, tmp_path / "resnet20.pt", edit=StateEdit(strip_prefix="module."))
     assert result.renamed == 97
     original = torch.load(SAMPLE, map_location="cpu", weights_only=True)
     out = torch.load(tmp_path / "resnet20.pt", weights_only=True)  # no map_location needed
@@ -424,7 +429,7 @@ def test_verify_finds_damage(tmp_path: Path) -> None:
         (tmp_path / "cut.th").write_bytes(SAMPLE.read_bytes()[:-1000])
         assert "file ends at" in " ".join(verify_file(tmp_path / "cut.th").problems)
         with pytest.raises(CheckpointCorruptError):
-            convert_file(tmp_path / "cut.th", strip_prefix="module.")
+            convert_file(tmp_path / "cut.th", edit=StateEdit(strip_prefix="module."))
         assert not (tmp_path / "cut.converted.th").exists()
     with pytest.raises(CheckpointFormatError, match="folder"):
         verify_file(tmp_path)
@@ -437,9 +442,9 @@ def test_unsafe_pickles_are_refused_and_never_run(tmp_path: Path) -> None:
     with pytest.raises(UnsafeCheckpointError, match="--unsafe") as info:
         inspect_file(src)
     assert info.value.unsafe_globals == (f"{os.system.__module__}.system",)
-    result = convert_file(src, strip_prefix="module.", unsafe=True)
-    assert inspect_file(result.dst, unsafe=True).tensors[0].name == "w"
-    assert verify_file(result.dst, unsafe=True).ok
+    result = convert_file(src, edit=StateEdit(strip_prefix="module."), weights_only=False)
+    assert inspect_file(result.dst, weights_only=False).tensors[0].name == "w"
+    assert verify_file(result.dst, weights_only=False).ok
     # The call is carried through untouched, still never made by ddpstate.
     assert not marker.exists()
     data = scan_pickle(io.BytesIO(pickle.dumps(RunsCommand(str(marker)))), lambda pid: pid)
@@ -452,10 +457,12 @@ def test_pickled_whole_module_is_named_and_read_with_unsafe(tmp_path: Path) -> N
     torch.save(nn.DataParallel(net), src)
     with pytest.raises(UnsafeCheckpointError, match=r"pickled whole nn\.Module"):
         inspect_file(src)
-    info = inspect_file(src, unsafe=True)
+    info = inspect_file(src, weights_only=False)
     assert "pickled whole nn.Module" in info.notes[0]
     assert [t.name for t in info.tensors] == list(nn.DataParallel(net).state_dict())
-    result = convert_file(src, to="safetensors", strip_prefix="module.", unsafe=True)
+    result = convert_file(
+        src, edit=StateEdit(strip_prefix="module."), format="safetensors", weights_only=False
+    )
     for key, value in net.state_dict().items():
         assert torch.equal(read_safetensors(result.dst)[key], value)
 
@@ -468,7 +475,7 @@ def test_torchscript_and_non_checkpoints_are_named(tmp_path: Path) -> None:
     text = tmp_path / "notes.txt"
     text.write_text("hello")
     with pytest.raises(CheckpointFormatError, match="not a checkpoint"):
-        convert_file(text, strip_prefix="module.")
+        convert_file(text, edit=StateEdit(strip_prefix="module."))
     assert sorted(os.listdir(tmp_path)) == ["net.ts", "notes.txt"]
 
 
@@ -562,9 +569,8 @@ def test_remote_urls_go_through_fsspec() -> None:
     with fs.open("/convert-test/a.pt", "wb") as f:
         f.write(buffer.getvalue())
     try:
-        result = convert_file(
-            "memory://convert-test/a.pt", strip_prefix="module.", drop_optimizer=True
-        )
+        edit = StateEdit(strip_prefix="module.", drop_optimizer=True)
+        result = convert_file("memory://convert-test/a.pt", edit=edit)
         assert result.dst == "memory://convert-test/a.converted.pt" and result.dropped == ()
         with fs.open("/convert-test/a.converted.pt", "rb") as f:
             out = torch.load(io.BytesIO(f.read()), weights_only=True)
@@ -621,3 +627,41 @@ def test_pickles_cannot_alter_the_stand_ins() -> None:
     record = scan_pickle(io.BytesIO(data), storage).obj["w"]
     assert isinstance(record, TensorRecord) and record.dtype == "float8_e5m2"
     assert not record.requires_grad
+
+
+def test_old_argument_names_still_work_and_name_the_new_ones(tmp_path: Path) -> None:
+    src = tmp_path / "dp.pt"
+    optimizer = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    torch.save({"state_dict": {"module.w": torch.ones(2)}, "optimizer": optimizer}, src)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = convert_file(
+            src, tmp_path / "old.pt", strip_prefix="module.", drop_optimizer=True, to="pt",
+            unsafe=False,
+        )  # fmt: skip
+    said = " ".join(str(w.message) for w in caught)
+    for new in ("edit=StateEdit(strip_prefix='module.')", "format='pt'", "weights_only=True"):
+        assert new in said, said
+    edit = StateEdit(strip_prefix="module.", drop_optimizer=True)
+    new_result = convert_file(src, tmp_path / "new.pt", edit=edit, format="pt")
+    assert (
+        (old.renamed, old.dropped)
+        == (new_result.renamed, new_result.dropped)
+        == (1, ("optimizer",))
+    )
+    assert (tmp_path / "old.pt").read_bytes() == (tmp_path / "new.pt").read_bytes()
+    with pytest.warns(DeprecationWarning, match=r"inspect_file\(unsafe=...\).*weights_only=False"):
+        assert inspect_file(src, unsafe=True).state_dict_path == "state_dict"
+    with pytest.warns(DeprecationWarning, match=r"verify_file\(unsafe=...\).*weights_only=False"):
+        assert verify_file(src, unsafe=True).ok
+    with pytest.warns(DeprecationWarning, match=r"diff_files\(unsafe=...\).*weights_only=False"):
+        assert diff_files(src, src, unsafe=True).equal
+    with pytest.raises(TypeError, match="unexpected keyword argument 'strip'"):
+        convert_file(src, strip="module.")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'to'"):
+        inspect_file(src, to="pt")
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError, match="not both"):
+        convert_file(src, edit=StateEdit(), key="state_dict")
+    with pytest.raises(InvalidArgumentError, match="pass format= only"):
+        convert_file(src, format="pt", to="pt")
+    with pytest.raises(InvalidArgumentError, match="at most one of strip_prefix"):
+        StateEdit(strip_prefix="module.", normalize=True)

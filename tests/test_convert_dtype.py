@@ -12,7 +12,7 @@ from torch import nn
 
 from ddpstate import formats
 from ddpstate.cli import main
-from ddpstate.convert import convert_file
+from ddpstate.convert import StateEdit, convert_file
 from ddpstate.errors import InvalidArgumentError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,7 +88,7 @@ def test_pt_output_is_bitwise_to_dtype(tmp_path: Path, name: str) -> None:
     ckpt, _ = _checkpoint()
     src = tmp_path / "ckpt.pt"
     torch.save(ckpt, src)
-    result = convert_file(src, tmp_path / "out.pt", dtype=name)
+    result = convert_file(src, tmp_path / "out.pt", edit=StateEdit(dtype=name))
     loaded = torch.load(tmp_path / "out.pt", weights_only=True)
     _assert_bitwise(loaded, _expect(ckpt, DTYPES[name]))
     sd = loaded["state_dict"]
@@ -125,10 +125,12 @@ def test_safetensors_output_is_bitwise_to_dtype(tmp_path: Path, name: str) -> No
 def test_without_dtype_nothing_is_cast(tmp_path: Path) -> None:
     sd = {"w": torch.randn(3, 3), "n": torch.tensor(4)}
     torch.save(sd, tmp_path / "a.pt")
-    plain = convert_file(tmp_path / "a.pt", tmp_path / "b.pt", strip_prefix="module.")
+    plain = convert_file(
+        tmp_path / "a.pt", tmp_path / "b.pt", edit=StateEdit(strip_prefix="module.")
+    )
     assert plain.cast == 0
     _assert_bitwise(torch.load(tmp_path / "b.pt", weights_only=True), sd)
-    cast = convert_file(tmp_path / "a.pt", tmp_path / "c.pt", dtype="fp16")
+    cast = convert_file(tmp_path / "a.pt", tmp_path / "c.pt", edit=StateEdit(dtype="fp16"))
     got = torch.load(tmp_path / "c.pt", weights_only=True)
     _assert_bitwise(got, {"w": sd["w"].half(), "n": sd["n"]})
     assert cast.cast == 1
@@ -137,5 +139,5 @@ def test_without_dtype_nothing_is_cast(tmp_path: Path) -> None:
 def test_bad_dtype_is_refused(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
     with pytest.raises(InvalidArgumentError, match="bf16, fp16, fp32"):
-        convert_file(tmp_path / "a.pt", tmp_path / "b.pt", dtype="int8")
+        convert_file(tmp_path / "a.pt", tmp_path / "b.pt", edit=StateEdit(dtype="int8"))
     assert not (tmp_path / "b.pt").exists()

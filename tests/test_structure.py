@@ -192,6 +192,7 @@ PUBLIC_HOMES = {
         "ConvertResult",
         "DiffResult",
         "InspectResult",
+        "StateEdit",
         "VerifyResult",
         "convert_file",
         "diff_files",

@@ -1,15 +1,19 @@
-"""What the file commands share: the model state dict and its key rule, output names, damage.
+"""What the file commands share: the state edit and its key rule, old argument names,
+output names, damage.
 
-Also used by :mod:`ddpstate._dcp.convert`, so it imports nothing of :mod:`ddpstate._convert`.
+Also used by :mod:`ddpstate._convert.dcp` (the torch side of the commands).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
-from ddpstate import _fs, formats
+from ddpstate import _fs, formats, keys, storage
+from ddpstate._convert.results import ConvertResult
 from ddpstate._fs import PathLike
 from ddpstate._streaming.pickle_scan import (
     GlobalRef,
@@ -18,10 +22,20 @@ from ddpstate._streaming.pickle_scan import (
     TensorRecord,
     is_pickled_module,
     iter_tensors,
+    module_state_dict,
     opaque_name,
 )
+from ddpstate._streaming.progress import human_bytes
 from ddpstate._streaming.reader import Checkpoint
-from ddpstate.errors import CheckpointCorruptError, CheckpointExistsError, InvalidArgumentError
+from ddpstate._warn import warn
+from ddpstate.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    StateDictNotFoundError,
+    concerning,
+)
 from ddpstate.formats import PT, SAFETENSORS, FormatName
 
 # Entries drop_optimizer removes besides those whose value looks like optimizer
@@ -37,20 +51,58 @@ def dotted(path: Optional[Sequence[Any]]) -> Optional[str]:
     return None if path is None else ".".join(str(p) for p in path)
 
 
-def find_state_dict(root: Any, key: Optional[str]) -> tuple[tuple[Any, ...], Any]:
-    """``(path, state dict)`` of the model state dict in ``root`` (torch-free on scanned trees)."""
-    # keys.find_state_dict counts TensorRecord placeholders as tensors (they
-    # are marked `_ddpstate_tensor_like`), so the scanned tree goes in as is
-    # and the streaming path never needs torch.
-    from ddpstate import keys
+@dataclasses.dataclass(frozen=True)
+class StateEdit:
+    """What :func:`~ddpstate.convert.convert_file` changes in a checkpoint's state.
 
-    return keys.find_state_dict(root, key)
+    The model state dict is found as :func:`ddpstate.keys.find_state_dict` finds
+    it (or at ``key``); at most one key rule applies to it (:mod:`ddpstate.keys`'
+    own); everything else in the checkpoint comes through unchanged unless
+    ``drop_optimizer`` leaves optimizer state out.
+
+    Attributes:
+        key: Dotted path of the model state dict inside the checkpoint.
+        strip_prefix: Remove this prefix (e.g. ``"module."``) from the model's keys.
+        add_prefix: Add this prefix to every model key.
+        normalize: Remove every wrapper prefix (``module.``, ``_orig_mod.``).
+        drop_optimizer: Leave optimizer state out of the output.
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or torch's names): cast every
+            floating tensor written to it, one tensor in memory at a time, exactly
+            as ``tensor.to(dtype)``; integer and bool tensors are kept as they are.
+
+    Raises:
+        InvalidArgumentError: More than one key rule.
+
+    Example:
+        >>> from ddpstate.convert import StateEdit
+        >>> StateEdit(strip_prefix="module.").renames
+        True
+    """
+
+    key: Optional[str] = None
+    strip_prefix: Optional[str] = None
+    add_prefix: Optional[str] = None
+    normalize: bool = False
+    drop_optimizer: bool = False
+    dtype: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        check_rules(self.strip_prefix, self.add_prefix, self.normalize)
+
+    @property
+    def renames(self) -> bool:
+        """True when a key rule is given."""
+        return self.strip_prefix is not None or self.add_prefix is not None or self.normalize
+
+
+def check_rules(strip: Optional[str], add: Optional[str], normalize: bool) -> None:
+    """Refuse more than one of strip_prefix, add_prefix and normalize."""
+    if sum([strip is not None, add is not None, bool(normalize)]) > 1:
+        raise InvalidArgumentError("pass at most one of strip_prefix, add_prefix and normalize")
 
 
 def rename(sd: Any, strip: Optional[str], add: Optional[str], normalize: bool) -> Any:
     """The state dict with the one key rule given applied (itself when none is)."""
-    from ddpstate import keys
-
     if strip is not None:
         return keys.strip_prefix(sd, strip)
     if add is not None:
@@ -60,10 +112,144 @@ def rename(sd: Any, strip: Optional[str], add: Optional[str], normalize: bool) -
     return sd
 
 
-def check_rules(strip: Optional[str], add: Optional[str], normalize: bool) -> None:
-    """Refuse more than one of strip_prefix, add_prefix and normalize."""
-    if sum([strip is not None, add is not None, bool(normalize)]) > 1:
-        raise InvalidArgumentError("pass at most one of strip_prefix, add_prefix and normalize")
+def find_state_dict(root: Any, key: Optional[str]) -> tuple[tuple[Any, ...], Any]:
+    """``(path, state dict)`` in ``root``; a failure carries ``key`` for the CLI's ``--key``."""
+    # keys.find_state_dict counts TensorRecord placeholders as tensors (they are
+    # marked `_ddpstate_tensor_like`), so the scanned tree goes in as is.
+    try:
+        return keys.find_state_dict(root, key)
+    except StateDictNotFoundError as exc:
+        concerning("key", exc)
+        raise
+
+
+_EDIT_FIELDS = frozenset(f.name for f in dataclasses.fields(StateEdit))
+
+
+def old_arguments(
+    call: str, legacy: Mapping[str, Any], *, weights_only: bool, format: Optional[str] = None
+) -> tuple[bool, Optional[str], dict[str, Any]]:
+    """``(weights_only, format, StateEdit fields)`` with the old keyword names folded in.
+
+    ``unsafe=`` became ``weights_only=`` (inverted), ``to=`` became ``format=`` and
+    ``convert_file``'s key options the fields of :class:`StateEdit`; each old name
+    still works, with a ``DeprecationWarning`` naming the new one. Any other name
+    is a ``TypeError``, as Python's own for an unexpected keyword.
+    """
+    fields: dict[str, Any] = {}
+    for name, value in legacy.items():
+        if name == "unsafe":
+            weights_only = weights_only and not value
+            new = f"weights_only={not value!r}"
+        elif name == "to" and call == "convert_file":
+            if format is not None:
+                raise InvalidArgumentError("pass format= only (to= is its old name)")
+            format, new = value, f"format={value!r}"
+        elif name in _EDIT_FIELDS and call == "convert_file":
+            fields[name] = value
+            new = f"edit=StateEdit({name}={value!r})"
+        else:
+            raise InvalidArgumentTypeError(f"{call}() got an unexpected keyword argument {name!r}")
+        warn(f"{call}({name}=...) is deprecated: pass {new}", DeprecationWarning)
+    return weights_only, format, fields
+
+
+@dataclasses.dataclass
+class Edited:
+    """A state after :func:`apply_edit`: what to write and what to tell of it."""
+
+    root: Any
+    sd: Any = None  # the model state dict after the rule; None when none was needed
+    path: Optional[tuple[Any, ...]] = None  # where it sits; None: it is the whole output
+    source_sd: Any = None
+    renamed: int = 0
+    metadata_changed: bool = False
+    dropped: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def result(
+        self,
+        src: str,
+        dst: str,
+        src_format: FormatName,
+        dst_format: FormatName,
+        tensors: int,
+        nbytes: int,
+        **extra: Any,
+    ) -> ConvertResult:
+        """The :class:`ConvertResult` of writing this state."""
+        return ConvertResult(
+            src=src, dst=dst, src_format=src_format, dst_format=dst_format,
+            state_dict_path=dotted(self.path), renamed=self.renamed, tensors=tensors,
+            bytes_copied=nbytes, dropped=self.dropped, left_out=self.left_out,
+            notes=tuple(self.notes), **extra,
+        )  # fmt: skip
+
+
+def apply_edit(root: Any, edit: StateEdit, *, whole: bool) -> Edited:
+    """Find the model state dict, apply the key rule and ``drop_optimizer``.
+
+    ``whole`` is False for an output that holds the model state dict only
+    (safetensors): then the rest is listed as left out, never dropped.
+    """
+    done = Edited(root)
+    if edit.renames or edit.key is not None or not whole:
+        if is_pickled_module(root):
+            done.sd = module_state_dict(root)
+            done.notes.append(
+                f"the source is a pickled whole nn.Module ({opaque_name(root)}); its parameters "
+                f"and buffers were written as a plain state dict"
+            )
+        else:
+            done.path, done.sd = find_state_dict(root, edit.key)
+    done.source_sd = sd = done.sd
+    if sd is not None:
+        new_sd = rename(sd, edit.strip_prefix, edit.add_prefix, edit.normalize)
+        done.renamed = sum(1 for a, b in zip(sd, new_sd, strict=False) if a != b)
+        done.renamed += abs(len(sd) - len(new_sd))
+        done.metadata_changed = getattr(sd, "_metadata", None) != getattr(new_sd, "_metadata", None)
+        if done.path is None:
+            done.root = new_sd
+        elif new_sd is not sd:
+            done.root = keys.replace_state_dict(root, done.path, new_sd)
+        done.sd = new_sd
+    if not whole:
+        path = done.path
+        if isinstance(done.root, Mapping) and path:
+            left_out = tuple(str(k) for k in done.root if k != path[0])
+            done.left_out = (f"the rest of {path[0]!s}", *left_out) if len(path) > 1 else left_out
+    elif edit.drop_optimizer:
+        done.root, done.dropped = drop_optimizer_state(done.root, done.path)
+        if not done.dropped:
+            done.notes.append("no optimizer state found to drop")
+    return done
+
+
+def find_or_note(root: Any, notes: list[str]) -> tuple[Optional[tuple[Any, ...]], Any]:
+    """``(path, state dict)`` for ``inspect``, or ``(None, None)`` with a note saying why."""
+    try:
+        return find_state_dict(root, None)
+    except StateDictNotFoundError as exc:
+        notes.append(f"no model state dict found: {exc}")
+        return None, None
+
+
+def structure(
+    root: Any, path: Optional[tuple[Any, ...]], summarize: Callable[[Any, Optional[str]], str]
+) -> tuple[tuple[str, str], ...]:
+    """``(top-level key, summary)`` of a nested checkpoint; the model's entry says what it is."""
+    if not (isinstance(root, Mapping) and path):
+        return ()
+    held = "model state dict" if len(path) == 1 else f"holds the model at {dotted(path)}"
+    return tuple((str(k), summarize(v, held if k == path[0] else None)) for k, v in root.items())
+
+
+def counted(text: str, role: Optional[str], count: int, size: int) -> str:
+    """A summary: ``role: N tensors, size``, else ``text`` with its tensors' count and size."""
+    if role is not None:
+        return f"{role}: {count} tensors, {human_bytes(size)}"
+    return text + (f" ({count} tensors, {human_bytes(size)})" if count else "")
 
 
 def is_optimizer_state(value: Any) -> bool:
@@ -93,8 +279,6 @@ def drop_optimizer_state(root: Any, keep: Optional[tuple[Any, ...]]) -> tuple[An
     ]
     if not dropped:
         return root, ()
-    import copy
-
     new = copy.copy(root) if isinstance(root, dict) else dict(root)
     for k in dropped:
         del new[k]
@@ -140,28 +324,10 @@ def default_destination(src: PathLike, dst_format: str) -> str:
     return f"{head}/{name}" if _fs.is_remote(text) else os.path.join(head, name)
 
 
-def _exists(path: str, storage_options: Optional[dict[str, Any]]) -> bool:
-    from ddpstate import storage
-
-    return storage.exists(path, storage_options=storage_options)
-
-
-def _isdir(path: str, storage_options: Optional[dict[str, Any]]) -> bool:
-    from ddpstate import storage
-
-    return storage.isdir(path, storage_options=storage_options)
-
-
-def _join(folder: str, name: str) -> str:
-    from ddpstate import storage
-
-    return storage.join(folder, name)
-
-
 def is_dcp_folder(path: str, storage_options: Optional[dict[str, Any]]) -> bool:
     """True when ``path`` is a torch.distributed.checkpoint folder."""
     # A stat first: files (the common case) are not sniffed twice.
-    return _isdir(path, storage_options) and (
+    return storage.isdir(path, storage_options=storage_options) and (
         formats.detect_format(path, storage_options=storage_options) == formats.DCP
     )
 
@@ -218,19 +384,19 @@ def destination(
     """
     base = base or src
     dst_text = os.fspath(dst) if dst is not None else default_destination(base, dst_format)
-    if dst is not None and _isdir(dst_text, storage_options):
+    if dst is not None and storage.isdir(dst_text, storage_options=storage_options):
         name = default_destination(base, dst_format).replace("\\", "/")
-        dst_text = _join(dst_text, name.rsplit("/", 1)[-1])
-    if _exists(dst_text, storage_options):
+        dst_text = storage.join(dst_text, name.rsplit("/", 1)[-1])
+    if storage.exists(dst_text, storage_options=storage_options):
         if same_file(src, dst_text):
-            raise CheckpointExistsError(
+            raise concerning("in_place", CheckpointExistsError(
                 f"{dst_text} is the source file; pass --in-place (in_place=True) to replace it"
-            )
+            ))  # fmt: skip
         if not overwrite:
-            raise CheckpointExistsError(
+            raise concerning("overwrite", CheckpointExistsError(
                 f"{dst_text} already exists; pass --force (overwrite=True) to replace "
                 f"it, or name another destination"
-            )
+            ))  # fmt: skip
     return dst_text
 
 

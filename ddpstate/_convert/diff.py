@@ -8,11 +8,14 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
+from ddpstate import keys
+from ddpstate._collectives import with_message
 from ddpstate._convert.common import (
     check_rules,
     describe,
     dotted,
     find_state_dict,
+    old_arguments,
     raise_problems,
     rename,
 )
@@ -48,8 +51,6 @@ def _model_tensors(
     Lightning checkpoint with a plain one). Several state dicts and no ``key``
     is refused, as :func:`ddpstate.load_model_state` refuses it.
     """
-    from ddpstate._collectives import with_message
-
     root = ckpt.obj
     if is_pickled_module(root):
         return f"the parameters of the pickled {opaque_name(root)}", module_state_dict(root), None
@@ -117,9 +118,10 @@ def diff_files(
     add_prefix: Optional[str] = None,
     normalize: bool = False,
     atol: float = 0.0,
-    unsafe: bool = False,
+    weights_only: bool = True,
     progress: bool = False,
     storage_options: Optional[dict[str, Any]] = None,
+    **legacy: Any,
 ) -> DiffResult:
     """Compare the model state dicts of two checkpoint files, tensor by tensor.
 
@@ -143,9 +145,11 @@ def diff_files(
         normalize: Remove every wrapper prefix from both (the default unless
             ``raw_keys``; with ``raw_keys`` it still applies).
         atol: Differences up to this count as equal.
-        unsafe: Also read pickles naming unsafe globals (never run).
+        weights_only: ``False`` also reads pickles naming unsafe globals (never run).
         progress: Draw a progress bar on stderr (only on a terminal).
         storage_options: fsspec options for URLs.
+        **legacy: ``unsafe=`` (now ``weights_only=``, inverted), with a
+            ``DeprecationWarning``.
 
     Returns:
         A :class:`DiffResult`; ``.equal`` tells the verdict.
@@ -169,8 +173,7 @@ def diff_files(
         >>> diff_files(os.path.join(d, "a.pt"), os.path.join(d, "b.pt"), atol=1e-6).equal
         True
     """
-    from ddpstate import keys
-
+    unsafe = not old_arguments("diff_files", legacy, weights_only=weights_only)[0]
     check_rules(strip_prefix, add_prefix, normalize)
     with contextlib.ExitStack() as stack:
         ca = stack.enter_context(
@@ -200,16 +203,11 @@ def diff_files(
         try:
             for k in shared:
                 va, vb = sd_a[k], sd_b[k]
-                if not (isinstance(va, TensorRecord) and isinstance(vb, TensorRecord)):
-                    if (
-                        isinstance(va, TensorRecord)
-                        or isinstance(vb, TensorRecord)
-                        or (describe(va) != describe(vb))
-                    ):
-                        mismatched.append((str(k), describe(va), describe(vb)))
-                    continue
-                if va.shape != vb.shape or va.dtype != vb.dtype:
-                    mismatched.append((str(k), describe(va), describe(vb)))
+                # A tensor's description is its dtype and shape: equal ones are comparable.
+                what_a, what_b = describe(va), describe(vb)
+                if what_a != what_b:
+                    mismatched.append((str(k), what_a, what_b))
+                if what_a != what_b or not isinstance(va, TensorRecord):
                     continue
                 diffs[str(k)] = _max_abs_diff(load_tensor(ca, va), load_tensor(cb, vb))
                 bar.update(va.nbytes + vb.nbytes)

@@ -7,12 +7,16 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from ddpstate import keys
 from ddpstate._convert.common import (
+    counted,
     describe,
     dotted,
-    find_state_dict,
+    find_or_note,
     is_dcp_folder,
     is_optimizer_state,
+    old_arguments,
+    structure,
 )
 from ddpstate._convert.results import InspectResult, TensorInfo
 from ddpstate._fs import PathLike
@@ -25,15 +29,12 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
 )
 from ddpstate._streaming.progress import human_bytes
-from ddpstate.errors import StateDictNotFoundError
 
 
 def _summary(value: Any, role: Optional[str]) -> str:
     tensors = [r for _, r in iter_tensors(value) if isinstance(r, TensorRecord)]
     size = sum(r.nbytes for r in tensors)
-    if role is not None:
-        return f"{role}: {len(tensors)} tensors, {human_bytes(size)}"
-    if is_optimizer_state(value):
+    if role is None and is_optimizer_state(value):
         if isinstance(value, Mapping) and "param_groups" in value:
             groups = value.get("param_groups")
             state = value.get("state")
@@ -44,17 +45,16 @@ def _summary(value: Any, role: Optional[str]) -> str:
                 f"{len(tensors)} tensors, {human_bytes(size)}"
             )
         return f"optimizer states: {len(tensors)} tensors, {human_bytes(size)}"
-    text = describe(value)
-    if tensors and not isinstance(value, TensorRecord):
-        text += f" ({len(tensors)} tensors, {human_bytes(size)})"
-    return text
+    whole = isinstance(value, TensorRecord)  # a tensor's own description says its size
+    return counted(describe(value), role, 0 if whole else len(tensors), size)
 
 
 def inspect_file(
     src: PathLike,
     *,
-    unsafe: bool = False,
+    weights_only: bool = True,
     storage_options: Optional[dict[str, Any]] = None,
+    **legacy: Any,
 ) -> InspectResult:
     """Describe a checkpoint from its headers and pickle structure, never its tensor data.
 
@@ -64,8 +64,11 @@ def inspect_file(
 
     Args:
         src: The checkpoint file or DCP folder.
-        unsafe: Also read pickles that name unsafe globals (still never run).
+        weights_only: ``False`` also reads pickles that name unsafe globals (still
+            never run).
         storage_options: fsspec options for URLs.
+        **legacy: ``unsafe=`` (now ``weights_only=``, inverted), with a
+            ``DeprecationWarning``.
 
     Returns:
         An :class:`InspectResult`: format, sizes, dtypes, devices, wrapper
@@ -84,12 +87,13 @@ def inspect_file(
         >>> info.state_dict_path, info.prefixes, info.tensors[0].name
         ('state_dict', ('module.',), 'module.w')
     """
-    from ddpstate import keys
-
+    weights_only = old_arguments("inspect_file", legacy, weights_only=weights_only)[0]
     if is_dcp_folder(os.fspath(src), storage_options):
-        from ddpstate._dcp.convert import inspect_dcp
+        # DCP needs torch: imported only for a folder, so files stay torch-free.
+        from ddpstate._convert.dcp import inspect_dcp
 
         return inspect_dcp(os.fspath(src), storage_options=storage_options)
+    unsafe = not weights_only
     with read_checkpoint(os.fspath(src), unsafe=unsafe, storage_options=storage_options) as ckpt:
         root = ckpt.obj
         notes: list[str] = []
@@ -102,10 +106,7 @@ def inspect_file(
                 f"the table lists its parameters and buffers"
             )
         else:
-            try:
-                path, sd = find_state_dict(root, None)
-            except StateDictNotFoundError as exc:
-                notes.append(f"no model state dict found: {exc}")
+            path, sd = find_or_note(root, notes)
         all_tensors = [r for _, r in iter_tensors(root) if isinstance(r, TensorRecord)]
         dtype_of: dict[int, str] = {}
         for rec in all_tensors:
@@ -115,30 +116,13 @@ def inspect_file(
         for storage in ckpt.storages:
             dtype_bytes[dtype_of.get(id(storage), storage.dtype)] += storage.nbytes
             devices[storage.location] += 1
-        rows: list[TensorInfo] = []
-        if sd is not None:
-            items = list(sd.items())
-        else:
-            items = [(dotted(p) or "", r) for p, r in iter_tensors(root)]
-        for name, value in items:
-            if isinstance(value, TensorRecord):
-                rows.append(
-                    TensorInfo(str(name), value.dtype, value.shape, value.nbytes,
-                               value.storage.location)
-                )  # fmt: skip
-            else:
-                rows.append(TensorInfo(str(name), describe(value), (), 0, ""))
-        structure: list[tuple[str, str]] = []
-        if isinstance(root, Mapping) and path:
-            for k, v in root.items():
-                role = None
-                if k == path[0]:
-                    role = (
-                        "model state dict"
-                        if len(path) == 1
-                        else f"holds the model at {dotted(path)}"
-                    )
-                structure.append((str(k), _summary(v, role)))
+        every = ((dotted(p) or "", r) for p, r in iter_tensors(root))  # no state dict
+        rows = tuple(
+            TensorInfo(str(name), value.dtype, value.shape, value.nbytes, value.storage.location)
+            if isinstance(value, TensorRecord)
+            else TensorInfo(str(name), describe(value), (), 0, "")
+            for name, value in (sd.items() if sd is not None else every)
+        )
         prefixes = tuple(keys.detect_prefixes(sd)) if sd is not None else ()
         return InspectResult(
             path=ckpt.path,
@@ -150,8 +134,8 @@ def inspect_file(
             devices=dict(devices),
             prefixes=prefixes,
             state_dict_path=dotted(path),
-            structure=tuple(structure),
-            tensors=tuple(rows),
+            structure=structure(root, path, _summary),
+            tensors=rows,
             unsafe_globals=ckpt.unsafe_globals,
             problems=tuple(ckpt.problems),
             notes=tuple(notes),

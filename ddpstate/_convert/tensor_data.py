@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from ddpstate._streaming.pickle_scan import StorageRecord, TensorRecord
@@ -45,13 +46,6 @@ def load_tensor(ckpt: Checkpoint, rec: TensorRecord) -> torch.Tensor:
         storage_bytes(ckpt, rec.storage, first * rec.itemsize, (last - first) * rec.itemsize)
     )
     flat = torch.frombuffer(raw, dtype=torch.uint8)
-    if ckpt.byteorder != native_byteorder() and rec.itemsize > 1:
+    if ckpt.byteorder != sys.byteorder and rec.itemsize > 1:
         flat = flat.view(-1, rec.itemsize).flip(-1).reshape(-1).clone()
     return flat.view(dtype).as_strided(rec.shape, rec.stride)
-
-
-def native_byteorder() -> str:
-    """This machine's byte order (``"little"`` or ``"big"``)."""
-    import sys
-
-    return sys.byteorder

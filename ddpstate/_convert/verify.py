@@ -6,11 +6,12 @@ import os
 import zipfile
 from typing import Any, Optional
 
-from ddpstate import formats
-from ddpstate._convert.common import extent_problems
+from ddpstate import formats, storage
+from ddpstate._convert.common import extent_problems, old_arguments
 from ddpstate._convert.results import VerifyResult
 from ddpstate._fs import PathLike
 from ddpstate._layout.hf_index import find_index, key_problems, read_index
+from ddpstate._manifest import verify_checkpoint
 from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import TensorRecord, iter_tensors
 from ddpstate._streaming.progress import Progress
@@ -21,9 +22,10 @@ from ddpstate.errors import CheckpointCorruptError, DDPStateError
 def verify_file(
     src: PathLike,
     *,
-    unsafe: bool = False,
+    weights_only: bool = True,
     progress: bool = False,
     storage_options: Optional[dict[str, Any]] = None,
+    **legacy: Any,
 ) -> VerifyResult:
     """Check that a checkpoint file is readable end to end and every tensor record is whole.
 
@@ -41,9 +43,11 @@ def verify_file(
 
     Args:
         src: The checkpoint file, or a CheckpointManager folder.
-        unsafe: Also read pickles naming unsafe globals (never run).
+        weights_only: ``False`` also reads pickles naming unsafe globals (never run).
         progress: Draw a progress bar on stderr (only on a terminal).
         storage_options: fsspec options for URLs.
+        **legacy: ``unsafe=`` (now ``weights_only=``, inverted), with a
+            ``DeprecationWarning``.
 
     Returns:
         A :class:`VerifyResult`; ``.ok`` is the verdict, ``.problems`` says what is wrong.
@@ -52,7 +56,7 @@ def verify_file(
         CheckpointNotFoundError: No such file.
         CheckpointFormatError: Not a checkpoint file at all, or a folder that
             is not a CheckpointManager folder.
-        UnsafeCheckpointError: Unsafe globals and ``unsafe`` is False.
+        UnsafeCheckpointError: Unsafe globals and ``weights_only`` is True.
 
     Example:
         >>> import torch, tempfile, os
@@ -62,16 +66,15 @@ def verify_file(
         >>> verify_file(p).ok
         True
     """
+    unsafe = not old_arguments("verify_file", legacy, weights_only=weights_only)[0]
     text = os.fspath(src)
-    from ddpstate import storage
-
     if find_index(text, storage_options) is not None:
         return verify_sharded(
             text, unsafe=unsafe, progress=progress, storage_options=storage_options
         )
     if storage.isdir(text, storage_options=storage_options):
         if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
-            from ddpstate._dcp.convert import verify_dcp
+            from ddpstate._convert.dcp import verify_dcp
 
             return verify_dcp(text, storage_options=storage_options)
         return _verify_folder(text, storage_options)
@@ -144,8 +147,6 @@ def _verify_zip_records(
 
 def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> VerifyResult:
     # One implementation: the manager's restore() accepts exactly what this passes.
-    from ddpstate._manifest import verify_checkpoint
-
     found = verify_checkpoint(path, storage_options=storage_options)
     steps = ", ".join(str(s) for s in found.steps) or "none"
     return VerifyResult(
@@ -187,8 +188,6 @@ def verify_sharded(
     Raises:
         CheckpointFormatError: A folder holding two indexes.
     """
-    from ddpstate import storage
-
     index_path = find_index(path, storage_options) or path
     try:
         index = read_index(index_path, storage_options)
@@ -204,7 +203,7 @@ def verify_sharded(
             continue
         try:
             found = verify_file(
-                where, unsafe=unsafe, progress=progress, storage_options=storage_options
+                where, weights_only=not unsafe, progress=progress, storage_options=storage_options
             )
         except DDPStateError as exc:
             problems.append(f"shard {shard}: {exc}")

@@ -20,7 +20,9 @@ from ddpstate._layout.safetensors import (
     find_aliases,
     state_dict_metadata_json,
 )
+from ddpstate._streaming import hf_write as _hf_write
 from ddpstate._streaming.cast import Casts
+from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle
 from ddpstate._streaming.pickle_rewrite import rename_keys
 from ddpstate._streaming.pickle_scan import StorageRecord, TensorRecord
 from ddpstate._streaming.progress import Progress
@@ -100,9 +102,6 @@ def write_pt(
     if pickle_bytes is not None:
         data_pkl, storages = pickle_bytes, ckpt.storages
     else:
-        # Imported here: the copy-through (the common case) never needs the pickler.
-        from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle
-
         data_pkl, storages = dump_checkpoint_pickle(root, casts.replace if casts else None)
     writer = ZipWriter(sink)
     writer.add_bytes(_ARCHIVE + "data.pkl", data_pkl)
@@ -317,8 +316,6 @@ def write_sharded_safetensors(
     overwrite: bool,
 ) -> tuple[int, int, dict[str, str], list[str]]:
     """The state dict as a Hugging Face sharded folder, each shard by ``write_safetensors``."""
-    from ddpstate._streaming import hf_write as _hf_write
-
     if casts is not None:
         sd = casts.state_dict(sd)
     canonical, aliases, overlaps = _safetensors_plan(sd, ckpt.path)

@@ -1,7 +1,7 @@
 """``ddpstate inspect``/``verify``/``convert`` on torch.distributed.checkpoint folders.
 
-DCP needs torch, so :mod:`ddpstate._convert` imports this module only when a folder
-(or ``to="dcp"``) is involved; the streaming paths for files stay torch-free.
+DCP needs torch, so the other commands of :mod:`ddpstate._convert` import this module
+only when a folder (or ``format="dcp"``) is involved; the streaming paths for files stay torch-free.
 ``inspect`` and ``verify`` work from the ``.metadata`` alone (read with the
 safe unpickler) and the files' sizes; ``convert`` consolidates a folder into
 one ``.pt``/``.safetensors`` file, or writes a file's state as a DCP folder.
@@ -10,40 +10,43 @@ one ``.pt``/``.safetensors`` file, or writes a file's state as a DCP folder.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import torch
 
-from ddpstate import _fs, formats, storage
+from ddpstate import _fs, formats, keys, storage
 from ddpstate._convert.common import (
+    StateEdit,
+    apply_edit,
+    counted,
     destination,
     dotted,
-    drop_optimizer_state,
-    find_state_dict,
+    find_or_note,
     format_from_name,
-    rename,
+    structure,
 )
 from ddpstate._convert.results import ConvertResult, InspectResult, TensorInfo, VerifyResult
 from ddpstate._dcp import read as _dcp_read
+from ddpstate._io import savecheck as _savecheck
+from ddpstate._io import torch_io as _torch_io
 from ddpstate._io.safetensors_io import write_safetensors
-from ddpstate._streaming.progress import human_bytes
+from ddpstate._manifest import MANIFEST_NAME, verify_checkpoint
+from ddpstate.checkpoint import load
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointFormatError,
     DDPStateError,
     InvalidArgumentError,
-    StateDictNotFoundError,
+    concerning,
 )
 from ddpstate.formats import PT, SAFETENSORS
 
 __all__ = ["convert_from_dcp", "convert_to_dcp", "inspect_dcp", "verify_dcp"]
-
-#: The manifest ddpstate commits a checkpoint folder with (``manager.py``'s name).
-_MANIFEST = "manifest.json"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -51,10 +54,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _nbytes(entry: Any) -> int:
-    numel = 1
-    for n in entry.size:
-        numel *= int(n)
-    return numel * int(entry.properties.dtype.itemsize)
+    return math.prod(int(n) for n in entry.size) * int(entry.properties.dtype.itemsize)
 
 
 def _file_sizes(path: str, storage_options: Optional[dict[str, Any]]) -> dict[str, int]:
@@ -75,28 +75,25 @@ def _file_sizes(path: str, storage_options: Optional[dict[str, Any]]) -> dict[st
 
 
 def _describe(value: Any, role: Optional[str]) -> str:
-    leaves = list(_leaves(value))
-    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    if role is not None:
-        return f"{role}: {len(tensors)} tensors, {human_bytes(size)}"
-    if isinstance(value, torch.Tensor):
+    count, size = _tensor_stats(value)
+    if role is None and isinstance(value, torch.Tensor):
         return f"tensor {_dtype_name(value.dtype)} {list(value.shape)}"
-    if isinstance(value, _dcp_read.BytesEntry):
+    if role is None and isinstance(value, _dcp_read.BytesEntry):
         return "a pickled value"
-    kind = f"{type(value).__name__} of {len(value)} entries"
-    return kind + (f" ({len(tensors)} tensors, {human_bytes(size)})" if tensors else "")
+    return counted(f"{type(value).__name__} of {len(value)} entries", role, count, size)
 
 
-def _leaves(value: Any) -> Any:
+def _flat(value: Any, name: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted name, leaf)`` for every leaf of a nested state."""
     if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _leaves(v)
+        items: Iterable[tuple[Any, Any]] = value.items()
     elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
+        items = enumerate(value)
     else:
-        yield value
+        yield name, value
+        return
+    for k, v in items:
+        yield from _flat(v, f"{name}.{k}" if name else str(k))
 
 
 def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -> InspectResult:
@@ -116,17 +113,10 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ddpstate import keys
-
     metadata = _dcp_read.read_metadata(path, name=path, storage_options=storage_options)
     tree = _dcp_read.skeleton(metadata)
     notes: list[str] = []
-    sd_path: Optional[tuple[Any, ...]] = None
-    sd: Any = None
-    try:
-        sd_path, sd = find_state_dict(tree, None)
-    except StateDictNotFoundError as exc:
-        notes.append(f"no model state dict found: {exc}")
+    sd_path, sd = find_or_note(tree, notes)
     dtype_bytes: dict[str, int] = collections.Counter()
     tensor_count = chunks = 0
     for entry in metadata.state_dict_metadata.values():
@@ -140,7 +130,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
         f"{tensor_count} tensors stored as {chunks} chunk(s) in {len(files)} file(s); "
         f"shapes are those of the whole (consolidated) tensors"
     )
-    items = list(sd.items()) if sd is not None else [(fqn, v) for fqn, v in _flat(tree)]
+    items = list(sd.items()) if sd is not None else list(_flat(tree))
     rows = [
         TensorInfo(
             str(k), _dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size(), "cpu"
@@ -149,17 +139,6 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
         else TensorInfo(str(k), _describe(v, None), (), 0, "")
         for k, v in items
     ]
-    structure: list[tuple[str, str]] = []
-    if sd_path:
-        for k, v in tree.items():
-            role = None
-            if k == sd_path[0]:
-                role = (
-                    "model state dict"
-                    if len(sd_path) == 1
-                    else f"holds the model at {dotted(sd_path)}"
-                )
-            structure.append((str(k), _describe(v, role)))
     return InspectResult(
         path=path,
         format=formats.DCP,
@@ -170,20 +149,10 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
         devices={},
         prefixes=tuple(keys.detect_prefixes(sd)) if sd is not None else (),
         state_dict_path=dotted(sd_path),
-        structure=tuple(structure),
+        structure=structure(tree, sd_path, _describe),
         tensors=tuple(rows),
         notes=tuple(notes),
     )
-
-
-def _flat(tree: Any, prefix: str = "") -> Any:
-    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
-    for k, v in items:
-        name = f"{prefix}{k}"
-        if isinstance(v, (Mapping, list)):
-            yield from _flat(v, f"{name}.")
-        else:
-            yield name, v
 
 
 # --------------------------------------------------------------------------- verify
@@ -247,14 +216,12 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
         isinstance(e, TensorStorageMetadata) for e in metadata.state_dict_metadata.values()
     )
     read = sizes.get(_dcp_read.METADATA_FILE, 0)
-    if _MANIFEST in sizes:
-        from ddpstate._manifest import verify_checkpoint
-
+    if MANIFEST_NAME in sizes:
         found = verify_checkpoint(path, storage_options=storage_options)
         problems.extend(found.problems)
         notes.extend(found.notes)
         read += found.bytes_read
-        notes.append(f"{found.files} file(s) checked against {_MANIFEST} (sizes and CRC-32)")
+        notes.append(f"{found.files} file(s) checked against {MANIFEST_NAME} (sizes and CRC-32)")
     else:
         notes.append(
             f"{len(needed)} data file(s) present and long enough; DCP records no checksums, "
@@ -273,74 +240,36 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
 # --------------------------------------------------------------------------- convert
 
 
-def _apply_rules(
-    state: Any,
-    *,
-    strip: Optional[str],
-    add: Optional[str],
-    normalize: bool,
-    key: Optional[str],
-    whole: bool,
-    drop_optimizer: bool,
-) -> tuple[Any, Any, Optional[tuple[Any, ...]], int, tuple[str, ...]]:
-    """(new root, model state dict or None, its path, keys renamed, dropped entries)."""
-    from ddpstate import keys
-
-    renaming = strip is not None or add is not None or normalize
-    sd_path: Optional[tuple[Any, ...]] = None
-    sd: Any = None
-    renamed = 0
-    root = state
-    if renaming or key is not None or not whole:
-        sd_path, sd = find_state_dict(state, key)
-        new_sd = rename(sd, strip, add, normalize)
-        renamed = sum(1 for a, b in zip(sd, new_sd, strict=False) if a != b)
-        if new_sd is not sd:
-            root = new_sd if not sd_path else keys.replace_state_dict(state, sd_path, new_sd)
-        sd = new_sd
-    dropped: tuple[str, ...] = ()
-    if drop_optimizer and whole:
-        root, dropped = drop_optimizer_state(root, sd_path)
-    return root, sd, sd_path, renamed, dropped
-
-
 def _tensor_stats(value: Any) -> tuple[int, int]:
-    tensors = [v for v in _leaves(value) if isinstance(v, torch.Tensor)]
+    tensors = [v for _, v in _flat(value) if isinstance(v, torch.Tensor)]
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
 def convert_from_dcp(
     src: str,
     dst: Optional[str],
+    edit: StateEdit,
     *,
-    to: Optional[formats.FormatName],
-    strip: Optional[str],
-    add: Optional[str],
-    normalize: bool,
-    key: Optional[str],
-    drop_optimizer: bool,
+    format: Optional[formats.FormatName],
     overwrite: bool,
-    unsafe: bool,
+    weights_only: bool,
     fsync: bool,
     storage_options: Optional[dict[str, Any]],
 ) -> ConvertResult:
     """Consolidate a DCP folder into one ``.pt`` or ``.safetensors`` file, atomically.
 
-    See :func:`ddpstate.convert.convert_file` for the arguments; ``to`` is
+    See :func:`ddpstate.convert.convert_file` for the arguments; ``format`` is
     ``"pt"`` or ``"safetensors"`` (a folder cannot become another folder here).
     The whole checkpoint is read into memory (DCP has no streaming reader);
     the output holds plain CPU tensors that ``torch.load(weights_only=True)``
     or ``safetensors.torch.load_file`` read.
     """
-    from ddpstate._io import savecheck as _savecheck
-    from ddpstate._io import torch_io as _torch_io
-
-    if to == formats.DCP:
+    if format == formats.DCP:
         raise InvalidArgumentError(
             f"{src} is already a torch.distributed.checkpoint folder; convert it to 'pt' or "
             f"'safetensors'"
         )
-    dst_format = to or format_from_name(dst) or PT
+    dst_format = format or format_from_name(dst) or PT
     if dst is None:
         # Next to the folder, named after it: ckpt_dcp/ -> ckpt_dcp.pt (never inside it).
         folder = src.rstrip("/\\") or src
@@ -349,74 +278,27 @@ def convert_from_dcp(
     state = _torch_io.load_dcp(
         src if _fs.is_remote(src) else _fs.local_path(src),
         name=src,
-        weights_only=not unsafe,
+        weights_only=weights_only,
         storage_options=storage_options,
         remote=_fs.is_remote(src),
     )
     whole = dst_format != SAFETENSORS
-    root, sd, sd_path, renamed, dropped = _apply_rules(
-        state, strip=strip, add=add, normalize=normalize, key=key, whole=whole,
-        drop_optimizer=drop_optimizer,
-    )  # fmt: skip
-    notes: list[str] = []
-    if drop_optimizer and whole and not dropped:
-        notes.append("no optimizer state found to drop")
-    left_out: tuple[str, ...] = ()
-    if not whole and isinstance(root, Mapping) and sd_path:
-        left_out = tuple(str(k) for k in root if k != sd_path[0])
-        if len(sd_path) > 1:
-            left_out = (f"the rest of {sd_path[0]!s}", *left_out)
-    written = root if whole else sd
+    done = apply_edit(state, edit, whole=whole)
+    written = done.root if whole else done.sd
     count, nbytes = _tensor_stats(written)
     with storage.atomic_write(dst_text, storage_options=storage_options, fsync=fsync) as out:
-        if whole:
-            # unsafe: the folder's own objects (already trusted by the caller) go back as they are.
-            extra = None if unsafe else ()
-            if extra is None:
-                torch.save(written, out)
-            else:
-                _savecheck.save_torch(written, out, what="state", where=dst_text, extra=extra)
-        else:
+        if not whole:
             write_safetensors(out, written, {"format": "pt"}, name=dst_text)
-    return ConvertResult(
-        src=src,
-        dst=dst_text,
-        src_format=formats.DCP,
-        dst_format=dst_format,
-        state_dict_path=dotted(sd_path) if sd is not None else None,
-        renamed=renamed,
-        tensors=count,
-        bytes_copied=nbytes,
-        dropped=dropped,
-        left_out=left_out,
-        notes=tuple(notes),
-    )
+        elif not weights_only:
+            # The folder's own objects (already trusted by the caller) go back as they are.
+            torch.save(written, out)
+        else:
+            _savecheck.save_torch(written, out, what="state", where=dst_text, extra=())
+    return done.result(src, dst_text, formats.DCP, dst_format, count, nbytes)
 
 
-def convert_to_dcp(
-    src: str,
-    dst: Optional[str],
-    *,
-    strip: Optional[str],
-    add: Optional[str],
-    normalize: bool,
-    key: Optional[str],
-    drop_optimizer: bool,
-    overwrite: bool,
-    unsafe: bool,
-    fsync: bool,
-    storage_options: Optional[dict[str, Any]],
-) -> ConvertResult:
-    """Write a checkpoint file's state (``.pt``, legacy or ``.safetensors``) as a DCP folder.
-
-    The folder is written under a hidden temporary name next to ``dst``, its
-    files and the folder fsynced, then renamed into place
-    (:func:`ddpstate.storage.replace_folder`), so ``dst`` is never half-written
-    and an existing DCP folder at ``dst`` (with ``overwrite``) stays whole until
-    the new one is complete. Local folders only.
-    """
-    from ddpstate.checkpoint import load
-
+def _dcp_target(dst: Optional[str], src: str, overwrite: bool) -> str:
+    """The local folder ``--to dcp`` writes, or the error for one it must not replace."""
     if dst is None:
         raise InvalidArgumentError(
             f"name the folder to write: ddpstate convert {src} OUT_FOLDER --to dcp"
@@ -437,18 +319,39 @@ def convert_to_dcp(
                 f"name a new folder (only a DCP folder or an empty one is ever replaced)"
             )
         if not overwrite and os.listdir(target):
-            raise CheckpointExistsError(
+            raise concerning("overwrite", CheckpointExistsError(
                 f"{dst} already exists; pass --force (overwrite=True) to replace it, or name "
                 f"another destination"
-            )
+            ))  # fmt: skip
+    return target
+
+
+def convert_to_dcp(
+    src: str,
+    dst: Optional[str],
+    edit: StateEdit,
+    *,
+    format: Optional[formats.FormatName],
+    overwrite: bool,
+    weights_only: bool,
+    fsync: bool,
+    storage_options: Optional[dict[str, Any]],
+) -> ConvertResult:
+    """Write a checkpoint file's state (``.pt``, legacy or ``.safetensors``) as a DCP folder.
+
+    The folder is written under a hidden temporary name next to ``dst``, its
+    files and the folder fsynced, then renamed into place
+    (:func:`ddpstate.storage.replace_folder`), so ``dst`` is never half-written
+    and an existing DCP folder at ``dst`` (with ``overwrite``) stays whole until
+    the new one is complete. Local folders only; ``format`` is ``"dcp"``.
+    """
+    target = _dcp_target(dst, src, overwrite)
     state = load(
-        src, map_location="cpu", weights_only=not unsafe, barrier=False,
+        src, map_location="cpu", weights_only=weights_only, barrier=False,
         storage_options=storage_options,
     )  # fmt: skip
-    root, sd, sd_path, renamed, dropped = _apply_rules(
-        state, strip=strip, add=add, normalize=normalize, key=key, whole=True,
-        drop_optimizer=drop_optimizer,
-    )  # fmt: skip
+    done = apply_edit(state, edit, whole=True)
+    root = done.root
     if not isinstance(root, Mapping):
         raise CheckpointFormatError(
             f"{src} holds a {type(root).__name__}, not a dict; a torch.distributed.checkpoint "
@@ -465,17 +368,13 @@ def convert_to_dcp(
             f"save the optimizer with torch.distributed.checkpoint.state_dict."
             f"get_optimizer_state_dict, which keys it by parameter name"
         )
-    notes: list[str] = []
-    if drop_optimizer and not dropped:
-        notes.append("no optimizer state found to drop")
-    if any(getattr(v, "_metadata", None) is not None for v in (root, sd) if v is not None):
-        notes.append(
+    if any(getattr(v, "_metadata", None) is not None for v in (root, done.sd) if v is not None):
+        done.notes.append(
             "the state dict's _metadata (module versions) is not kept: DCP stores no "
             "attributes of dicts; models load without it"
         )
     count, nbytes = _tensor_stats(root)
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = storage.temp_path_for(target)
     try:
         _write_dcp(dict(root), staging, fsync=fsync)
@@ -488,18 +387,8 @@ def convert_to_dcp(
             f"{src}: writing it as a torch.distributed.checkpoint folder failed "
             f"({type(exc).__name__}: {exc}); {dst} was left as it was"
         ) from exc
-    return ConvertResult(
-        src=src,
-        dst=dst,
-        src_format=formats.detect_format(src, storage_options=storage_options),
-        dst_format=formats.DCP,
-        state_dict_path=dotted(sd_path) if sd is not None else None,
-        renamed=renamed,
-        tensors=count,
-        bytes_copied=nbytes,
-        dropped=dropped,
-        notes=tuple(notes),
-    )
+    src_format = formats.detect_format(src, storage_options=storage_options)
+    return done.result(src, target if dst is None else dst, src_format, formats.DCP, count, nbytes)
 
 
 def _non_str_key(value: Any, path: tuple[str, ...]) -> Optional[tuple[str, Any]]:
