@@ -326,14 +326,13 @@ def match_keys(
 
 def _leads(keys: Sequence[str]) -> list[str]:
     # The one- and two-segment leading paths of the keys, most frequent first.
-    counts: dict[str, int] = {}
-    for key in keys:
-        segments = key.split(".")
-        for n in (1, 2):
-            if len(segments) > n:
-                lead = ".".join(segments[:n]) + "."
-                counts[lead] = counts.get(lead, 0) + 1
-    return sorted(counts, key=lambda lead: -counts[lead])
+    counts = Counter(
+        ".".join(segments[:n]) + "."
+        for segments in (key.split(".") for key in keys)
+        for n in (1, 2)
+        if len(segments) > n
+    )
+    return [lead for lead, _ in counts.most_common()]
 
 
 def prefix_hint(source: Sequence[str], target: Sequence[str]) -> str:

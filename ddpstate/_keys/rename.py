@@ -95,9 +95,9 @@ def _rename(
         if previous is None:
             out[new_key] = (key, depth, value)
             continue
+        current = (key, depth, value)
         # Report the less-prefixed key as the existing one, whatever the order.
-        first, second = (previous, (key, depth, value))
-        existing, renamed = (second, first) if second[1] < first[1] else (first, second)
+        existing, renamed = (current, previous) if depth < previous[1] else (previous, current)
         if on_collision == "error":
             raise KeyCollisionError(
                 f"{what} would give two entries the key {new_key!r}: {existing[0]!r} and "
@@ -106,14 +106,12 @@ def _rename(
                 f"on_collision='keep_prefixed' to keep {renamed[0]!r}",
                 keys=(str(existing[0]), str(renamed[0])),
             )
-        if on_collision == "keep_existing":
-            winner = first if first[1] <= second[1] else second
-        else:
-            winner = first if first[1] >= second[1] else second
-        out[new_key] = winner
+        # Between equally prefixed keys the earlier one stays.
+        if depth != previous[1]:
+            out[new_key] = existing if on_collision == "keep_existing" else renamed
     new = _empty_like(state_dict)
     for new_key, (_, _, value) in out.items():
-        new[new_key] = value
+        new[new_key] = value  # item by item: a dict subclass's __setitem__ runs
     return new
 
 
