@@ -29,13 +29,13 @@ STATE_DICT_NAMES: tuple[str, ...] = (
 
 
 def _is_state_dict(obj: Any) -> bool:
-    if not isinstance(obj, Mapping):
-        return False
-    if not all(isinstance(k, str) for k in obj):
-        return False
-    if any(isinstance(v, Mapping) for v in obj.values()):
-        return False
-    return len(obj) == 0 or any(is_tensor(v) for v in obj.values())
+    # String keys, no nested mappings, and some tensor (or nothing at all).
+    return (
+        isinstance(obj, Mapping)
+        and all(isinstance(k, str) for k in obj)
+        and not any(isinstance(v, Mapping) for v in obj.values())
+        and (len(obj) == 0 or any(is_tensor(v) for v in obj.values()))
+    )
 
 
 def _describe_keys(obj: Any) -> str:

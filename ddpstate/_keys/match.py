@@ -176,19 +176,14 @@ class _Attempt:
 
 
 def _pair(source: dict[str, Optional[str]], target: dict[str, Optional[str]]) -> dict[str, str]:
-    src_by_canon: dict[str, list[str]] = {}
-    for key, canon in source.items():
-        if canon is not None:
-            src_by_canon.setdefault(canon, []).append(key)
-    tgt_count = Counter(target.values())
-    mapping: dict[str, str] = {}
-    for key, canon in target.items():
-        if canon is None or tgt_count[canon] != 1:
-            continue
-        found = src_by_canon.get(canon, [])
-        if len(found) == 1:
-            mapping[key] = found[0]
-    return mapping
+    # One to one only: a canonical name two keys of either side share pairs nothing.
+    source_count, target_count = Counter(source.values()), Counter(target.values())
+    source_of = {canon: key for key, canon in source.items()}
+    return {
+        key: source_of[canon]
+        for key, canon in target.items()
+        if canon is not None and source_count[canon] == target_count[canon] == 1
+    }
 
 
 def _attempts(src: _Side, tgt: _Side) -> Iterable[_Attempt]:
