@@ -15,6 +15,7 @@ from ddpstate._keys.rename import (
     _drop_segments,
     _metadata_of,
     _normalize_name,
+    _rename_metadata,
 )
 from ddpstate._keys.wrappers import is_module, wrapper_types
 from ddpstate.errors import InvalidArgumentTypeError, KeyMismatchError
@@ -403,27 +404,21 @@ def _mismatch_message(match: KeyMatch) -> str:
     return "\n".join(lines)
 
 
-def _innermost(side: _Side, attempt: _Attempt, is_source: bool) -> dict[str, tuple[int, str]]:
-    # Canonical module path -> (depth, the deepest of the side's paths that lands there).
-    found: dict[str, tuple[int, str]] = {}
-    for path in side.paths:
-        canon = attempt.path(side, is_source, path)
-        if canon is not None and (canon[0] not in found or canon[1] > found[canon[0]][0]):
-            found[canon[0]] = (canon[1], path)
-    return found
-
-
 def _adapted_metadata(
     src: _Side, tgt: _Side, attempt: _Attempt, metadata: Mapping[str, Any]
 ) -> OrderedDict[str, Any]:
-    source_paths = _innermost(src, attempt, True)
-    owner = {path: canon for canon, (_, path) in _innermost(tgt, attempt, False).items()}
+    # Per canonical module path, the deepest source entry and the deepest target
+    # path (a wrapper's root and the real module's land on one path).
+    source = _rename_metadata(
+        {path: metadata[path] for path in src.paths}, lambda p: attempt.path(src, True, p)
+    )
+    target = _rename_metadata({p: p for p in tgt.paths}, lambda p: attempt.path(tgt, False, p))
+    owner = {path: canon for canon, path in target.items()}
     result: OrderedDict[str, Any] = OrderedDict()
     for path in tgt.paths:
         canon = owner.get(path)
-        if canon is not None and canon in source_paths:
-            entry = metadata[source_paths[canon][1]]
-            result[path] = dict(entry) if isinstance(entry, Mapping) else entry
+        if canon is not None and canon in source:
+            result[path] = source[canon]
     return result
 
 
