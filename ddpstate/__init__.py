@@ -45,10 +45,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# `NAME as NAME`: a name outside `__all__` that `from ddpstate import NAME` still
-# gives, re-exported explicitly (for strict type checkers).
 from ddpstate._version import __version__ as __version__
-from ddpstate.errors import AmbiguousStateDictError as AmbiguousStateDictError
+
+# Every error class, eagerly (torch-free): `except ddpstate.SomeError` must not import
+# torch. The star brings those outside `__all__` (``ddpstate.errors.__all__`` lists all).
+from ddpstate.errors import *  # noqa: F403
 from ddpstate.errors import (
     BarrierTimeoutError,
     CheckpointCorruptError,
@@ -59,20 +60,6 @@ from ddpstate.errors import (
     KeyMismatchError,
     UnsafeCheckpointError,
 )
-from ddpstate.errors import BatchNormBufferSyncError as BatchNormBufferSyncError
-from ddpstate.errors import BatchNormPolicyError as BatchNormPolicyError
-from ddpstate.errors import CheckpointAccessError as CheckpointAccessError
-from ddpstate.errors import CheckpointExistsError as CheckpointExistsError
-from ddpstate.errors import CheckpointWriteError as CheckpointWriteError
-from ddpstate.errors import DeviceMapError as DeviceMapError
-from ddpstate.errors import DTypeMismatchError as DTypeMismatchError
-from ddpstate.errors import KeyCollisionError as KeyCollisionError
-from ddpstate.errors import OptimizerStateMismatchError as OptimizerStateMismatchError
-from ddpstate.errors import RankFailedError as RankFailedError
-from ddpstate.errors import ShapeMismatchError as ShapeMismatchError
-from ddpstate.errors import ShardedStateError as ShardedStateError
-from ddpstate.errors import StateDictNotFoundError as StateDictNotFoundError
-from ddpstate.errors import StoreConnectionError as StoreConnectionError
 
 # Everything else loads on first use (PEP 562): most of it needs torch, and the
 # `ddpstate` command streams key rewrites without importing torch at all, which
