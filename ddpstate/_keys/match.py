@@ -113,10 +113,7 @@ def _model_side(model: nn.Module) -> _Side:
         return _generic_canon(level, name, keep_last)
 
     state = model.state_dict()
-    metadata = _metadata_of(state)
-    keys = list(state)
-    paths = list(metadata) if metadata is not None else _paths_from_keys(keys)
-    return _Side(keys, paths, canon)
+    return _target_paths(list(state), _metadata_of(state), canon)
 
 
 def _target_side(target: Any) -> _Side:
@@ -128,9 +125,12 @@ def _target_side(target: Any) -> _Side:
             f"not {type(target).__name__}"
         )
     keys = [k for k in target if isinstance(k, str)]
-    metadata = _metadata_of(target)
-    paths = list(metadata) if metadata is not None else _paths_from_keys(keys)
-    return _Side(keys, paths, _generic_canon)
+    return _target_paths(keys, _metadata_of(target), _generic_canon)
+
+
+def _target_paths(keys: list[str], metadata: Optional[Mapping[str, Any]], canon: _Canon) -> _Side:
+    # A target's module paths: its _metadata's, else those its keys imply.
+    return _Side(keys, list(metadata) if metadata is not None else _paths_from_keys(keys), canon)
 
 
 def _common_path(canon: Iterable[str]) -> list[str]:
@@ -162,18 +162,20 @@ class _Attempt:
         return text
 
     def key(self, side: _Side, is_source: bool, key: str) -> Optional[str]:
-        canon = side.canon(self.level, key, True)[0]
-        if self.side == ("source" if is_source else "target"):
-            stripped = _strip_path(canon, self.lead)
-            return None if stripped is None or stripped[1] else stripped[0]
-        return canon
+        found = self.path(side, is_source, key, keep_last=True)
+        return None if found is None else found[0]
 
-    def path(self, side: _Side, is_source: bool, path: str) -> Optional[tuple[str, int]]:
-        canon, depth = side.canon(self.level, path, False)
-        if self.side == ("source" if is_source else "target"):
-            stripped = _strip_path(canon, self.lead) if canon else None
-            return None if stripped is None else (stripped[0], depth + stripped[1])
-        return canon, depth
+    def path(
+        self, side: _Side, is_source: bool, path: str, keep_last: bool = False
+    ) -> Optional[tuple[str, int]]:
+        # A key (keep_last) that is the whole leading path names no entry: no image.
+        canon, depth = side.canon(self.level, path, keep_last)
+        if self.side != ("source" if is_source else "target"):
+            return canon, depth
+        stripped = _strip_path(canon, self.lead) if canon else None
+        if stripped is None or (keep_last and stripped[1]):
+            return None
+        return stripped[0], depth + stripped[1]
 
 
 def _pair(source: dict[str, Optional[str]], target: dict[str, Optional[str]]) -> dict[str, str]:
