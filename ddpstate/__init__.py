@@ -45,10 +45,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# `NAME as NAME`: a name outside `__all__` that `from ddpstate import NAME` still
-# gives, re-exported explicitly (for strict type checkers).
 from ddpstate._version import __version__ as __version__
-from ddpstate.errors import AmbiguousStateDictError as AmbiguousStateDictError
+
+# Every error class, eagerly (torch-free): `except ddpstate.SomeError` must not import
+# torch. The star brings those outside `__all__` (``ddpstate.errors.__all__`` lists all).
+from ddpstate.errors import *  # noqa: F403
 from ddpstate.errors import (
     BarrierTimeoutError,
     CheckpointCorruptError,
@@ -59,20 +60,6 @@ from ddpstate.errors import (
     KeyMismatchError,
     UnsafeCheckpointError,
 )
-from ddpstate.errors import BatchNormBufferSyncError as BatchNormBufferSyncError
-from ddpstate.errors import BatchNormPolicyError as BatchNormPolicyError
-from ddpstate.errors import CheckpointAccessError as CheckpointAccessError
-from ddpstate.errors import CheckpointExistsError as CheckpointExistsError
-from ddpstate.errors import CheckpointWriteError as CheckpointWriteError
-from ddpstate.errors import DeviceMapError as DeviceMapError
-from ddpstate.errors import DTypeMismatchError as DTypeMismatchError
-from ddpstate.errors import KeyCollisionError as KeyCollisionError
-from ddpstate.errors import OptimizerStateMismatchError as OptimizerStateMismatchError
-from ddpstate.errors import RankFailedError as RankFailedError
-from ddpstate.errors import ShapeMismatchError as ShapeMismatchError
-from ddpstate.errors import ShardedStateError as ShardedStateError
-from ddpstate.errors import StateDictNotFoundError as StateDictNotFoundError
-from ddpstate.errors import StoreConnectionError as StoreConnectionError
 
 # Everything else loads on first use (PEP 562): most of it needs torch, and the
 # `ddpstate` command streams key rewrites without importing torch at all, which
@@ -147,72 +134,31 @@ if TYPE_CHECKING:
     from ddpstate.storage import atomic_write as atomic_write
     from ddpstate.storage import open_read as open_read
 
-#: Public name -> the module that defines it.
-_EXPORTS: dict[str, str] = {
-    "BatchNormNd": "ddpstate.batchnorm",
-    "BatchNormPolicy": "ddpstate.batchnorm",
-    "convert_sync_batchnorm": "ddpstate.batchnorm",
-    "explain_ddp_errors": "ddpstate.batchnorm",
-    "revert_sync_batchnorm": "ddpstate.batchnorm",
-    "sync_batchnorm_stats": "ddpstate.batchnorm",
-    "wrap_ddp": "ddpstate.batchnorm",
-    "IncompatibleKeys": "ddpstate.checkpoint",
-    "load": "ddpstate.checkpoint",
-    "load_model_state": "ddpstate.checkpoint",
-    "save": "ddpstate.checkpoint",
-    "save_model_state": "ddpstate.checkpoint",
-    "ConvertResult": "ddpstate.convert",
-    "DiffResult": "ddpstate.convert",
-    "InspectResult": "ddpstate.convert",
-    "VerifyResult": "ddpstate.convert",
-    "convert_file": "ddpstate.convert",
-    "diff_files": "ddpstate.convert",
-    "inspect_file": "ddpstate.convert",
-    "verify_file": "ddpstate.convert",
-    "DistContext": "ddpstate.dist",
-    "all_gather_object": "ddpstate.dist",
-    "barrier": "ddpstate.dist",
-    "broadcast_object": "ddpstate.dist",
-    "default_timeout": "ddpstate.dist",
-    "get_local_rank": "ddpstate.dist",
-    "get_rank": "ddpstate.dist",
-    "get_world_size": "ddpstate.dist",
-    "init_distributed": "ddpstate.dist",
-    "is_distributed": "ddpstate.dist",
-    "is_local_main_process": "ddpstate.dist",
-    "is_main_process": "ddpstate.dist",
-    "main_process_first": "ddpstate.dist",
-    "rank_zero_only": "ddpstate.dist",
-    "detect_format": "ddpstate.formats",
-    "FormatName": "ddpstate.formats",
-    "parse_format": "ddpstate.formats",
-    "KNOWN_PREFIXES": "ddpstate.keys",
-    "STATE_DICT_NAMES": "ddpstate.keys",
-    "KeyMatch": "ddpstate.keys",
-    "OnCollision": "ddpstate.keys",
-    "adapt_state_dict": "ddpstate.keys",
-    "add_prefix": "ddpstate.keys",
-    "detect_prefixes": "ddpstate.keys",
-    "find_state_dict": "ddpstate.keys",
-    "match_keys": "ddpstate.keys",
-    "normalize_keys": "ddpstate.keys",
-    "replace_state_dict": "ddpstate.keys",
-    "strip_prefix": "ddpstate.keys",
-    "unwrap_model": "ddpstate.keys",
-    "MapLocation": "ddpstate.location",
-    "resolve_map_location": "ddpstate.location",
-    "CheckpointManager": "ddpstate.manager",
-    # Torch-free (ddpstate.manager re-exports both).
-    "CheckpointVerification": "ddpstate._manifest",
-    "verify_checkpoint": "ddpstate._manifest",
-    "RestoreSource": "ddpstate._manager.local_tier",
-    "capture_rng_state": "ddpstate.rng",
-    "restore_rng_state": "ddpstate.rng",
-    "ResumableDistributedSampler": "ddpstate.sampler",
-    "atomic_write": "ddpstate.storage",
-    "open_read": "ddpstate.storage",
+#: The module that defines each public name outside the eager imports above.
+_HOMES: dict[str, str] = {
+    "ddpstate.batchnorm": "BatchNormNd BatchNormPolicy convert_sync_batchnorm "
+    "explain_ddp_errors revert_sync_batchnorm sync_batchnorm_stats wrap_ddp",
+    "ddpstate.checkpoint": "IncompatibleKeys load load_model_state save save_model_state",
+    "ddpstate.convert": "ConvertResult DiffResult InspectResult VerifyResult convert_file "
+    "diff_files inspect_file verify_file",
+    "ddpstate.dist": "DistContext all_gather_object barrier broadcast_object default_timeout "
+    "get_local_rank get_rank get_world_size init_distributed is_distributed "
+    "is_local_main_process is_main_process main_process_first rank_zero_only",
+    "ddpstate.formats": "detect_format FormatName parse_format",
+    "ddpstate.keys": "KNOWN_PREFIXES STATE_DICT_NAMES KeyMatch OnCollision adapt_state_dict "
+    "add_prefix detect_prefixes find_state_dict match_keys normalize_keys replace_state_dict "
+    "strip_prefix unwrap_model",
+    "ddpstate.location": "MapLocation resolve_map_location",
+    "ddpstate.manager": "CheckpointManager",
+    # Torch-free (ddpstate.manager re-exports all three).
+    "ddpstate._manifest": "CheckpointVerification verify_checkpoint",
+    "ddpstate._manager.local_tier": "RestoreSource",
+    "ddpstate.rng": "capture_rng_state restore_rng_state",
+    "ddpstate.sampler": "ResumableDistributedSampler",
+    "ddpstate.storage": "atomic_write open_read",
 }
-
+#: Public name -> the module that defines it.
+_EXPORTS = {name: module for module, names in _HOMES.items() for name in names.split()}
 
 #: Public submodules, imported on first attribute access (``ddpstate.keys``).
 _SUBMODULES = frozenset(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import weakref
 import zlib
@@ -280,14 +281,12 @@ def _reduce_in_place(tensors: list[torch.Tensor], op: str, *, counts: bool) -> N
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
     for same_device in by_device.values():
-        if counts:
-            dtype = torch.int64
-        else:
-            # At least float32: gloo has no bfloat16 sum, and summing float16
-            # statistics over many ranks loses precision.
-            dtype = torch.float32
-            for t in same_device:
-                dtype = torch.promote_types(dtype, t.dtype)
+        # Floats at least float32: gloo has no bfloat16 sum, and summing float16
+        # statistics over many ranks loses precision.
+        dtypes = [t.dtype for t in same_device]
+        dtype = (
+            torch.int64 if counts else functools.reduce(torch.promote_types, dtypes, torch.float32)
+        )
         flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in same_device])
         if op == "broadcast":
             dist.broadcast(flat, src=0)
@@ -296,11 +295,10 @@ def _reduce_in_place(tensors: list[torch.Tensor], op: str, *, counts: bool) -> N
         else:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             flat /= dist.get_world_size()
-        offset = 0
         with torch.no_grad():
-            for t in same_device:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            parts = torch.split(flat, [t.numel() for t in same_device])
+            for t, part in zip(same_device, parts, strict=True):
+                t.copy_(part.view_as(t))
 
 
 def sync_batchnorm_stats(
@@ -365,12 +363,8 @@ def sync_batchnorm_stats(
         )
     if not layers:
         return
-    floats: list[torch.Tensor] = []
-    counters: list[torch.Tensor] = []
-    for _, m in layers:
-        floats += [t for t in (m.running_mean, m.running_var) if t is not None]
-        if m.num_batches_tracked is not None:
-            counters.append(m.num_batches_tracked)
+    floats = [t for _, m in layers for t in (m.running_mean, m.running_var) if t is not None]
+    counters = [m.num_batches_tracked for _, m in layers if m.num_batches_tracked is not None]
     _reduce_in_place(floats, op, counts=False)
     if counters:
         _reduce_in_place(counters, op, counts=True)

@@ -195,15 +195,13 @@ def map_nested(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     """
 
     def visit(value: Any) -> Any:
-        if isinstance(value, dict):
-            ordered = isinstance(value, collections.OrderedDict)
-            out: dict[Any, Any] = collections.OrderedDict() if ordered else {}
-            for k, v in value.items():
-                out[k] = visit(v)
-            meta = getattr(value, "_metadata", None)
-            if meta is not None and ordered:
-                out._metadata = meta  # type: ignore[attr-defined]
+        if isinstance(value, collections.OrderedDict):
+            out = collections.OrderedDict((k, visit(v)) for k, v in value.items())
+            if getattr(value, "_metadata", None) is not None:
+                out._metadata = value._metadata  # type: ignore[attr-defined]
             return out
+        if isinstance(value, dict):
+            return {k: visit(v) for k, v in value.items()}
         if isinstance(value, list):
             return [visit(v) for v in value]
         if type(value) is tuple:

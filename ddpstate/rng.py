@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -111,15 +111,17 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
             f"{PYTHON_KEY!r}, {TORCH_KEY!r}, ...), got {type(state).__name__}"
         )
     # Validate and convert everything first so a bad entry changes no generator.
-    setters: list[tuple[str, Any]] = []
+    setters: list[tuple[str, Callable[[], object]]] = []
     try:
         if PYTHON_KEY in state:
-            setters.append((PYTHON_KEY, _as_tuple(state[PYTHON_KEY])))
+            python = _as_tuple(state[PYTHON_KEY])
+            setters.append((PYTHON_KEY, lambda: random.setstate(python)))
         if TORCH_KEY in state:
-            setters.append((TORCH_KEY, torch.as_tensor(state[TORCH_KEY], dtype=torch.uint8)))
+            cpu = torch.as_tensor(state[TORCH_KEY], dtype=torch.uint8)
+            setters.append((TORCH_KEY, lambda: torch.set_rng_state(cpu)))
         if CUDA_KEY in state:
             cuda = [torch.as_tensor(s, dtype=torch.uint8) for s in state[CUDA_KEY]]
-            setters.append((CUDA_KEY, cuda))
+            setters.append((CUDA_KEY, lambda: _set_cuda_states(cuda)))
         np = _numpy()
         if NUMPY_KEY in state and np is not None:
             saved = state[NUMPY_KEY]
@@ -130,29 +132,27 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
                 int(saved["has_gauss"]),
                 float(saved["gauss"]),
             )
-            setters.append((NUMPY_KEY, legacy))
+            setters.append((NUMPY_KEY, lambda: np.random.set_state(legacy)))
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise DDPStateError(
             f"restore_rng_state: the saved RNG state is damaged ({type(exc).__name__}: {exc}); "
             "it must come from capture_rng_state()"
         ) from exc
-    for key, value in setters:
+    for key, apply in setters:
         try:
-            if key == PYTHON_KEY:
-                random.setstate(value)
-            elif key == TORCH_KEY:
-                torch.set_rng_state(value)
-            elif key == CUDA_KEY:
-                if torch.cuda.is_available():
-                    for index, device_state in enumerate(value[: torch.cuda.device_count()]):
-                        torch.cuda.set_rng_state(device_state, index)
-            else:
-                np.random.set_state(value)
+            apply()
         except (TypeError, ValueError, RuntimeError) as exc:
             raise DDPStateError(
                 f"restore_rng_state: the saved {key!r} generator state is not valid here "
                 f"({type(exc).__name__}: {exc}); it must come from capture_rng_state()"
             ) from exc
+
+
+def _set_cuda_states(states: list[torch.Tensor]) -> None:
+    # With fewer devices than were captured the first ones are set; without CUDA, none.
+    if torch.cuda.is_available():
+        for index, device_state in enumerate(states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, index)
 
 
 def derived_seed(state: Mapping[str, Any], salt: int) -> int:

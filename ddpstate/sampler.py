@@ -151,10 +151,9 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         # Leading entries of the epoch's global permutation consumed under an earlier
         # world size (0 unless this epoch was resumed with a different world size).
         self._offset = 0
-        self._position = 0
-        # Position where the current (or the next, if none started) pass begins.
-        self._pass_start = 0
-        # True after load_state_dict: the next pass starts at _position, not at 0.
+        # Where the pass in progress (or the next one) began and has reached; True
+        # after load_state_dict: the next pass starts at _position, not at 0.
+        self._position = self._pass_start = 0
         self._resume_pending = False
         # Samples the loop reported through advance() in the current pass.
         self._consumed = 0
@@ -205,14 +204,14 @@ class ResumableDistributedSampler(DistributedSampler[int]):
     def __iter__(self) -> Iterator[int]:
         sequence = self._sequence()
         start = self._position if self._resume_pending else 0
-        self._resume_pending = False
-        self._position = start
-        self._pass_start = start
-        self._consumed = 0
-        self._forget_loader()
+        self._start_pass(start)
         return self._generate(sequence, start)
 
-    def _forget_loader(self) -> None:
+    def _start_pass(self, start: int, *, resume: bool = False) -> None:
+        # The next (or this) pass begins at `start`; nothing of an earlier pass is kept.
+        self._position = self._pass_start = start
+        self._resume_pending = resume
+        self._consumed = 0
         self._prefetcher = None
         self._batch_ends = []
         self._delivered = 0
@@ -262,11 +261,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         """
         if epoch != self.epoch:
             self._offset = 0
-            self._position = 0
-            self._pass_start = 0
-            self._consumed = 0
-            self._resume_pending = False
-            self._forget_loader()
+            self._start_pass(0)
         super().set_epoch(epoch)
 
     def advance(self, num_samples: int) -> None:
@@ -438,6 +433,4 @@ class ResumableDistributedSampler(DistributedSampler[int]):
                 f"ResumableDistributedSampler.load_state_dict: position={position} is past the "
                 f"end of this rank's epoch ({self._sequence_len()} samples)"
             )
-        self._pass_start = self._position
-        self._consumed = 0
-        self._resume_pending = True
+        self._start_pass(self._position, resume=True)

@@ -29,13 +29,13 @@ STATE_DICT_NAMES: tuple[str, ...] = (
 
 
 def _is_state_dict(obj: Any) -> bool:
-    if not isinstance(obj, Mapping):
-        return False
-    if not all(isinstance(k, str) for k in obj):
-        return False
-    if any(isinstance(v, Mapping) for v in obj.values()):
-        return False
-    return len(obj) == 0 or any(is_tensor(v) for v in obj.values())
+    # String keys, no nested mappings, and some tensor (or nothing at all).
+    return (
+        isinstance(obj, Mapping)
+        and all(isinstance(k, str) for k in obj)
+        and not any(isinstance(v, Mapping) for v in obj.values())
+        and (len(obj) == 0 or any(is_tensor(v) for v in obj.values()))
+    )
 
 
 def _describe_keys(obj: Any) -> str:
@@ -62,6 +62,13 @@ def _child(obj: Any, step: Any) -> tuple[bool, Any]:
     if isinstance(obj, tuple) and isinstance(step, str) and step in getattr(obj, "_fields", ()):
         return True, getattr(obj, step)
     return False, None
+
+
+def _at(obj: Any, path: Sequence[Any]) -> Any:
+    # The entry at a path that leads somewhere (as _resolve_dotted or a search found it).
+    for step in path:
+        obj = _child(obj, step)[1]
+    return obj
 
 
 def _resolve_dotted(obj: Any, segments: list[str]) -> Optional[tuple[Any, ...]]:
@@ -125,9 +132,7 @@ def find_state_dict(
                 f"{_describe_keys(checkpoint)}. Pass the dotted path of the model "
                 f"state dict, e.g. key='model.state_dict'"
             )
-        obj = checkpoint
-        for step in path:
-            obj = _child(obj, step)[1]
+        obj = _at(checkpoint, path)
         if not isinstance(obj, Mapping):
             raise StateDictNotFoundError(
                 f"checkpoint entry {key!r} holds {_describe_keys(obj)}, not a state dict "
@@ -157,16 +162,10 @@ def find_state_dict(
     for found in (shallow, deep):
         distinct: dict[int, tuple[Any, ...]] = {}
         for path in found:
-            obj = checkpoint
-            for step in path:
-                obj = obj[step]
-            distinct.setdefault(id(obj), path)
+            distinct.setdefault(id(_at(checkpoint, path)), path)
         if len(distinct) == 1:
             path = next(iter(distinct.values()))
-            obj = checkpoint
-            for step in path:
-                obj = obj[step]
-            return path, obj
+            return path, _at(checkpoint, path)
         if len(distinct) > 1:
             options = ", ".join(repr(_dotted(p)) for p in distinct.values())
             raise AmbiguousStateDictError(
@@ -213,18 +212,14 @@ def _with_item(container: Any, step: Any, value: Any) -> Any:
         replaced = dict(container)
         replaced[step] = value
         return replaced
-    if isinstance(container, list):
-        items = list(container)
-        items[step] = value
-        return items
     if isinstance(container, tuple) and hasattr(container, "_fields"):  # a namedtuple
         named: Any = container
         field = step if isinstance(step, str) else named._fields[step]
         return named._replace(**{field: value})
-    if isinstance(container, tuple):
+    if isinstance(container, (list, tuple)):
         items = list(container)
         items[step] = value
-        return tuple(items)
+        return tuple(items) if isinstance(container, tuple) else items
     raise InvalidArgumentTypeError(f"cannot replace an item of a {type(container).__name__}")
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, cast
@@ -11,9 +12,10 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 from ddpstate._keys.rename import (
     _REPORT_LIMIT,
     _WRAPPER_SEGMENTS,
+    _drop_segments,
     _metadata_of,
-    _normalize_key,
-    _normalize_path,
+    _normalize_name,
+    _rename_metadata,
 )
 from ddpstate._keys.wrappers import is_module, wrapper_types
 from ddpstate.errors import InvalidArgumentTypeError, KeyMismatchError
@@ -50,26 +52,16 @@ class KeyMatch:
         return not self.missing and not self.unexpected
 
 
+# A side's canonical form of a key (keep_last) or module path at a matching level,
+# and how many wrapper segments it lost.
+_Canon = Callable[[int, str, bool], tuple[str, int]]
+
+
 @dataclass(frozen=True)
 class _Side:
     keys: list[str]
     paths: list[str]
-    canon_key: Callable[[int, str], str]
-    canon_path: Callable[[int, str], tuple[str, int]]
-
-
-def _aggressive_key(key: str) -> str:
-    segments = key.split(".")
-    kept = [s for s in segments[:-1] if s not in _WRAPPER_SEGMENTS]
-    return ".".join([*kept, segments[-1]])
-
-
-def _aggressive_path(path: str) -> tuple[str, int]:
-    if path == "":
-        return "", 0
-    segments = path.split(".")
-    kept = [s for s in segments if s not in _WRAPPER_SEGMENTS]
-    return ".".join(kept), len(segments) - len(kept)
+    canon: _Canon
 
 
 def _paths_from_keys(keys: Iterable[str]) -> list[str]:
@@ -88,26 +80,20 @@ _LEVEL_NAMES = (
 )
 
 
-def _generic_canon_key(level: int, key: str) -> str:
+def _generic_canon(level: int, name: str, keep_last: bool) -> tuple[str, int]:
     if level == 0:
-        return key
-    return _normalize_key(key)[0] if level == 1 else _aggressive_key(key)
-
-
-def _generic_canon_path(level: int, path: str) -> tuple[str, int]:
-    if level == 0:
-        return path, 0
-    return _normalize_path(path) if level == 1 else _aggressive_path(path)
+        return name, 0
+    if level == 1:
+        return _normalize_name(name, keep_last)
+    return _drop_segments(name, keep_last, lambda segments, i: segments[i] in _WRAPPER_SEGMENTS)
 
 
 def _source_side(state_dict: Mapping[Any, Any] | Iterable[Any]) -> tuple[_Side, list[Any]]:
     keys = list(state_dict)
+    metadata = _metadata_of(state_dict) or {}
     names = [k for k in keys if isinstance(k, str)]
-    metadata = _metadata_of(state_dict)
-    paths = [p for p in metadata if isinstance(p, str)] if metadata is not None else []
-    return _Side(names, paths, _generic_canon_key, _generic_canon_path), [
-        k for k in keys if not isinstance(k, str)
-    ]
+    paths = [p for p in metadata if isinstance(p, str)]
+    return _Side(names, paths, _generic_canon), [k for k in keys if not isinstance(k, str)]
 
 
 def _model_side(model: nn.Module) -> _Side:
@@ -118,34 +104,16 @@ def _model_side(model: nn.Module) -> _Side:
         if isinstance(module, wrappers)
     }
 
-    def structural(segments: list[str], keep_last: bool) -> tuple[str, int]:
-        kept: list[str] = []
-        limit = len(segments) - 1 if keep_last else len(segments)
-        for i, segment in enumerate(segments):
-            if (
-                i < limit
-                and segment in _WRAPPER_SEGMENTS
-                and ".".join(segments[:i]) in wrapper_paths
-            ):
-                continue
-            kept.append(segment)
-        return ".".join(kept), len(segments) - len(kept)
+    def structural(segments: list[str], i: int) -> bool:
+        return segments[i] in _WRAPPER_SEGMENTS and ".".join(segments[:i]) in wrapper_paths
 
-    def canon_key(level: int, key: str) -> str:
+    def canon(level: int, name: str, keep_last: bool) -> tuple[str, int]:
         if level == 1:
-            return structural(key.split("."), keep_last=True)[0]
-        return _generic_canon_key(level, key)
-
-    def canon_path(level: int, path: str) -> tuple[str, int]:
-        if level == 1:
-            return structural(path.split("."), keep_last=False) if path else ("", 0)
-        return _generic_canon_path(level, path)
+            return _drop_segments(name, keep_last, structural)
+        return _generic_canon(level, name, keep_last)
 
     state = model.state_dict()
-    metadata = _metadata_of(state)
-    keys = list(state)
-    paths = list(metadata) if metadata is not None else _paths_from_keys(keys)
-    return _Side(keys, paths, canon_key, canon_path)
+    return _target_paths(list(state), _metadata_of(state), canon)
 
 
 def _target_side(target: Any) -> _Side:
@@ -157,25 +125,18 @@ def _target_side(target: Any) -> _Side:
             f"not {type(target).__name__}"
         )
     keys = [k for k in target if isinstance(k, str)]
-    metadata = _metadata_of(target)
-    paths = list(metadata) if metadata is not None else _paths_from_keys(keys)
-    return _Side(keys, paths, _generic_canon_key, _generic_canon_path)
+    return _target_paths(keys, _metadata_of(target), _generic_canon)
+
+
+def _target_paths(keys: list[str], metadata: Optional[Mapping[str, Any]], canon: _Canon) -> _Side:
+    # A target's module paths: its _metadata's, else those its keys imply.
+    return _Side(keys, list(metadata) if metadata is not None else _paths_from_keys(keys), canon)
 
 
 def _common_path(canon: Iterable[str]) -> list[str]:
-    common: Optional[list[str]] = None
-    for key in canon:
-        segments = key.split(".")[:-1]
-        if common is None:
-            common = segments
-            continue
-        n = 0
-        while n < min(len(common), len(segments)) and common[n] == segments[n]:
-            n += 1
-        common = common[:n]
-        if not common:
-            break
-    return common or []
+    # The leading segments every key's module path shares (commonprefix compares
+    # any sequences item by item: here, lists of segments).
+    return list(os.path.commonprefix([key.split(".")[:-1] for key in canon]))  # noqa: RUF071
 
 
 def _strip_path(path: str, lead: str) -> Optional[tuple[str, int]]:
@@ -201,41 +162,31 @@ class _Attempt:
         return text
 
     def key(self, side: _Side, is_source: bool, key: str) -> Optional[str]:
-        canon = side.canon_key(self.level, key)
-        if self.side == ("source" if is_source else "target"):
-            stripped = _strip_path(canon, self.lead)
-            return None if stripped is None or stripped[1] else stripped[0]
-        return canon
+        found = self.path(side, is_source, key, keep_last=True)
+        return None if found is None else found[0]
 
-    def path(self, side: _Side, is_source: bool, path: str) -> Optional[tuple[str, int]]:
-        canon, depth = side.canon_path(self.level, path)
-        if self.side == ("source" if is_source else "target"):
-            stripped = _strip_path(canon, self.lead) if canon else None
-            return None if stripped is None else (stripped[0], depth + stripped[1])
-        return canon, depth
-
-
-def _images(side: _Side, attempt: _Attempt, is_source: bool) -> dict[str, Optional[str]]:
-    return {k: attempt.key(side, is_source, k) for k in side.keys}
+    def path(
+        self, side: _Side, is_source: bool, path: str, keep_last: bool = False
+    ) -> Optional[tuple[str, int]]:
+        # A key (keep_last) that is the whole leading path names no entry: no image.
+        canon, depth = side.canon(self.level, path, keep_last)
+        if self.side != ("source" if is_source else "target"):
+            return canon, depth
+        stripped = _strip_path(canon, self.lead) if canon else None
+        if stripped is None or (keep_last and stripped[1]):
+            return None
+        return stripped[0], depth + stripped[1]
 
 
 def _pair(source: dict[str, Optional[str]], target: dict[str, Optional[str]]) -> dict[str, str]:
-    src_by_canon: dict[str, list[str]] = {}
-    for key, canon in source.items():
-        if canon is not None:
-            src_by_canon.setdefault(canon, []).append(key)
-    tgt_count: dict[str, int] = {}
-    for canon in target.values():
-        if canon is not None:
-            tgt_count[canon] = tgt_count.get(canon, 0) + 1
-    mapping: dict[str, str] = {}
-    for key, canon in target.items():
-        if canon is None or tgt_count[canon] != 1:
-            continue
-        found = src_by_canon.get(canon, [])
-        if len(found) == 1:
-            mapping[key] = found[0]
-    return mapping
+    # One to one only: a canonical name two keys of either side share pairs nothing.
+    source_count, target_count = Counter(source.values()), Counter(target.values())
+    source_of = {canon: key for key, canon in source.items()}
+    return {
+        key: source_of[canon]
+        for key, canon in target.items()
+        if canon is not None and source_count[canon] == target_count[canon] == 1
+    }
 
 
 def _attempts(src: _Side, tgt: _Side) -> Iterable[_Attempt]:
@@ -255,7 +206,10 @@ def _attempts(src: _Side, tgt: _Side) -> Iterable[_Attempt]:
 def _match(src: _Side, tgt: _Side) -> tuple[KeyMatch, _Attempt]:
     best: Optional[tuple[int, KeyMatch, _Attempt]] = None
     for attempt in _attempts(src, tgt):
-        mapping = _pair(_images(src, attempt, True), _images(tgt, attempt, False))
+        mapping = _pair(
+            {k: attempt.key(src, True, k) for k in src.keys},
+            {k: attempt.key(tgt, False, k) for k in tgt.keys},
+        )
         used = set(mapping.values())
         match = KeyMatch(
             mapping=mapping,
@@ -324,6 +278,19 @@ def _with_ties(match: KeyMatch, model: nn.Module) -> KeyMatch:
     )
 
 
+def _full_match(
+    state_dict: Mapping[Any, Any] | Iterable[Any], target: Any
+) -> tuple[KeyMatch, _Side, _Side, _Attempt]:
+    src, non_str = _source_side(state_dict)
+    tgt = _target_side(target)
+    match, attempt = _match(src, tgt)
+    if is_module(target):
+        match = _with_ties(match, cast("nn.Module", target))
+    if non_str:
+        match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
+    return match, src, tgt, attempt
+
+
 def match_keys(
     state_dict: Mapping[Any, Any] | Iterable[Any], target: nn.Module | Iterable[Any]
 ) -> KeyMatch:
@@ -352,25 +319,18 @@ def match_keys(
         >>> m.mapping, m.unexpected
         ({'weight': 'module.weight', 'bias': 'module.bias'}, ('module.extra',))
     """
-    src, non_str = _source_side(state_dict)
-    match, _ = _match(src, _target_side(target))
-    if is_module(target):
-        match = _with_ties(match, cast("nn.Module", target))
-    if non_str:
-        match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
-    return match
+    return _full_match(state_dict, target)[0]
 
 
 def _leads(keys: Sequence[str]) -> list[str]:
     # The one- and two-segment leading paths of the keys, most frequent first.
-    counts: dict[str, int] = {}
-    for key in keys:
-        segments = key.split(".")
-        for n in (1, 2):
-            if len(segments) > n:
-                lead = ".".join(segments[:n]) + "."
-                counts[lead] = counts.get(lead, 0) + 1
-    return sorted(counts, key=lambda lead: -counts[lead])
+    counts = Counter(
+        ".".join(segments[:n]) + "."
+        for segments in (key.split(".") for key in keys)
+        for n in (1, 2)
+        if len(segments) > n
+    )
+    return [lead for lead, _ in counts.most_common()]
 
 
 def prefix_hint(source: Sequence[str], target: Sequence[str]) -> str:
@@ -449,29 +409,18 @@ def _mismatch_message(match: KeyMatch) -> str:
 def _adapted_metadata(
     src: _Side, tgt: _Side, attempt: _Attempt, metadata: Mapping[str, Any]
 ) -> OrderedDict[str, Any]:
-    innermost_src: dict[str, tuple[int, Any]] = {}
-    for path in src.paths:
-        canon = attempt.path(src, True, path)
-        if canon is None:
-            continue
-        previous = innermost_src.get(canon[0])
-        if previous is None or canon[1] > previous[0]:
-            innermost_src[canon[0]] = (canon[1], metadata[path])
-    innermost_tgt: dict[str, tuple[int, str]] = {}
-    for path in tgt.paths:
-        canon = attempt.path(tgt, False, path)
-        if canon is None:
-            continue
-        previous = innermost_tgt.get(canon[0])
-        if previous is None or canon[1] > previous[0]:
-            innermost_tgt[canon[0]] = (canon[1], path)
-    owner = {path: canon for canon, (_, path) in innermost_tgt.items()}
+    # Per canonical module path, the deepest source entry and the deepest target
+    # path (a wrapper's root and the real module's land on one path).
+    source = _rename_metadata(
+        {path: metadata[path] for path in src.paths}, lambda p: attempt.path(src, True, p)
+    )
+    target = _rename_metadata({p: p for p in tgt.paths}, lambda p: attempt.path(tgt, False, p))
+    owner = {path: canon for canon, path in target.items()}
     result: OrderedDict[str, Any] = OrderedDict()
     for path in tgt.paths:
-        canon_name = owner.get(path)
-        if canon_name is not None and canon_name in innermost_src:
-            entry = innermost_src[canon_name][1]
-            result[path] = dict(entry) if isinstance(entry, Mapping) else entry
+        canon = owner.get(path)
+        if canon is not None and canon in source:
+            result[path] = source[canon]
     return result
 
 
@@ -526,13 +475,7 @@ def adapt_state_dict(
         >>> list(adapt_state_dict(saved, compiled))
         ['_orig_mod.weight', '_orig_mod.bias']
     """
-    src, non_str = _source_side(state_dict)
-    tgt = _target_side(target)
-    match, attempt = _match(src, tgt)
-    if is_module(target):
-        match = _with_ties(match, cast("nn.Module", target))
-    if non_str:
-        match = KeyMatch(match.mapping, match.missing, (*match.unexpected, *non_str), match.rule)
+    match, src, tgt, attempt = _full_match(state_dict, target)
     if strict and not match.complete:
         raise KeyMismatchError(
             _mismatch_message(match),

@@ -95,9 +95,9 @@ def _rename(
         if previous is None:
             out[new_key] = (key, depth, value)
             continue
+        current = (key, depth, value)
         # Report the less-prefixed key as the existing one, whatever the order.
-        first, second = (previous, (key, depth, value))
-        existing, renamed = (second, first) if second[1] < first[1] else (first, second)
+        existing, renamed = (current, previous) if depth < previous[1] else (previous, current)
         if on_collision == "error":
             raise KeyCollisionError(
                 f"{what} would give two entries the key {new_key!r}: {existing[0]!r} and "
@@ -106,14 +106,12 @@ def _rename(
                 f"on_collision='keep_prefixed' to keep {renamed[0]!r}",
                 keys=(str(existing[0]), str(renamed[0])),
             )
-        if on_collision == "keep_existing":
-            winner = first if first[1] <= second[1] else second
-        else:
-            winner = first if first[1] >= second[1] else second
-        out[new_key] = winner
+        # Between equally prefixed keys the earlier one stays.
+        if depth != previous[1]:
+            out[new_key] = existing if on_collision == "keep_existing" else renamed
     new = _empty_like(state_dict)
     for new_key, (_, _, value) in out.items():
-        new[new_key] = value
+        new[new_key] = value  # item by item: a dict subclass's __setitem__ runs
     return new
 
 
@@ -297,30 +295,31 @@ def add_prefix(
     return _with_metadata(new, renamed)
 
 
-def _normalize_key(key: str) -> tuple[str, int]:
-    segments = key.split(".")
-    removed = 0
-    while len(segments) > 1 and segments[0] in _WRAPPER_SEGMENTS:
-        segments.pop(0)
-        removed += 1
-    # `_orig_mod` is reserved by torch.compile, so inside a key it is always a
-    # wrapper; the last segment is the parameter's own name and stays.
-    kept = [s for s in segments[:-1] if s != _COMPILE_SEGMENT]
-    removed += len(segments) - 1 - len(kept)
-    return ".".join([*kept, segments[-1]]), removed
+def _normalize_name(name: str, keep_last: bool) -> tuple[str, int]:
+    """``name`` without leading wrapper segments and any ``_orig_mod``; how many went.
+
+    ``keep_last`` (a key, not a module path) keeps the last segment: the
+    parameter's own name.
+    """
+    segments = name.split(".") if name else []
+    last = [segments.pop()] if keep_last and segments else []
+    lead = 0
+    while lead < len(segments) and segments[lead] in _WRAPPER_SEGMENTS:
+        lead += 1
+    # `_orig_mod` is reserved by torch.compile, so inside a name it is always a wrapper.
+    kept = [s for s in segments[lead:] if s != _COMPILE_SEGMENT]
+    return ".".join([*kept, *last]), len(segments) - len(kept)
 
 
-def _normalize_path(path: str) -> tuple[str, int]:
-    if path == "":
-        return "", 0
-    segments = path.split(".")
-    removed = 0
-    while segments and segments[0] in _WRAPPER_SEGMENTS:
-        segments.pop(0)
-        removed += 1
-    kept = [s for s in segments if s != _COMPILE_SEGMENT]
-    removed += len(segments) - len(kept)
-    return ".".join(kept), removed
+def _drop_segments(
+    name: str, keep_last: bool, drop: Callable[[list[str], int], bool]
+) -> tuple[str, int]:
+    """``name`` without the segments ``drop(segments, i)`` picks (the last kept when
+    ``keep_last``), and how many went."""
+    segments = name.split(".")
+    limit = len(segments) - 1 if keep_last else len(segments)
+    kept = [s for i, s in enumerate(segments) if i >= limit or not drop(segments, i)]
+    return ".".join(kept), len(segments) - len(kept)
 
 
 @overload
@@ -360,8 +359,16 @@ def normalize_keys(
         ['w', 'enc.b']
     """
     _check_on_collision(on_collision)
-    new = _rename(state_dict, _normalize_key, on_collision, "removing wrapper prefixes")
+    new = _rename(
+        state_dict,
+        lambda key: _normalize_name(key, True),
+        on_collision,
+        "removing wrapper prefixes",
+    )
     metadata = _metadata_of(state_dict)
     return _with_metadata(
-        new, None if metadata is None else _rename_metadata(metadata, _normalize_path)
+        new,
+        None
+        if metadata is None
+        else _rename_metadata(metadata, lambda p: _normalize_name(p, False)),
     )

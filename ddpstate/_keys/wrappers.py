@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from ddpstate._keys.rename import _rename, _rename_metadata
+from ddpstate._keys.rename import _drop_segments, _rename, _rename_metadata
 
 if TYPE_CHECKING:
     from torch import nn
@@ -179,18 +179,13 @@ def unwrapped_state_dict(model: nn.Module) -> dict[str, Any]:
         return state
 
     # The segment after a compiled submodule's own path is its `_orig_mod`: drop it.
-    def drop(path: str, keep_last: bool) -> tuple[str, int]:
-        segments = path.split(".")
-        limit = len(segments) - 1 if keep_last else len(segments)
-        kept = [
-            s
-            for i, s in enumerate(segments)
-            if not (i < limit and s == "_orig_mod" and ".".join(segments[:i]) in inner)
-        ]
-        return ".".join(kept), len(segments) - len(kept)
+    def drop(segments: list[str], i: int) -> bool:
+        return segments[i] == "_orig_mod" and ".".join(segments[:i]) in inner
 
-    out: Any = _rename(state, lambda key: drop(key, True), "error", "removing wrapper segments")
+    out: Any = _rename(
+        state, lambda key: _drop_segments(key, True, drop), "error", "removing wrapper segments"
+    )
     metadata = getattr(state, "_metadata", None)
     if metadata is not None:
-        out._metadata = _rename_metadata(metadata, lambda path: drop(path, False))
+        out._metadata = _rename_metadata(metadata, lambda path: _drop_segments(path, False, drop))
     return cast("dict[str, Any]", out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import struct
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple, Optional
@@ -159,10 +160,8 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
                 f"{name}: tensor {key!r} has safetensors dtype {code!r}, which ddpstate does "
                 f"not know; known: {', '.join(DTYPES)}"
             )
-        numel = 1
-        for n in shape:
-            numel *= n
-        if min(shape, default=0) < 0 or begin < 0 or end - begin != numel * DTYPES[code][1]:
+        nbytes = math.prod(shape) * DTYPES[code][1]
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
             problems.append(
                 f"tensor {key!r}: data_offsets {begin}..{end} do not fit shape {list(shape)} "
                 f"of {DTYPES[code][0]}"
@@ -216,9 +215,11 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
     if KEY_ORDER_KEY in metadata:
         try:
             order = json.loads(metadata[KEY_ORDER_KEY])
-            if not isinstance(order, list) or len(order) != len(state_dict):
-                raise ValueError("it does not list the file's keys")
-            if set(order) != state_dict.keys():
+            if (
+                not isinstance(order, list)
+                or len(order) != len(state_dict)
+                or set(order) != state_dict.keys()
+            ):
                 raise ValueError("it does not list the file's keys")
             move = getattr(state_dict, "move_to_end", None)  # OrderedDict: O(1) a key
             for key in order:

@@ -16,40 +16,6 @@ from typing import NamedTuple, Optional
 
 from ddpstate.errors import CheckpointCorruptError
 
-__all__ = [
-    "CENTRAL",
-    "CENTRAL_MAGIC",
-    "CENTRAL_SIGNATURE",
-    "DESCRIPTOR",
-    "DESCRIPTOR64",
-    "DESCRIPTOR_SIGNATURE",
-    "EOCD",
-    "EOCD64",
-    "EOCD64_LOCATOR",
-    "EOCD64_LOCATOR_MAGIC",
-    "EOCD64_LOCATOR_SIGNATURE",
-    "EOCD64_MAGIC",
-    "EOCD64_SIGNATURE",
-    "EOCD_MAGIC",
-    "EOCD_SIGNATURE",
-    "LOCAL",
-    "LOCAL_MAGIC",
-    "LOCAL_SIGNATURE",
-    "MAX_COMMENT",
-    "MAX_EXTRACT_VERSION",
-    "U16_MAX",
-    "U32_MAX",
-    "ZIP64_EXTRA_ID",
-    "CentralEntry",
-    "ZipEnd",
-    "ZipfileView",
-    "directory_span",
-    "parse_directory",
-    "read_directory",
-    "read_zip_end",
-    "truncated_zip",
-]
-
 #: Record signatures, as the little-endian integers the structs below pack.
 LOCAL_SIGNATURE = 0x04034B50
 CENTRAL_SIGNATURE = 0x02014B50
@@ -89,6 +55,7 @@ ZIP64_EXTRA_ID = 0x0001
 #: A 16-bit or 32-bit field at this value means "see the zip64 record".
 U16_MAX = 0xFFFF
 U32_MAX = 0xFFFFFFFF
+U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
 #: The longest archive comment, so the end record lies within the last
 #: ``EOCD.size + MAX_COMMENT`` bytes.
 MAX_COMMENT = 0xFFFF
@@ -336,21 +303,15 @@ def _zip64_sizes(extra: bytes, size: int, compressed: int, offset: int) -> tuple
             raise zipfile.BadZipFile(f"Corrupt extra field {kind:04x} (size={length})")
         if kind == ZIP64_EXTRA_ID:
             data = extra[4 : length + 4]
-            field = ""
-            try:
-                if size in (0xFFFF_FFFF_FFFF_FFFF, U32_MAX):
-                    field = "File size"
-                    (size,) = struct.unpack("<Q", data[:8])
+            values = [size, compressed, offset]
+            saturated = (size in (U64_MAX, U32_MAX), compressed == U32_MAX, offset == U32_MAX)
+            for i, field in enumerate(("File size", "Compress size", "Header offset")):
+                if saturated[i]:
+                    if len(data) < 8:
+                        raise zipfile.BadZipFile(f"Corrupt zip64 extra field. {field} not found.")
+                    (values[i],) = struct.unpack("<Q", data[:8])
                     data = data[8:]
-                if compressed == U32_MAX:
-                    field = "Compress size"
-                    (compressed,) = struct.unpack("<Q", data[:8])
-                    data = data[8:]
-                if offset == U32_MAX:
-                    field = "Header offset"
-                    (offset,) = struct.unpack("<Q", data[:8])
-            except struct.error:
-                raise zipfile.BadZipFile(f"Corrupt zip64 extra field. {field} not found.") from None
+            size, compressed, offset = values
         extra = extra[length + 4 :]
     return size, compressed, offset
 
