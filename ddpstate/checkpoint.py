@@ -17,6 +17,7 @@ from ddpstate._collectives import MAX_MESSAGE, with_message
 from ddpstate._dcp import read as _dcp_read
 from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
+from ddpstate._hf.write import parse_size, save_sharded
 from ddpstate._io import read_file as _read_file
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.model_state import (
@@ -28,6 +29,7 @@ from ddpstate._io.model_state import (
 from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate._keys.wrappers import unwrapped_state_dict
+from ddpstate.batchnorm import warn_if_stats_differ
 from ddpstate.dist import (
     broadcast_object,
     compare_across_ranks,
@@ -51,6 +53,7 @@ from ddpstate.formats import (
     TORCH_ZIP,
     parse_format,
 )
+from ddpstate.keys import find_state_dict, match_keys
 from ddpstate.location import (
     MapLocation,
     ResolvedMapLocation,
@@ -99,8 +102,6 @@ def _write(
     if parent and not parent.endswith("://"):
         storage.makedirs(parent, storage_options=storage_options)
     if max_shard_size is not None:
-        from ddpstate._hf.write import save_sharded
-
         save_sharded(obj, path, max_shard_size, metadata)
         return
     with storage.atomic_write(path, storage_options=storage_options) as fileobj:
@@ -266,8 +267,6 @@ def save(
             return
         fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
         if max_shard_size is not None:
-            from ddpstate._hf.write import parse_size
-
             parse_size(max_shard_size)  # a bad size fails on every rank, before any write
             if format is not None and _save_format(text, format) != SAFETENSORS:
                 raise CheckpointFormatError(
@@ -546,8 +545,6 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         ['bias', 'weight']
     """
     with calling(f"ddpstate.save_model_state({path_text(path)})"):
-        from ddpstate.batchnorm import warn_if_stats_differ
-
         state = unwrapped_state_dict(model)
         save(state, path, **save_kwargs)
         if save_kwargs.get("barrier", True):
@@ -634,8 +631,6 @@ def load_model_state(
     """
     with calling(f"ddpstate.load_model_state({path_text(source)})"):
         _savecheck.check_safe_globals(safe_globals, "load_model_state")
-        from ddpstate.keys import find_state_dict, match_keys
-
         if isinstance(source, (str, os.PathLike)):
             name = os.fspath(source)
             if (

@@ -17,6 +17,12 @@ from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._manager.entries import Timeout
 from ddpstate._manager.writer import WRITER_RANK
+from ddpstate.batchnorm import (
+    stats_checksums,
+    sync_batchnorm_stats,
+    warn_if_checksums_differ,
+    wrapped_unsynced,
+)
 from ddpstate.errors import CheckpointWriteError, DDPStateError, InvalidArgumentError
 
 
@@ -57,8 +63,6 @@ def batchnorm_checks(state: Mapping[str, Any]) -> dict[str, Any]:
     :func:`~ddpstate.batchnorm.stats_checksums` (None: nothing to compare).
     Not a collective.
     """
-    from ddpstate.batchnorm import stats_checksums, wrapped_unsynced
-
     return {
         name: "sync" if wrapped_unsynced(obj) else stats_checksums(obj)
         for name, obj in state.items()
@@ -74,8 +78,6 @@ def check_batchnorm(
     For the other models it warns (once per model) when the ranks' BatchNorm
     statistics differ, since the file would hold rank 0's alone.
     """
-    from ddpstate.batchnorm import warn_if_checksums_differ
-
     for name, obj in state.items():
         if not isinstance(obj, nn.Module):
             continue
@@ -94,8 +96,6 @@ def check_batchnorm(
 
 def sync_batchnorm(state: Mapping[str, Any], given: Timeout) -> None:
     """Every rank, after save's round: average the statistics of unsynced wrap_ddp models."""
-    from ddpstate.batchnorm import sync_batchnorm_stats, wrapped_unsynced
-
     timeout = given.total_seconds() if isinstance(given, timedelta) else given
     for obj in state.values():
         if isinstance(obj, nn.Module) and wrapped_unsynced(obj):
