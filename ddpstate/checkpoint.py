@@ -63,6 +63,7 @@ from ddpstate.location import (
 __all__ = ["IncompatibleKeys", "load", "load_model_state", "save", "save_model_state"]
 
 
+#: Seconds (or ``timedelta``) a rank waits for the others; None: the default.
 Timeout = Union[float, timedelta, None]
 
 #: Barrier names, so a timeout message says which call a rank is missing from.

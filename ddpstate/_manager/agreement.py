@@ -15,7 +15,6 @@ from torch import nn
 
 from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
-from ddpstate._manager.entries import Timeout
 from ddpstate._manager.writer import WRITER_RANK
 from ddpstate.batchnorm import (
     stats_checksums,
@@ -23,6 +22,7 @@ from ddpstate.batchnorm import (
     warn_if_checksums_differ,
     wrapped_unsynced,
 )
+from ddpstate.checkpoint import Timeout
 from ddpstate.errors import CheckpointWriteError, DDPStateError, InvalidArgumentError
 
 

@@ -23,11 +23,12 @@ from ddpstate._io import model_state
 from ddpstate._keys.match import STRICT_ADVICE
 from ddpstate._manager import optim_state
 from ddpstate._manager import verify_split as _verify_split
-from ddpstate._manager.entries import Timeout, check_state, check_step, has_state_dict
+from ddpstate._manager.entries import check_state, check_step, has_state_dict
 from ddpstate._manager.local_tier import LocalTier, RestoreSource
 from ddpstate._manager.writer import StepWriter
 from ddpstate._manifest import MANIFEST_NAME, RNG_FILE, check_folder, parse_step
 from ddpstate._warn import warn
+from ddpstate.checkpoint import Timeout
 from ddpstate.dist import (
     broadcast_object,
     gather_and_decide,
@@ -373,11 +374,12 @@ def restore(
     writer: StepWriter,
     local: Optional[LocalTier],
     state: MutableMapping[str, Any],
+    *,
     step: Optional[int],
     map_location: Any,
     strict: bool,
     ignore_mismatched: bool,
-    allow_dtype_change: bool = False,
+    allow_dtype_change: bool,
 ) -> RestoreSource:
     """Every rank: ``CheckpointManager.restore`` once the async write is done (see its docstring).
 

@@ -45,6 +45,7 @@ def save(
     writer: StepWriter,
     flight: InFlight,
     snapshot: Snapshot,
+    *,
     step: int,
     state: Mapping[str, Any],
     metrics: Optional[Mapping[str, Any]],
