@@ -44,8 +44,12 @@ class ManagerConfig:
     local_keep: int
 
 
+def _int_at_least(value: Any, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= low
+
+
 def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _int_at_least(value, 1):
         raise InvalidArgumentError(f"CheckpointManager: {name}={value!r} must be an int >= 1")
     return int(value)
 
@@ -66,35 +70,22 @@ def _local_dir(directory: Any) -> Optional[str]:
 
 
 def make_config(
-    directory: PathLike,
-    *,
-    keep_last: Any,
-    keep_best: Any,
-    metric: Optional[str],
-    mode: str,
-    async_save: bool,
-    format: str,
-    storage_options: Optional[dict[str, Any]],
-    timeout: Timeout,
-    safe_globals: Sequence[Any],
-    local_dir: Optional[PathLike],
-    local_every: Any,
-    local_keep: Any,
-    writers: str,
-) -> ManagerConfig:
+    directory: PathLike, *, keep_last: Any, keep_best: Any, metric: Optional[str], mode: str,
+    async_save: bool, format: str, storage_options: Optional[dict[str, Any]], timeout: Timeout,
+    safe_globals: Sequence[Any], local_dir: Optional[PathLike], local_every: Any,
+    local_keep: Any, writers: str,
+) -> ManagerConfig:  # fmt: skip
     """Check ``CheckpointManager``'s arguments (not a collective) and freeze them.
 
     Raises:
         InvalidArgumentError: An argument is invalid (the message names it).
     """
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
+    if keep_last is not None and not _int_at_least(keep_last, 1):
         raise InvalidArgumentError(
             f"CheckpointManager: keep_last={keep_last!r} must be an int >= 1 (the newest "
             f"checkpoint is always kept) or None to keep every checkpoint"
         )
-    if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
+    if not _int_at_least(keep_best, 0):
         raise InvalidArgumentError(
             f"CheckpointManager: keep_best={keep_best!r} must be an int >= 0"
         )
