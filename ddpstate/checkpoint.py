@@ -638,10 +638,16 @@ def load_model_state(
                 _dcp_read.is_sharded_model(model)
                 and _read_file.detect(name, storage_options) == DCP
             ):
-                return _load_sharded(
-                    model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
+                if src_rank is not None:
+                    raise InvalidArgumentError(
+                        f"{name}: src_rank={src_rank} does not apply to a sharded (FSDP2/DTensor) "
+                        f"model: each rank reads only its own shards from the folder; drop src_rank"
+                    )
+                if barrier and is_distributed():
+                    _check_same_call(LOAD_COLLECTIVE, (name, None, src_rank), timeout)
+                return _dcp_read.load_sharded_model_state(
+                    model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
                     storage_options=storage_options, timeout=timeout,
-                    ignore_mismatched=ignore_mismatched,
                 )  # fmt: skip
             checkpoint = load(
                 source,
@@ -673,28 +679,3 @@ def load_model_state(
             [*skipped, *match.missing],
             [k if isinstance(k, str) else repr(k) for k in match.unexpected],
         )
-
-
-def _load_sharded(
-    model: torch.nn.Module,
-    name: str,
-    *,
-    strict: bool,
-    key: Optional[str],
-    barrier: bool,
-    src_rank: Optional[int],
-    storage_options: Optional[dict[str, Any]],
-    timeout: Timeout,
-    ignore_mismatched: bool,
-) -> IncompatibleKeys:
-    if src_rank is not None:
-        raise InvalidArgumentError(
-            f"{name}: src_rank={src_rank} does not apply to a sharded (FSDP2/DTensor) model: "
-            f"each rank reads only its own shards from the folder; drop src_rank"
-        )
-    if barrier and is_distributed():
-        _check_same_call(LOAD_COLLECTIVE, (name, None, src_rank), timeout)
-    return _dcp_read.load_sharded_model_state(
-        model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
-        storage_options=storage_options, timeout=timeout,
-    )  # fmt: skip

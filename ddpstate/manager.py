@@ -191,47 +191,36 @@ class CheckpointManager:
         local_keep: int = 2,
         writers: str = "rank0",
     ) -> None:
-        # Every argument is checked here, once, before the first collective; the parts
-        # (writer, local tier, save, restore) read this one frozen object.
-        config = make_config(
+        # Checked once, before any collective; the parts read this one frozen object.
+        c = make_config(
             directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
             async_save=async_save, format=format, storage_options=storage_options,
             timeout=timeout, safe_globals=safe_globals, local_dir=local_dir,
             local_every=local_every, local_keep=local_keep, writers=writers,
         )  # fmt: skip
-        self._config = config
-        # The attributes users read, as before (reading them is all they are for).
-        self.directory = config.directory
-        self.keep_last = config.keep_last
-        self.keep_best = config.keep_best
-        self.metric = config.metric
-        self.mode = config.mode
-        self.async_save = config.async_save
-        self.format = config.format
-        self.storage_options = config.storage_options
-        self.timeout = config.timeout
-        self.safe_globals = config.safe_globals
-        self.writers = config.writers
+        # The attributes users read (manager.directory, manager.format...), as before.
+        self.directory, self.keep_last, self.keep_best = c.directory, c.keep_last, c.keep_best
+        self.metric, self.mode, self.async_save = c.metric, c.mode, c.async_save
+        self.format, self.storage_options, self.timeout = c.format, c.storage_options, c.timeout
+        self.safe_globals, self.writers = c.safe_globals, c.writers
         self._closed = False
         # Composition: rank 0's writes and the async write in flight (_manager/writer.py),
-        # the async copies (snapshot.py), the preemption flag (signals.py).
-        self._writer, self._flight = StepWriter(config), InFlight()
+        # the async copies (snapshot.py), the preemption flag (signals.py), the local tier.
+        self._writer, self._flight = StepWriter(c), InFlight()
         self._snapshot, self._signals = Snapshot(), StopSignals()
         # The step restore() loaded: saving it or a higher step rolls back the steps above.
         self._restored_step: Optional[int] = None
-        check_same_on_every_rank(config)
-        # The node-local tier (see _manager/local_tier.py): off unless local_dir is given.
-        self._local = None if config.local_dir is None else LocalTier(config)
+        check_same_on_every_rank(c)
+        self._local = None if c.local_dir is None else LocalTier(c)
         self.restored_from: Optional[RestoreSource] = None
         if handle_signals:
             self._signals.install()
 
     def __repr__(self) -> str:
-        c = self._config
         return (
-            f"CheckpointManager({c.directory!r}, keep_last={c.keep_last}, "
-            f"keep_best={c.keep_best}, metric={c.metric!r}, mode={c.mode!r}, "
-            f"async_save={c.async_save}, format={c.format!r})"
+            f"CheckpointManager({self.directory!r}, keep_last={self.keep_last}, "
+            f"keep_best={self.keep_best}, metric={self.metric!r}, mode={self.mode!r}, "
+            f"async_save={self.async_save}, format={self.format!r})"
         )
 
     def checkpoint_path(self, step: int) -> str:
@@ -248,7 +237,7 @@ class CheckpointManager:
             >>> ddpstate.CheckpointManager("/tmp/run").checkpoint_path(42)
             '/tmp/run/step_0000000042'
         """
-        return storage.join(self._config.directory, step_name(check_step(step)))
+        return storage.join(self.directory, step_name(check_step(step)))
 
     def steps(self) -> list[int]:
         """Return the committed steps (their manifest exists), oldest first.
@@ -333,7 +322,7 @@ class CheckpointManager:
             >>> manager.latest_step()
             10
         """
-        self._check_open("save")
+        _check_open(self, "save")
         self._writer.finish(self._flight)
         _save.save(
             self._writer, self._flight, self._snapshot, step=step, state=state,
@@ -377,7 +366,7 @@ class CheckpointManager:
             >>> manager.restore({"model": model}), str(manager.restored_from.tier)
             (2, 'local')
         """
-        self._check_open("save_local")
+        _check_open(self, "save_local")
         if self._local is None:
             raise InvalidArgumentError(
                 "CheckpointManager.save_local: this manager has no node-local tier; pass "
@@ -414,12 +403,12 @@ class CheckpointManager:
             >>> manager.clear_local(); os.path.exists(local)
             False
         """
-        self._check_open("clear_local")
+        _check_open(self, "clear_local")
         if self._local is None:
             return
         self._local.clear()
         if is_distributed():
-            barrier(timeout=self._config.timeout, name="CheckpointManager.clear_local")
+            barrier(timeout=self.timeout, name="CheckpointManager.clear_local")
 
     def wait(self) -> None:
         """Wait for the async writes in flight; raise a failed durable write's error on every rank.
@@ -439,7 +428,7 @@ class CheckpointManager:
             >>> manager.steps()
             [1]
         """
-        self._check_open("wait")
+        _check_open(self, "wait")
         if self._local is not None:
             self._local.wait()  # never raises for the local tier: a failure is a warning
         self._writer.finish(self._flight)
@@ -525,7 +514,7 @@ class CheckpointManager:
             >>> manager.restore(state), state["epoch"]
             (5, 3)
         """
-        self._check_open("restore")
+        _check_open(self, "restore")
         self._writer.finish(self._flight)
         self.restored_from = _restore.restore(
             self._writer, self._local, state, step=step, map_location=map_location,
@@ -554,7 +543,7 @@ class CheckpointManager:
             >>> ddpstate.CheckpointManager(tempfile.mkdtemp()).should_stop()
             False
         """
-        self._check_open("should_stop")
+        _check_open(self, "should_stop")
         return self._signals.agreed()
 
     def close(self) -> None:
@@ -594,11 +583,12 @@ class CheckpointManager:
         self._flight.abandon(exc)
         _release(self)
 
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise InvalidArgumentError(
-                f"CheckpointManager.{what}: the manager for {self._config.directory} is closed"
-            )
+
+def _check_open(m: CheckpointManager, what: str) -> None:
+    if m._closed:
+        raise InvalidArgumentError(
+            f"CheckpointManager.{what}: the manager for {m.directory} is closed"
+        )
 
 
 def _release(m: CheckpointManager) -> None:
