@@ -92,14 +92,8 @@ def choose(writer: StepWriter, step: Optional[int], split: bool = False) -> Opti
         return Choice(step, manifest)
     if not storage.isdir(writer.directory, storage_options=opts):
         return None
-    candidates = sorted(
-        (
-            s
-            for s in map(parse_step, storage.listdir(writer.directory, storage_options=opts))
-            if s is not None
-        ),
-        reverse=True,
-    )
+    listed = storage.listdir(writer.directory, storage_options=opts)
+    candidates = sorted((s for s in map(parse_step, listed) if s is not None), reverse=True)
     skipped: list[tuple[str, str]] = []
     committed_bad = 0
     for s in candidates:
