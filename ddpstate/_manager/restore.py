@@ -62,9 +62,10 @@ def _verify(
 
     With ``split`` (rank 0 of several), every rank checksums a share of the files.
     """
+    opts = writer.config.storage_options
     if split:
-        return _verify_split.verify(folder, step, writer.storage_options, writer.timeout)
-    check = check_folder(folder, step, writer.storage_options)
+        return _verify_split.verify(folder, step, opts, writer.config.timeout)
+    check = check_folder(folder, step, opts)
     if check.manifest is None:
         return None, "; ".join(check.problems)
     return check.manifest, None
@@ -75,13 +76,13 @@ def choose(writer: StepWriter, step: Optional[int], split: bool = False) -> Opti
 
     ``split``: the other ranks help verify (see :func:`_verify`).
     """
-    opts = writer.storage_options
+    opts = writer.config.storage_options
     if step is not None:
         folder = writer.checkpoint_path(step)
         if not storage.exists(folder, storage_options=opts):
             raise CheckpointNotFoundError(
                 f"{folder}: no checkpoint for step {step}; committed steps in "
-                f"{writer.directory}: {sorted(writer.committed_steps())}"
+                f"{writer.config.directory}: {sorted(writer.committed_steps())}"
             )
         manifest, problem = _verify(writer, folder, step, split)
         if manifest is None:
@@ -90,9 +91,9 @@ def choose(writer: StepWriter, step: Optional[int], split: bool = False) -> Opti
                 f"pass step=None to take the newest valid checkpoint"
             )
         return Choice(step, manifest)
-    if not storage.isdir(writer.directory, storage_options=opts):
+    if not storage.isdir(writer.config.directory, storage_options=opts):
         return None
-    listed = storage.listdir(writer.directory, storage_options=opts)
+    listed = storage.listdir(writer.config.directory, storage_options=opts)
     candidates = sorted((s for s in map(parse_step, listed) if s is not None), reverse=True)
     skipped: list[tuple[str, str]] = []
     committed_bad = 0
@@ -115,8 +116,8 @@ def choose(writer: StepWriter, step: Optional[int], split: bool = False) -> Opti
     if committed_bad:
         listing = "; ".join(f"{f}: {why}" for f, why in skipped)
         raise CheckpointCorruptError(
-            f"CheckpointManager.restore: {writer.directory} has checkpoints, but none verifies "
-            f"({listing}). Move the folder away to start fresh, or repair the files"
+            f"CheckpointManager.restore: {writer.config.directory} has checkpoints, but none "
+            f"verifies ({listing}). Move the folder away to start fresh, or repair the files"
         )
     for bad_folder, why in skipped:
         warn(
@@ -137,7 +138,7 @@ def load_into(
     allow_dtype_change: bool = False,
 ) -> None:
     """Every rank: load ``folder``'s entries (as ``manifest`` lists them) and RNG states."""
-    opts = writer.storage_options
+    opts = writer.config.storage_options
     saved_entries: dict[str, Any] = manifest["entries"]
     # Entries in the step's DCP checkpoint load first, on every rank together.
     dcp_kinds = {
@@ -162,7 +163,7 @@ def load_into(
             mmap=mmap,
             barrier=False,
             storage_options=opts,
-            safe_globals=writer.safe_globals,
+            safe_globals=writer.config.safe_globals,
         )
         for name, path in files.items()
     }
@@ -368,7 +369,7 @@ def _check_none_elsewhere(writer: StepWriter, timeout: Timeout) -> None:
         more = " ..." if len(seeing) > 8 else ""
         return CheckpointNotFoundError(
             f"CheckpointManager.restore: {listed}{more} see committed checkpoints in "
-            f"{writer.directory} where rank 0 sees none: the folder is not shared storage "
+            f"{writer.config.directory} where rank 0 sees none: the folder is not shared storage "
             f"between the ranks; nothing is damaged; put the checkpoint folder on storage "
             f"every rank sees (a shared filesystem or an fsspec URL)"
         )
@@ -383,7 +384,7 @@ def _check_none_elsewhere(writer: StepWriter, timeout: Timeout) -> None:
 
 def _choose_durable(writer: StepWriter, step: Optional[int]) -> Optional[Choice]:
     """Every rank: rank 0 chooses the durable step (the others help verify) and tells all."""
-    timeout = writer.timeout
+    timeout = writer.config.timeout
     choice: Optional[Choice] = None
     choose_error: Optional[Exception] = None
     # Several ranks: each checksums a share of the candidate's files (_manager.verify_split).
@@ -399,10 +400,10 @@ def _choose_durable(writer: StepWriter, step: Optional[int]) -> Optional[Choice]
             if split:
                 _verify_split.finish(timeout)
     elif split:
-        _verify_split.follow(writer.storage_options, timeout)
+        _verify_split.follow(writer.config.storage_options, timeout)
     share_outcome(choose_error, name="CheckpointManager.restore", timeout=timeout)
     choice = broadcast_object(choice, src=0, timeout=timeout)
-    if choice is None and split and not _fs.is_remote(writer.directory):
+    if choice is None and split and not _fs.is_remote(writer.config.directory):
         _check_none_elsewhere(writer, timeout)
     return choice
 
@@ -472,5 +473,5 @@ def restore(
             if not is_distributed():
                 raise
             error = exc
-        share_restore_outcome(source.step, error, writer.timeout)
+        share_restore_outcome(source.step, error, writer.config.timeout)
         return source

@@ -101,17 +101,18 @@ def _plan(
     step = check_step(step)
     names = check_state(state, "save")
     checked_metrics = check_metrics(metrics)
-    if writer.keep_best and writer.metric not in checked_metrics:
+    keep_best, metric = writer.config.keep_best, writer.config.metric
+    if keep_best and metric not in checked_metrics:
         raise InvalidArgumentError(
-            f"CheckpointManager.save(step={step}): keep_best={writer.keep_best} ranks "
-            f"checkpoints by metric {writer.metric!r}, but metrics= has "
-            f"{sorted(checked_metrics) or 'nothing'}; pass metrics={{{writer.metric!r}: value}}"
+            f"CheckpointManager.save(step={step}): keep_best={keep_best} ranks "
+            f"checkpoints by metric {metric!r}, but metrics= has "
+            f"{sorted(checked_metrics) or 'nothing'}; pass metrics={{{metric!r}: value}}"
         )
     folder = writer.checkpoint_path(step)
     # Sharded models and optimizers (every one with writers="all") are written by every
     # rank through torch.distributed.checkpoint (_dcp/write.py); sharded state anywhere else
     # is refused on every rank before anyone writes (rank 0 alone holds only its shards).
-    dcp_kinds = _dcp.plan_entries(state, writer.writers, folder)
+    dcp_kinds = _dcp.plan_entries(state, writer.config.writers, folder)
     rest = {k: v for k, v in state.items() if k not in dcp_kinds}
     check_not_sharded(rest, folder)
     batchnorm = batchnorm_checks(state)
@@ -136,10 +137,11 @@ def _take_entries(
 
     With several ranks a failure is kept in ``plan`` and raised on every rank by the round.
     """
+    async_save = writer.config.async_save
     try:
         plan.refusal = writer.rollback_refusal(plan.step, rollback, restored)
         if not plan.refusal:
-            plan.entries, plan.events = snapshot.collect(plan.rest, snapshot=writer.async_save)
+            plan.entries, plan.events = snapshot.collect(plan.rest, snapshot=async_save)
         optim_state.warn_unpaired(plan.rest, plan.folder)
         for name, entry in plan.entries.items():
             _savecheck.check_tensors(entry.value, f"state[{name!r}]", plan.folder)
@@ -158,7 +160,7 @@ def _agree(writer: StepWriter, plan: _Plan, state: Mapping[str, Any]) -> list[by
     """
     rng_blobs: list[bytes] = []
     causes: list[BaseException] = []
-    commits_now = not (writer.async_save or plan.sync_first or plan.dcp_kinds)
+    commits_now = not (writer.config.async_save or plan.sync_first or plan.dcp_kinds)
 
     def decide(infos: list[SaveInfo]) -> Optional[DDPStateError]:
         error = (
@@ -179,7 +181,7 @@ def _agree(writer: StepWriter, plan: _Plan, state: Mapping[str, Any]) -> list[by
             decide,
             dst=WRITER_RANK,
             name=f"CheckpointManager.save(step={plan.step})",
-            timeout=writer.timeout,
+            timeout=writer.config.timeout,
         )
     except DDPStateError as shared:
         if causes:
@@ -210,13 +212,14 @@ def _write(
 ) -> None:
     """Every rank, after the round: what the round did not do (see the module docstring)."""
     step, folder, is_writer = plan.step, plan.folder, get_rank() == WRITER_RANK
+    async_save = writer.config.async_save
     if plan.sync_first:
         # A collective of its own, so it runs only once the round has shown that the
         # ranks agree (step, entries, which models); copies and DCP take the synced values.
-        sync_batchnorm(state, writer.timeout)
-        if is_writer and (writer.async_save or plan.dcp_kinds):
-            plan.entries, plan.events = snapshot.collect(plan.rest, snapshot=writer.async_save)
-    if plan.dcp_kinds and writer.async_save:  # written on the manager's own group
+        sync_batchnorm(state, writer.config.timeout)
+        if is_writer and (async_save or plan.dcp_kinds):
+            plan.entries, plan.events = snapshot.collect(plan.rest, snapshot=async_save)
+    if plan.dcp_kinds and async_save:  # written on the manager's own group
         flight.pending = Pending(step, folder, shared=True)
         flight.thread = _dcp.start_async_step(
             writer, flight, step, state, plan.dcp_kinds, plan.entries, plan.events,
@@ -224,7 +227,7 @@ def _write(
         )  # fmt: skip
     elif plan.dcp_kinds:
         _dcp.save_step(writer, step, state, plan.dcp_kinds, plan.entries, rng_blobs, plan.metrics)
-    elif writer.async_save:
+    elif async_save:
         flight.pending = Pending(step, folder)
         if is_writer:
             writer.start_async(flight, step, plan.entries, rng_blobs, plan.metrics, plan.events)
