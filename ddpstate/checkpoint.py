@@ -6,7 +6,6 @@ import os
 import posixpath
 import shutil
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
@@ -25,10 +24,13 @@ from ddpstate._io.model_state import (
     load_fitting,
     warn_if_little_matched,
 )
-from ddpstate._io.safetensors_io import write_safetensors
+from ddpstate._io.safetensors_io import save_sharded, write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate._keys.wrappers import unwrapped_state_dict
+from ddpstate._streaming.hf_write import parse_size
+from ddpstate.batchnorm import warn_if_stats_differ
 from ddpstate.dist import (
+    Timeout,
     broadcast_object,
     compare_across_ranks,
     gather_and_decide,
@@ -51,6 +53,7 @@ from ddpstate.formats import (
     TORCH_ZIP,
     parse_format,
 )
+from ddpstate.keys import find_state_dict, match_keys
 from ddpstate.location import (
     MapLocation,
     ResolvedMapLocation,
@@ -59,8 +62,6 @@ from ddpstate.location import (
 
 __all__ = ["IncompatibleKeys", "load", "load_model_state", "save", "save_model_state"]
 
-
-Timeout = Union[float, timedelta, None]
 
 #: Barrier names, so a timeout message says which call a rank is missing from.
 SAVE_COLLECTIVE = "ddpstate.save"
@@ -99,8 +100,6 @@ def _write(
     if parent and not parent.endswith("://"):
         storage.makedirs(parent, storage_options=storage_options)
     if max_shard_size is not None:
-        from ddpstate._io.safetensors_io import save_sharded
-
         save_sharded(obj, path, max_shard_size, metadata)
         return
     with storage.atomic_write(path, storage_options=storage_options) as fileobj:
@@ -266,8 +265,6 @@ def save(
             return
         fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
         if max_shard_size is not None:
-            from ddpstate._streaming.hf_write import parse_size
-
             parse_size(max_shard_size)  # a bad size fails on every rank, before any write
             if format is not None and _save_format(text, format) != SAFETENSORS:
                 raise CheckpointFormatError(
@@ -546,8 +543,6 @@ def save_model_state(model: torch.nn.Module, path: PathLike, **save_kwargs: Any)
         ['bias', 'weight']
     """
     with calling(f"ddpstate.save_model_state({path_text(path)})"):
-        from ddpstate.batchnorm import warn_if_stats_differ
-
         state = unwrapped_state_dict(model)
         save(state, path, **save_kwargs)
         if save_kwargs.get("barrier", True):
@@ -634,18 +629,22 @@ def load_model_state(
     """
     with calling(f"ddpstate.load_model_state({path_text(source)})"):
         _savecheck.check_safe_globals(safe_globals, "load_model_state")
-        from ddpstate.keys import find_state_dict, match_keys
-
         if isinstance(source, (str, os.PathLike)):
             name = os.fspath(source)
             if (
                 _dcp_read.is_sharded_model(model)
                 and _read_file.detect(name, storage_options) == DCP
             ):
-                return _load_sharded(
-                    model, name, strict=strict, key=key, barrier=barrier, src_rank=src_rank,
+                if src_rank is not None:
+                    raise InvalidArgumentError(
+                        f"{name}: src_rank={src_rank} does not apply to a sharded (FSDP2/DTensor) "
+                        f"model: each rank reads only its own shards from the folder; drop src_rank"
+                    )
+                if barrier and is_distributed():
+                    _check_same_call(LOAD_COLLECTIVE, (name, None, src_rank), timeout)
+                return _dcp_read.load_sharded_model_state(
+                    model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
                     storage_options=storage_options, timeout=timeout,
-                    ignore_mismatched=ignore_mismatched,
                 )  # fmt: skip
             checkpoint = load(
                 source,
@@ -677,28 +676,3 @@ def load_model_state(
             [*skipped, *match.missing],
             [k if isinstance(k, str) else repr(k) for k in match.unexpected],
         )
-
-
-def _load_sharded(
-    model: torch.nn.Module,
-    name: str,
-    *,
-    strict: bool,
-    key: Optional[str],
-    barrier: bool,
-    src_rank: Optional[int],
-    storage_options: Optional[dict[str, Any]],
-    timeout: Timeout,
-    ignore_mismatched: bool,
-) -> IncompatibleKeys:
-    if src_rank is not None:
-        raise InvalidArgumentError(
-            f"{name}: src_rank={src_rank} does not apply to a sharded (FSDP2/DTensor) model: "
-            f"each rank reads only its own shards from the folder; drop src_rank"
-        )
-    if barrier and is_distributed():
-        _check_same_call(LOAD_COLLECTIVE, (name, None, src_rank), timeout)
-    return _dcp_read.load_sharded_model_state(
-        model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
-        storage_options=storage_options, timeout=timeout,
-    )  # fmt: skip

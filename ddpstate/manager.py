@@ -53,7 +53,6 @@ elsewhere (in a plain value) are refused with :class:`~ddpstate.ShardedStateErro
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, MutableMapping, Sequence
 from types import TracebackType
 from typing import Any, Optional
@@ -61,13 +60,11 @@ from typing import Any, Optional
 from ddpstate import storage
 from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
-from ddpstate._io import savecheck as _savecheck
-from ddpstate._manager import local_tier as _local_tier
 from ddpstate._manager import restore as _restore
 from ddpstate._manager import save as _save
-from ddpstate._manager.entries import Timeout as Timeout
+from ddpstate._manager.config import check_same_on_every_rank, make_config
 from ddpstate._manager.entries import check_state, check_step
-from ddpstate._manager.local_tier import RestoreSource
+from ddpstate._manager.local_tier import LocalTier, RestoreSource
 from ddpstate._manager.signals import StopSignals
 from ddpstate._manager.snapshot import Snapshot
 from ddpstate._manager.writer import InFlight, StepWriter
@@ -78,72 +75,11 @@ from ddpstate._manifest import MANIFEST_NAME as MANIFEST_NAME
 from ddpstate._manifest import RNG_FILE as RNG_FILE
 from ddpstate._manifest import STEP_DIGITS as STEP_DIGITS
 from ddpstate._manifest import CheckpointVerification, step_name, verify_checkpoint
-from ddpstate.dist import barrier, compare_across_ranks, is_distributed
+from ddpstate.checkpoint import Timeout as Timeout
+from ddpstate.dist import barrier, is_distributed
 from ddpstate.errors import InvalidArgumentError
-from ddpstate.formats import PT, SAFETENSORS, parse_format
 
 __all__ = ["CheckpointManager", "CheckpointVerification", "RestoreSource", "verify_checkpoint"]
-
-
-def _check_options(
-    keep_last: Any, keep_best: Any, metric: Optional[str], mode: str, writers: str
-) -> None:
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
-        raise InvalidArgumentError(
-            f"CheckpointManager: keep_last={keep_last!r} must be an int >= 1 (the newest "
-            f"checkpoint is always kept) or None to keep every checkpoint"
-        )
-    if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
-        raise InvalidArgumentError(
-            f"CheckpointManager: keep_best={keep_best!r} must be an int >= 0"
-        )
-    if keep_best and not metric:
-        raise InvalidArgumentError(
-            f"CheckpointManager: keep_best={keep_best} needs metric= (the name of the metric "
-            f"passed to save(metrics=...) that ranks checkpoints)"
-        )
-    if mode not in ("min", "max"):
-        raise InvalidArgumentError(f"CheckpointManager: mode={mode!r} must be 'min' or 'max'")
-    if writers not in _dcp.WRITERS:
-        raise InvalidArgumentError(
-            f"CheckpointManager: writers={writers!r} must be 'rank0' (rank 0 writes models "
-            f"and optimizers) or 'all' (every rank writes part, through "
-            f"torch.distributed.checkpoint)"
-        )
-
-
-def _step_writer(m: CheckpointManager) -> StepWriter:
-    return StepWriter(
-        m.directory,
-        storage_options=m.storage_options,
-        format=m.format,
-        safe_globals=m.safe_globals,
-        keep_last=m.keep_last,
-        keep_best=m.keep_best,
-        metric=m.metric,
-        mode=m.mode,
-        timeout=m.timeout,
-        async_save=m.async_save,
-        writers=m.writers,
-    )
-
-
-def _check_same_config(m: CheckpointManager) -> None:
-    if not is_distributed():
-        return
-    config = (m.directory, m.keep_last, m.keep_best, m.metric, m.mode, m.async_save, m.format)
-    gathered = compare_across_ranks(
-        (*config, m.writers), name="CheckpointManager(...)", timeout=m.timeout
-    )
-    if gathered is not None:
-        differing = [r for r, c in enumerate(gathered) if c != gathered[0]]
-        raise InvalidArgumentError(
-            f"CheckpointManager: rank(s) {differing} were created with different arguments "
-            f"than rank 0 ({gathered[differing[0]]!r} vs {gathered[0]!r}); every rank must "
-            f"pass the same directory and options (no per-rank timestamps in the path)"
-        )
 
 
 class CheckpointManager:
@@ -255,26 +191,27 @@ class CheckpointManager:
         local_keep: int = 2,
         writers: str = "rank0",
     ) -> None:
-        _check_options(keep_last, keep_best, metric, mode, writers)
-        format = parse_format(format, allowed=(PT, SAFETENSORS), what="CheckpointManager format")
-        self.directory = os.fspath(directory)
-        self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
-        self.async_save, self.format, self.writers = bool(async_save), format, writers
-        self.storage_options, self.timeout = storage_options, timeout
-        self.safe_globals: tuple[Any, ...] = _savecheck.check_safe_globals(
-            safe_globals, "CheckpointManager"
-        )
+        # Checked once, before any collective; the parts read this one frozen object.
+        c = make_config(
+            directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
+            async_save=async_save, format=format, storage_options=storage_options,
+            timeout=timeout, safe_globals=safe_globals, local_dir=local_dir,
+            local_every=local_every, local_keep=local_keep, writers=writers,
+        )  # fmt: skip
+        # The attributes users read (manager.directory, manager.format...), as before.
+        self.directory, self.keep_last, self.keep_best = c.directory, c.keep_last, c.keep_best
+        self.metric, self.mode, self.async_save = c.metric, c.mode, c.async_save
+        self.format, self.storage_options, self.timeout = c.format, c.storage_options, c.timeout
+        self.safe_globals, self.writers = c.safe_globals, c.writers
         self._closed = False
         # Composition: rank 0's writes and the async write in flight (_manager/writer.py),
-        # the async copies (snapshot.py), the preemption flag (signals.py).
-        self._writer, self._flight = _step_writer(self), InFlight()
+        # the async copies (snapshot.py), the preemption flag (signals.py), the local tier.
+        self._writer, self._flight = StepWriter(c), InFlight()
         self._snapshot, self._signals = Snapshot(), StopSignals()
         # The step restore() loaded: saving it or a higher step rolls back the steps above.
         self._restored_step: Optional[int] = None
-        _check_same_config(self)
-        # The node-local tier (see _manager/local_tier.py): off unless local_dir is given.
-        local = (local_dir, local_every, local_keep, timeout)
-        self._local = None if local_dir is None else _local_tier.LocalTier(*local)
+        check_same_on_every_rank(c)
+        self._local = None if c.local_dir is None else LocalTier(c)
         self.restored_from: Optional[RestoreSource] = None
         if handle_signals:
             self._signals.install()
@@ -385,10 +322,12 @@ class CheckpointManager:
             >>> manager.latest_step()
             10
         """
-        self._check_open("save")
+        _check_open(self, "save")
         self._writer.finish(self._flight)
-        parts = (self._writer, self._flight, self._snapshot)
-        _save.save(*parts, step, state, metrics, rollback, self._restored_step)
+        _save.save(
+            self._writer, self._flight, self._snapshot, step=step, state=state,
+            metrics=metrics, rollback=rollback, restored=self._restored_step,
+        )  # fmt: skip
 
     def save_local(self, step: int, state: Mapping[str, Any]) -> bool:
         """Save ``state`` to the node-local tier when ``step`` is a multiple of ``local_every``.
@@ -427,7 +366,7 @@ class CheckpointManager:
             >>> manager.restore({"model": model}), str(manager.restored_from.tier)
             (2, 'local')
         """
-        self._check_open("save_local")
+        _check_open(self, "save_local")
         if self._local is None:
             raise InvalidArgumentError(
                 "CheckpointManager.save_local: this manager has no node-local tier; pass "
@@ -464,7 +403,7 @@ class CheckpointManager:
             >>> manager.clear_local(); os.path.exists(local)
             False
         """
-        self._check_open("clear_local")
+        _check_open(self, "clear_local")
         if self._local is None:
             return
         self._local.clear()
@@ -489,7 +428,7 @@ class CheckpointManager:
             >>> manager.steps()
             [1]
         """
-        self._check_open("wait")
+        _check_open(self, "wait")
         if self._local is not None:
             self._local.wait()  # never raises for the local tier: a failure is a warning
         self._writer.finish(self._flight)
@@ -575,10 +514,13 @@ class CheckpointManager:
             >>> manager.restore(state), state["epoch"]
             (5, 3)
         """
-        self._check_open("restore")
+        _check_open(self, "restore")
         self._writer.finish(self._flight)
-        options = (map_location, strict, ignore_mismatched, allow_dtype_change)
-        self.restored_from = _restore.restore(self._writer, self._local, state, step, *options)
+        self.restored_from = _restore.restore(
+            self._writer, self._local, state, step=step, map_location=map_location,
+            strict=strict, ignore_mismatched=ignore_mismatched,
+            allow_dtype_change=allow_dtype_change,
+        )  # fmt: skip
         if self.restored_from.step is not None:
             self._restored_step = int(self.restored_from.step)
         return self.restored_from.step
@@ -601,7 +543,7 @@ class CheckpointManager:
             >>> ddpstate.CheckpointManager(tempfile.mkdtemp()).should_stop()
             False
         """
-        self._check_open("should_stop")
+        _check_open(self, "should_stop")
         return self._signals.agreed()
 
     def close(self) -> None:
@@ -641,11 +583,12 @@ class CheckpointManager:
         self._flight.abandon(exc)
         _release(self)
 
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise InvalidArgumentError(
-                f"CheckpointManager.{what}: the manager for {self.directory} is closed"
-            )
+
+def _check_open(m: CheckpointManager, what: str) -> None:
+    if m._closed:
+        raise InvalidArgumentError(
+            f"CheckpointManager.{what}: the manager for {m.directory} is closed"
+        )
 
 
 def _release(m: CheckpointManager) -> None:

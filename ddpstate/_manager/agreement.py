@@ -9,19 +9,38 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from torch import nn
 
 from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
-from ddpstate._manager.entries import Timeout
 from ddpstate._manager.writer import WRITER_RANK
+from ddpstate.batchnorm import (
+    stats_checksums,
+    sync_batchnorm_stats,
+    warn_if_checksums_differ,
+    wrapped_unsynced,
+)
+from ddpstate.checkpoint import Timeout
 from ddpstate.errors import CheckpointWriteError, DDPStateError, InvalidArgumentError
 
 
+class SaveInfo(NamedTuple):
+    """What each rank sends the writer in ``save``'s one round (plain pickle, as every message)."""
+
+    step: int
+    names: list[str]
+    #: This rank's RNG states, pickled: opaque to the checks, unpickled when written.
+    rng: bytes
+    #: Model entry -> "sync" or its BatchNorm checksums (see :func:`batchnorm_checks`).
+    batchnorm: dict[str, Any]
+    #: Entry -> kind of the entries written through torch.distributed.checkpoint.
+    dcp: dict[str, str]
+
+
 def check_gathered(
-    gathered: list[Any], step: int, folder: str, local_error: Optional[Exception]
+    gathered: list[SaveInfo], step: int, folder: str, local_error: Optional[Exception]
 ) -> Optional[DDPStateError]:
     """The writer's verdict on the gathered metadata: None, or the error every rank raises."""
     if local_error is not None:
@@ -32,14 +51,14 @@ def check_gathered(
         if isinstance(local_error, DDPStateError):
             return with_message(local_error, message)
         return CheckpointWriteError(message)
-    steps = [g["step"] for g in gathered]
+    steps = [g.step for g in gathered]
     if len(set(steps)) > 1:
         return InvalidArgumentError(
             f"CheckpointManager.save: the ranks passed different steps "
             f"({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))}); every rank must "
             f"save the same step at the same time"
         )
-    names = [g["names"] for g in gathered]
+    names = [g.names for g in gathered]
     differing = [r for r, n in enumerate(names) if n != names[0]]
     if differing:
         return InvalidArgumentError(
@@ -50,6 +69,19 @@ def check_gathered(
     return None
 
 
+def check_dcp_kinds(gathered: list[SaveInfo], step: int) -> Optional[InvalidArgumentError]:
+    """The writer: an error when the ranks do not agree on which entries are DCP entries."""
+    differing = [r for r, g in enumerate(gathered) if g.dcp != gathered[0].dcp]
+    if not differing:
+        return None
+    r = differing[0]
+    return InvalidArgumentError(
+        f"CheckpointManager.save(step={step}): rank {r} holds sharded/DCP entries "
+        f"{sorted(gathered[r].dcp)} but rank 0 holds {sorted(gathered[0].dcp)}; every rank must "
+        f"pass the same kind of model and optimizer (all FSDP2, or none)"
+    )
+
+
 def batchnorm_checks(state: Mapping[str, Any]) -> dict[str, Any]:
     """This rank's BatchNorm facts per model entry, sent in ``save``'s agreement exchange.
 
@@ -57,8 +89,6 @@ def batchnorm_checks(state: Mapping[str, Any]) -> dict[str, Any]:
     :func:`~ddpstate.batchnorm.stats_checksums` (None: nothing to compare).
     Not a collective.
     """
-    from ddpstate.batchnorm import stats_checksums, wrapped_unsynced
-
     return {
         name: "sync" if wrapped_unsynced(obj) else stats_checksums(obj)
         for name, obj in state.items()
@@ -67,19 +97,17 @@ def batchnorm_checks(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_batchnorm(
-    state: Mapping[str, Any], folder: str, gathered: list[Any]
+    state: Mapping[str, Any], folder: str, gathered: list[SaveInfo]
 ) -> Optional[DDPStateError]:
     """The writer, inside save's round: the ranks must agree on which models to sync.
 
     For the other models it warns (once per model) when the ranks' BatchNorm
     statistics differ, since the file would hold rank 0's alone.
     """
-    from ddpstate.batchnorm import warn_if_checksums_differ
-
     for name, obj in state.items():
         if not isinstance(obj, nn.Module):
             continue
-        facts = [g["batchnorm"].get(name) for g in gathered]
+        facts = [g.batchnorm.get(name) for g in gathered]
         syncing = [r for r, fact in enumerate(facts) if fact == "sync"]
         if syncing and len(syncing) != len(facts):
             return InvalidArgumentError(
@@ -94,8 +122,6 @@ def check_batchnorm(
 
 def sync_batchnorm(state: Mapping[str, Any], given: Timeout) -> None:
     """Every rank, after save's round: average the statistics of unsynced wrap_ddp models."""
-    from ddpstate.batchnorm import sync_batchnorm_stats, wrapped_unsynced
-
     timeout = given.total_seconds() if isinstance(given, timedelta) else given
     for obj in state.values():
         if isinstance(obj, nn.Module) and wrapped_unsynced(obj):

@@ -12,17 +12,13 @@ import pickle
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ddpstate._io import savecheck as _savecheck
 from ddpstate.errors import InvalidArgumentError
-
-#: Seconds (or ``timedelta``) a rank waits for the others; None: the default.
-Timeout = Union[float, timedelta, None]
 
 _ENTRY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from ddpstate import _checksum, _manifest, storage
 from ddpstate._manager import local_check
-from ddpstate._manager.entries import Entry, Timeout
+from ddpstate._manager.config import ManagerConfig
+from ddpstate._manager.entries import Entry
 from ddpstate._manager.snapshot import Snapshot
 from ddpstate._warn import warn
 from ddpstate.dist import (
@@ -93,12 +94,6 @@ class RestoreSource:
         return f"{self.tier} step {self.step} ({self.path}{via})"
 
 
-def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"CheckpointManager: {name}={value!r} must be an int >= 1")
-    return int(value)
-
-
 def _node_main(rank: int) -> int:
     # torchrun and srun number the ranks of a node contiguously from its local rank 0.
     return rank - get_local_rank()
@@ -107,20 +102,10 @@ def _node_main(rank: int) -> int:
 class LocalTier:
     """The node-local tier of one :class:`~ddpstate.CheckpointManager` (internal)."""
 
-    def __init__(self, directory: Any, every: Any, keep: Any, timeout: Timeout) -> None:
-        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-            raise InvalidArgumentError(
-                f"CheckpointManager: local_dir={directory!r} must be a local folder, such as "
-                f"'/dev/shm/ddpstate-<job id>'"
-            )
-        self.directory = os.path.abspath(os.fspath(directory))
-        if "://" in os.fspath(directory):
-            raise InvalidArgumentError(
-                f"CheckpointManager: local_dir={directory!r} must be a node-local folder, not a URL"
-            )
-        self.every = _check_positive("local_every", every)
-        self.keep = _check_positive("local_keep", keep)
-        self.timeout = timeout
+    def __init__(self, config: ManagerConfig) -> None:
+        assert config.local_dir is not None  # the manager makes a tier only for a local_dir
+        self.directory, self.timeout = config.local_dir, config.timeout
+        self.every, self.keep = config.local_every, config.local_keep
         self.skipped: list[tuple[int, str]] = []
         self._reported = 0  # skips already told to the node's other ranks
         self._warned = False
@@ -130,16 +115,16 @@ class LocalTier:
         self._thread_error: Optional[BaseException] = None
         if is_distributed():
             # One rank compares; the values travel to every rank only when they differ.
-            config = compare_across_ranks(
+            settings = compare_across_ranks(
                 (self.every, self.keep),
                 name="CheckpointManager local tier settings",
-                timeout=timeout,
+                timeout=self.timeout,
             )
-            if config is not None:
-                differing = [r for r, c in enumerate(config) if c != config[0]]
+            if settings is not None:
+                differing = [r for r, c in enumerate(settings) if c != settings[0]]
                 raise InvalidArgumentError(
                     f"CheckpointManager: rank(s) {differing} passed local_every/local_keep "
-                    f"{config[differing[0]]} but rank 0 passed {config[0]}; pass the same on "
+                    f"{settings[differing[0]]} but rank 0 passed {settings[0]}; pass the same on "
                     f"every rank"
                 )
 

@@ -9,7 +9,7 @@ entries into the live objects and restores its own RNG states.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -23,11 +23,12 @@ from ddpstate._io import model_state
 from ddpstate._keys.match import STRICT_ADVICE
 from ddpstate._manager import optim_state
 from ddpstate._manager import verify_split as _verify_split
-from ddpstate._manager.entries import Timeout, check_state, check_step, has_state_dict
+from ddpstate._manager.entries import check_state, check_step, has_state_dict
 from ddpstate._manager.local_tier import LocalTier, RestoreSource
 from ddpstate._manager.writer import StepWriter
 from ddpstate._manifest import MANIFEST_NAME, RNG_FILE, check_folder, parse_step
 from ddpstate._warn import warn
+from ddpstate.checkpoint import Timeout
 from ddpstate.dist import (
     broadcast_object,
     gather_and_decide,
@@ -47,6 +48,13 @@ from ddpstate.keys import adapt_state_dict
 from ddpstate.rng import derived_seed, restore_rng_state, seed_all
 
 
+class Choice(NamedTuple):
+    """The durable step every rank restores and its manifest, as rank 0 broadcasts them."""
+
+    step: int
+    manifest: dict[str, Any]
+
+
 def _verify(
     writer: StepWriter, folder: str, step: int, split: bool = False
 ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
@@ -54,28 +62,27 @@ def _verify(
 
     With ``split`` (rank 0 of several), every rank checksums a share of the files.
     """
+    opts = writer.config.storage_options
     if split:
-        return _verify_split.verify(folder, step, writer.storage_options, writer.timeout)
-    check = check_folder(folder, step, writer.storage_options)
+        return _verify_split.verify(folder, step, opts, writer.config.timeout)
+    check = check_folder(folder, step, opts)
     if check.manifest is None:
         return None, "; ".join(check.problems)
     return check.manifest, None
 
 
-def choose(
-    writer: StepWriter, step: Optional[int], split: bool = False
-) -> Optional[tuple[int, dict[str, Any]]]:
+def choose(writer: StepWriter, step: Optional[int], split: bool = False) -> Optional[Choice]:
     """Rank 0: pick the checkpoint to restore (see :meth:`restore`).
 
     ``split``: the other ranks help verify (see :func:`_verify`).
     """
-    opts = writer.storage_options
+    opts = writer.config.storage_options
     if step is not None:
         folder = writer.checkpoint_path(step)
         if not storage.exists(folder, storage_options=opts):
             raise CheckpointNotFoundError(
                 f"{folder}: no checkpoint for step {step}; committed steps in "
-                f"{writer.directory}: {sorted(writer.committed_steps())}"
+                f"{writer.config.directory}: {sorted(writer.committed_steps())}"
             )
         manifest, problem = _verify(writer, folder, step, split)
         if manifest is None:
@@ -83,17 +90,11 @@ def choose(
                 f"{folder}: cannot restore step {step}: {problem}. Restore another step, or "
                 f"pass step=None to take the newest valid checkpoint"
             )
-        return step, manifest
-    if not storage.isdir(writer.directory, storage_options=opts):
+        return Choice(step, manifest)
+    if not storage.isdir(writer.config.directory, storage_options=opts):
         return None
-    candidates = sorted(
-        (
-            s
-            for s in map(parse_step, storage.listdir(writer.directory, storage_options=opts))
-            if s is not None
-        ),
-        reverse=True,
-    )
+    listed = storage.listdir(writer.config.directory, storage_options=opts)
+    candidates = sorted((s for s in map(parse_step, listed) if s is not None), reverse=True)
     skipped: list[tuple[str, str]] = []
     committed_bad = 0
     for s in candidates:
@@ -108,15 +109,15 @@ def choose(
                     f"step {s} instead",
                     rank=get_rank(),
                 )
-            return s, manifest
+            return Choice(s, manifest)
         skipped.append((folder, str(problem)))
         if storage.exists(storage.join(folder, MANIFEST_NAME), storage_options=opts):
             committed_bad += 1
     if committed_bad:
         listing = "; ".join(f"{f}: {why}" for f, why in skipped)
         raise CheckpointCorruptError(
-            f"CheckpointManager.restore: {writer.directory} has checkpoints, but none verifies "
-            f"({listing}). Move the folder away to start fresh, or repair the files"
+            f"CheckpointManager.restore: {writer.config.directory} has checkpoints, but none "
+            f"verifies ({listing}). Move the folder away to start fresh, or repair the files"
         )
     for bad_folder, why in skipped:
         warn(
@@ -137,7 +138,7 @@ def load_into(
     allow_dtype_change: bool = False,
 ) -> None:
     """Every rank: load ``folder``'s entries (as ``manifest`` lists them) and RNG states."""
-    opts = writer.storage_options
+    opts = writer.config.storage_options
     saved_entries: dict[str, Any] = manifest["entries"]
     # Entries in the step's DCP checkpoint load first, on every rank together.
     dcp_kinds = {
@@ -147,21 +148,25 @@ def load_into(
     }
     if dcp_kinds:
         _dcp.restore_entries(state, dcp_kinds, folder, ignore_mismatched)
-    loaded: dict[str, Any] = {}
-    for name in state:
-        if name in saved_entries and name not in dcp_kinds:
-            path = storage.join(folder, saved_entries[name]["file"])
-            # No mmap on the durable tier: a later rotation deletes these files, and on
-            # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
-            # A local file unlinked on this node keeps its pages while mapped.
-            loaded[name] = checkpoint.load(
-                path,
-                map_location=map_location,
-                mmap=mmap,
-                barrier=False,
-                storage_options=opts,
-                safe_globals=writer.safe_globals,
-            )
+    files = {
+        name: storage.join(folder, saved_entries[name]["file"])
+        for name in state
+        if name in saved_entries and name not in dcp_kinds
+    }
+    # No mmap on the durable tier: a later rotation deletes these files, and on
+    # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
+    # A local file unlinked on this node keeps its pages while mapped.
+    loaded = {
+        name: checkpoint.load(
+            path,
+            map_location=map_location,
+            mmap=mmap,
+            barrier=False,
+            storage_options=opts,
+            safe_globals=writer.config.safe_globals,
+        )
+        for name, path in files.items()
+    }
     rng = checkpoint.load(
         storage.join(folder, str(manifest.get("rng_file", RNG_FILE))),
         map_location="cpu",
@@ -173,19 +178,26 @@ def load_into(
     # Everything that can refuse runs before anything is loaded, so a refusal leaves
     # every model and optimizer as it was: model keys adapted and dtypes checked,
     # optimizer state mapped by name onto the live layout (_manager/optim_state.py).
-    ready: dict[str, Any] = {}
-    for name, value in loaded.items():
-        ready[name] = _prepare(
-            name, value, state, storage.join(folder, saved_entries[name]["file"]), policy
-        )
+    ready = {
+        name: _prepare(name, value, state, files[name], policy) for name, value in loaded.items()
+    }
+    _load_ready(state, ready, files, ignore_mismatched, policy)
+    restore_rng(rng, manifest)
+
+
+def _load_ready(
+    state: MutableMapping[str, Any],
+    ready: dict[str, Any],
+    files: dict[str, str],
+    ignore_mismatched: bool,
+    policy: model_state.DTypePolicy,
+) -> None:
+    """Load each prepared entry into its live object (plain values into ``state``)."""
     # Parameters ignore_mismatched skipped: optimizers must not get their old
     # per-parameter state (it has the old shape), so models load first.
     skipped: set[int] = set()
-    in_order = sorted(ready, key=lambda n: not isinstance(state[n], nn.Module))
-    for name in in_order:
-        value = ready[name]
-        target = state[name]
-        file = storage.join(folder, saved_entries[name]["file"])
+    for name in sorted(ready, key=lambda n: not isinstance(state[n], nn.Module)):
+        value, target, file = ready[name], state[name], files[name]
         if isinstance(target, nn.Module):
             keys = model_state.load_fitting(
                 target,
@@ -211,7 +223,6 @@ def load_into(
                 ) from exc
         else:
             state[name] = value
-    restore_rng(rng, manifest)
 
 
 def _prepare(
@@ -292,7 +303,9 @@ def restore_rng(rng: Any, manifest: dict[str, Any]) -> None:
         seed_all(derived_seed(base, rank))
 
 
-def share_restore_outcome(step: int, error: Optional[Exception], timeout: Timeout) -> None:
+def share_restore_outcome(
+    step: Optional[int], error: Optional[Exception], timeout: Timeout
+) -> None:
     """Raise ``error`` (this rank's, or another's) on every rank, or return on every rank."""
     if error is None:
         shared: Optional[DDPStateError] = None
@@ -356,7 +369,7 @@ def _check_none_elsewhere(writer: StepWriter, timeout: Timeout) -> None:
         more = " ..." if len(seeing) > 8 else ""
         return CheckpointNotFoundError(
             f"CheckpointManager.restore: {listed}{more} see committed checkpoints in "
-            f"{writer.directory} where rank 0 sees none: the folder is not shared storage "
+            f"{writer.config.directory} where rank 0 sees none: the folder is not shared storage "
             f"between the ranks; nothing is damaged; put the checkpoint folder on storage "
             f"every rank sees (a shared filesystem or an fsspec URL)"
         )
@@ -369,15 +382,56 @@ def _check_none_elsewhere(writer: StepWriter, timeout: Timeout) -> None:
     )
 
 
+def _choose_durable(writer: StepWriter, step: Optional[int]) -> Optional[Choice]:
+    """Every rank: rank 0 chooses the durable step (the others help verify) and tells all."""
+    timeout = writer.config.timeout
+    choice: Optional[Choice] = None
+    choose_error: Optional[Exception] = None
+    # Several ranks: each checksums a share of the candidate's files (_manager.verify_split).
+    split = is_distributed() and get_world_size() > 1
+    if get_rank() == 0:
+        try:
+            choice = choose(writer, step, split)
+        except Exception as exc:
+            if not is_distributed():
+                raise
+            choose_error = exc
+        finally:
+            if split:
+                _verify_split.finish(timeout)
+    elif split:
+        _verify_split.follow(writer.config.storage_options, timeout)
+    share_outcome(choose_error, name="CheckpointManager.restore", timeout=timeout)
+    choice = broadcast_object(choice, src_rank=0, timeout=timeout)
+    if choice is None and split and not _fs.is_remote(writer.config.directory):
+        _check_none_elsewhere(writer, timeout)
+    return choice
+
+
+def _check_entries(names: list[str], saved_entries: Mapping[str, Any], folder: str) -> None:
+    """``restore(strict=True)``: the live state and the checkpoint hold the same entries."""
+    missing = [n for n in names if n not in saved_entries]
+    unexpected = [n for n in saved_entries if n not in names]
+    if missing or unexpected:
+        raise KeyMismatchError(
+            f"CheckpointManager.restore: {folder} has entries {sorted(saved_entries)}, but "
+            f"state has {sorted(names)} (missing from the checkpoint: {missing}; not in "
+            f"state: {unexpected}); pass strict=False to restore the common entries",
+            missing=missing,
+            unexpected=unexpected,
+        )
+
+
 def restore(
     writer: StepWriter,
     local: Optional[LocalTier],
     state: MutableMapping[str, Any],
+    *,
     step: Optional[int],
     map_location: Any,
     strict: bool,
     ignore_mismatched: bool,
-    allow_dtype_change: bool = False,
+    allow_dtype_change: bool,
 ) -> RestoreSource:
     """Every rank: ``CheckpointManager.restore`` once the async write is done (see its docstring).
 
@@ -388,48 +442,20 @@ def restore(
         names = check_state(state, "restore")
         if step is not None:
             step = check_step(step)
-        timeout = writer.timeout
         # The node-local tier answers first when it holds a step at least as new as the durable
         # (a collective: every rank gets the same answer).
         found = local.choose(writer.latest_step) if local is not None and step is None else None
-        choice: Optional[tuple[int, dict[str, Any]]] = None
-        if found is not None and found[0].step is not None:
-            choice = (found[0].step, found[1])
-        choose_error: Optional[Exception] = None
-        # Several ranks: each checksums a share of the candidate's files (_manager.verify_split).
-        split = found is None and is_distributed() and get_world_size() > 1
-        if found is None and get_rank() == 0:
-            try:
-                choice = choose(writer, step, split)
-            except Exception as exc:
-                if not is_distributed():
-                    raise
-                choose_error = exc
-            finally:
-                if split:
-                    _verify_split.finish(timeout)
-        elif split:
-            _verify_split.follow(writer.storage_options, timeout)
         if found is None:
-            share_outcome(choose_error, name="CheckpointManager.restore", timeout=timeout)
-            choice = broadcast_object(choice, src_rank=0, timeout=timeout)
-            if choice is None and split and not _fs.is_remote(writer.directory):
-                _check_none_elsewhere(writer, timeout)
-        if choice is None:
-            return RestoreSource(None, "none")
-        chosen_step, manifest = choice
-        folder = writer.checkpoint_path(chosen_step) if found is None else str(found[0].path)
-        saved_entries: dict[str, Any] = manifest["entries"]
-        missing = [n for n in names if n not in saved_entries]
-        unexpected = [n for n in saved_entries if n not in names]
-        if strict and (missing or unexpected):
-            raise KeyMismatchError(
-                f"CheckpointManager.restore: {folder} has entries {sorted(saved_entries)}, but "
-                f"state has {sorted(names)} (missing from the checkpoint: {missing}; not in "
-                f"state: {unexpected}); pass strict=False to restore the common entries",
-                missing=missing,
-                unexpected=unexpected,
-            )
+            choice = _choose_durable(writer, step)
+            if choice is None:
+                return RestoreSource(None, "none")
+            folder = writer.checkpoint_path(choice.step)
+            source, manifest = RestoreSource(choice.step, "durable", folder), choice.manifest
+        else:
+            source, manifest = found
+        folder = str(source.path)
+        if strict:
+            _check_entries(names, manifest["entries"], folder)
         error: Optional[Exception] = None
         try:
             # The local tier is node-local memory: map it instead of copying (see load_into).
@@ -447,5 +473,5 @@ def restore(
             if not is_distributed():
                 raise
             error = exc
-        share_restore_outcome(chosen_step, error, timeout)
-        return found[0] if found is not None else RestoreSource(chosen_step, "durable", folder)
+        share_restore_outcome(source.step, error, writer.config.timeout)
+        return source

@@ -1,18 +1,20 @@
-"""``CheckpointManager.save``: one agreement round, then the write (sync, async or sharded).
+"""``CheckpointManager.save`` as a pipeline: plan, agree, write, commit.
 
-Every rank sends its step, entry names, RNG states, BatchNorm facts and DCP
-entries to the writer in one ``gather_and_decide`` round; the writer checks
-the ranks agree (``agreement.py``), writes and commits the step
-(``writer.py``, synchronous mode) and every rank gets its verdict. Unsynced
-BatchNorm statistics are averaged after the round, sharded entries go
-through ``_dcp/write.py``, and async saves snapshot the state
-(``snapshot.py``) and write in the background.
+:func:`_plan` checks the arguments and, on the writer, takes the entries
+(``snapshot.py``); :func:`_agree` is the one ``gather_and_decide`` round in
+which every rank sends its :class:`~ddpstate._manager.agreement.SaveInfo`, the
+writer checks the ranks agree (``agreement.py``) and, in the plain synchronous
+case, commits the step (``writer.py``) so every rank gets its verdict;
+:func:`_write` does the rest after the round: it averages unsynced BatchNorm
+statistics, writes sharded entries through ``_dcp/write.py``, starts an async
+write, or commits and shares the outcome (:func:`_commit`).
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ddpstate._calls import calling
@@ -20,8 +22,10 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._manager import optim_state
 from ddpstate._manager.agreement import (
+    SaveInfo,
     batchnorm_checks,
     check_batchnorm,
+    check_dcp_kinds,
     check_gathered,
     sync_batchnorm,
 )
@@ -41,10 +45,32 @@ from ddpstate.errors import DDPStateError, InvalidArgumentError
 from ddpstate.rng import capture_rng_state
 
 
+@dataclass
+class _Plan:
+    """What one save writes, worked out by :func:`_plan` before the round."""
+
+    step: int
+    folder: str
+    metrics: dict[str, float]
+    #: Entries every rank writes through torch.distributed.checkpoint (entry -> kind).
+    dcp_kinds: dict[str, str]
+    #: The other entries: the writer's to write.
+    rest: dict[str, Any]
+    #: Models wrap_ddp prepared with unsynced BatchNorm are averaged before the write.
+    sync_first: bool
+    info: SaveInfo
+    entries: dict[str, Entry] = field(default_factory=dict)
+    events: list[Any] = field(default_factory=list)
+    #: The writer's refusal or failure before the round, told to every rank in it.
+    local_error: Optional[Exception] = None
+    refusal: str = ""
+
+
 def save(
     writer: StepWriter,
     flight: InFlight,
     snapshot: Snapshot,
+    *,
     step: int,
     state: Mapping[str, Any],
     metrics: Optional[Mapping[str, Any]],
@@ -57,134 +83,157 @@ def save(
     or below are allowed); ``snapshot`` holds the async copies' buffers.
     """
     with calling(f"CheckpointManager.save(step={step!r})"):
-        step = check_step(step)
-        names = check_state(state, "save")
-        checked_metrics = check_metrics(metrics)
-        if writer.keep_best and writer.metric not in checked_metrics:
-            raise InvalidArgumentError(
-                f"CheckpointManager.save(step={step}): keep_best={writer.keep_best} ranks "
-                f"checkpoints by metric {writer.metric!r}, but metrics= has "
-                f"{sorted(checked_metrics) or 'nothing'}; pass metrics={{{writer.metric!r}: value}}"
-            )
-        async_save, writers = writer.async_save, writer.writers
-        folder = writer.checkpoint_path(step)
-        # Sharded models and optimizers (every one with writers="all") are written by every
-        # rank through torch.distributed.checkpoint (_dcp/write.py); sharded state anywhere else
-        # is refused on every rank before anyone writes (rank 0 alone holds only its shards).
-        dcp_kinds = _dcp.plan_entries(state, writers, folder)
-        rest = {k: v for k, v in state.items() if k not in dcp_kinds}
-        check_not_sharded(rest, folder)
-        batchnorm = batchnorm_checks(state)
-        is_writer = get_rank() == WRITER_RANK
-        entries: dict[str, Entry] = {}
-        events: list[Any] = []
-        local_error: Optional[Exception] = None
-        refusal = ""
-        if is_writer:
-            try:
-                refusal = writer.rollback_refusal(step, rollback, restored)
-                if not refusal:
-                    entries, events = snapshot.collect(rest, snapshot=async_save)
-                optim_state.warn_unpaired(rest, folder)
-                for name, entry in entries.items():
-                    _savecheck.check_tensors(entry.value, f"state[{name!r}]", folder)
-            except Exception as exc:
-                if not is_distributed():
-                    raise
-                local_error = exc
-        # One round: per-rank metadata and RNG states go to the writer only; it checks
-        # that the ranks agree, writes (synchronous mode), and its verdict reaches
-        # every rank.
-        # The RNG states ride as one opaque blob per rank: the writer's check needs only
-        # step and names, and unpickles the states when it writes them.
-        rng = pickle.dumps(rng_to_wire(capture_rng_state()))
-        info = {
-            "step": step,
-            "names": sorted(names),
-            "rng": rng,
-            "batchnorm": batchnorm,
-            "dcp": dcp_kinds,
-        }
-        # Models wrap_ddp prepared with unsynced BatchNorm are averaged before the write.
-        # That is a collective of its own, so it runs only after the round has shown
-        # that the ranks agree (step, entries, which models), and the write follows it.
-        sync_first = any(fact == "sync" for fact in batchnorm.values())
-        rng_blobs: list[bytes] = []
-        causes: list[BaseException] = []
+        plan = _plan(writer, snapshot, step, state, metrics)
+        if get_rank() == WRITER_RANK:
+            _take_entries(writer, snapshot, plan, rollback, restored)
+        rng_blobs = _agree(writer, plan, state)
+        _write(writer, flight, snapshot, plan, state, rng_blobs)
 
-        def decide(infos: list[Any]) -> Optional[DDPStateError]:
-            error = check_gathered(infos, step, folder, local_error)
-            if error is None and refusal:
-                error = InvalidArgumentError(refusal)
-            if error is None:
-                error = _dcp.kinds_disagree(infos, step)
-            if error is None:
-                error = check_batchnorm(state, folder, infos)
-            if error is not None:
-                causes.extend([local_error] if local_error is not None else [])
-                return error
-            rng_blobs.extend(i["rng"] for i in infos)
-            if async_save or sync_first or dcp_kinds:
-                return None
-            try:
-                writer.commit(step, entries, rng_states(rng_blobs), checked_metrics)
-            except Exception as exc:
-                causes.append(exc)
-                return writer.failure_for(step, folder, WRITER_RANK, exc)
-            return None
 
-        try:
-            gather_and_decide(
-                info,
-                decide,
-                dst=WRITER_RANK,
-                name=f"CheckpointManager.save(step={step})",
-                timeout=writer.timeout,
-            )
-        except DDPStateError as shared:
-            if causes:
-                raise shared from causes[0]
+def _plan(
+    writer: StepWriter,
+    snapshot: Snapshot,
+    step: int,
+    state: Mapping[str, Any],
+    metrics: Optional[Mapping[str, Any]],
+) -> _Plan:
+    """Every rank: check the arguments and work out what goes where (not a collective)."""
+    step = check_step(step)
+    names = check_state(state, "save")
+    checked_metrics = check_metrics(metrics)
+    keep_best, metric = writer.config.keep_best, writer.config.metric
+    if keep_best and metric not in checked_metrics:
+        raise InvalidArgumentError(
+            f"CheckpointManager.save(step={step}): keep_best={keep_best} ranks "
+            f"checkpoints by metric {metric!r}, but metrics= has "
+            f"{sorted(checked_metrics) or 'nothing'}; pass metrics={{{metric!r}: value}}"
+        )
+    folder = writer.checkpoint_path(step)
+    # Sharded models and optimizers (every one with writers="all") are written by every
+    # rank through torch.distributed.checkpoint (_dcp/write.py); sharded state anywhere else
+    # is refused on every rank before anyone writes (rank 0 alone holds only its shards).
+    dcp_kinds = _dcp.plan_entries(state, writer.config.writers, folder)
+    rest = {k: v for k, v in state.items() if k not in dcp_kinds}
+    check_not_sharded(rest, folder)
+    batchnorm = batchnorm_checks(state)
+    # The RNG states ride as one opaque blob per rank: the writer's checks need only
+    # step and names, and it unpickles the states when it writes them.
+    rng = pickle.dumps(rng_to_wire(capture_rng_state()))
+    return _Plan(
+        step=step,
+        folder=folder,
+        metrics=checked_metrics,
+        dcp_kinds=dcp_kinds,
+        rest=rest,
+        sync_first=any(fact == "sync" for fact in batchnorm.values()),
+        info=SaveInfo(step, sorted(names), rng, batchnorm, dcp_kinds),
+    )
+
+
+def _take_entries(
+    writer: StepWriter, snapshot: Snapshot, plan: _Plan, rollback: bool, restored: Optional[int]
+) -> None:
+    """The writer: refuse a rollback, or take (async: copy) and check the entries it writes.
+
+    With several ranks a failure is kept in ``plan`` and raised on every rank by the round.
+    """
+    async_save = writer.config.async_save
+    try:
+        plan.refusal = writer.rollback_refusal(plan.step, rollback, restored)
+        if not plan.refusal:
+            plan.entries, plan.events = snapshot.collect(plan.rest, snapshot=async_save)
+        optim_state.warn_unpaired(plan.rest, plan.folder)
+        for name, entry in plan.entries.items():
+            _savecheck.check_tensors(entry.value, f"state[{name!r}]", plan.folder)
+    except Exception as exc:
+        if not is_distributed():
             raise
-        if dcp_kinds:
-            if sync_first:
-                sync_batchnorm(state, writer.timeout)
-                if is_writer:  # the synced statistics
-                    entries, events = snapshot.collect(rest, snapshot=async_save)
-            if async_save:  # written on the manager's own group in the background
-                flight.pending = Pending(step, folder, shared=True)
-                flight.thread = _dcp.start_async_step(
-                    writer,
-                    flight,
-                    step,
-                    state,
-                    dcp_kinds,
-                    entries,
-                    events,
-                    rng_blobs,
-                    checked_metrics,
-                )
-                return
-            _dcp.save_step(writer, step, state, dcp_kinds, entries, rng_blobs, checked_metrics)
-            return
-        if sync_first:
-            sync_batchnorm(state, writer.timeout)
-            if is_writer and async_save:
-                entries, events = snapshot.collect(state, snapshot=True)  # the synced statistics
-            if not async_save:
-                failure: Optional[DDPStateError] = None
-                cause: Optional[BaseException] = None
-                if is_writer:
-                    try:
-                        writer.commit(step, entries, rng_states(rng_blobs), checked_metrics)
-                    except Exception as exc:
-                        cause = exc
-                        failure = writer.failure_for(step, folder, WRITER_RANK, exc)
-                writer.share_outcome(step, folder, failure, cause)
-                writer.check_seen(step, folder)
-                return
-        if async_save:
-            flight.pending = Pending(step, folder)
-            if is_writer:
-                writer.start_async(flight, step, entries, rng_blobs, checked_metrics, events)
-            return
+        plan.local_error = exc
+
+
+def _agree(writer: StepWriter, plan: _Plan, state: Mapping[str, Any]) -> list[bytes]:
+    """Every rank: the one round; returns every rank's RNG blob (on the writer).
+
+    The writer checks the ranks agree and, when nothing has to happen after the
+    round (synchronous, no BatchNorm to sync, no DCP entries), commits the step
+    inside it, so its verdict reaches every rank in the same round.
+    """
+    rng_blobs: list[bytes] = []
+    causes: list[BaseException] = []
+    commits_now = not (writer.config.async_save or plan.sync_first or plan.dcp_kinds)
+
+    def decide(infos: list[SaveInfo]) -> Optional[DDPStateError]:
+        error = (
+            check_gathered(infos, plan.step, plan.folder, plan.local_error)
+            or (InvalidArgumentError(plan.refusal) if plan.refusal else None)
+            or check_dcp_kinds(infos, plan.step)
+            or check_batchnorm(state, plan.folder, infos)
+        )
+        if error is not None:
+            causes.extend([plan.local_error] if plan.local_error is not None else [])
+            return error
+        rng_blobs.extend(i.rng for i in infos)
+        return _commit(writer, plan, rng_blobs, causes) if commits_now else None
+
+    try:
+        gather_and_decide(
+            plan.info,
+            decide,
+            dst=WRITER_RANK,
+            name=f"CheckpointManager.save(step={plan.step})",
+            timeout=writer.config.timeout,
+        )
+    except DDPStateError as shared:
+        if causes:
+            raise shared from causes[0]
+        raise
+    return rng_blobs
+
+
+def _commit(
+    writer: StepWriter, plan: _Plan, rng_blobs: list[bytes], causes: list[BaseException]
+) -> Optional[DDPStateError]:
+    """The writer: write and commit the step; None, or the error every rank raises."""
+    try:
+        writer.commit(plan.step, plan.entries, rng_states(rng_blobs), plan.metrics)
+    except Exception as exc:
+        causes.append(exc)
+        return writer.failure_for(plan.step, plan.folder, WRITER_RANK, exc)
+    return None
+
+
+def _write(
+    writer: StepWriter,
+    flight: InFlight,
+    snapshot: Snapshot,
+    plan: _Plan,
+    state: Mapping[str, Any],
+    rng_blobs: list[bytes],
+) -> None:
+    """Every rank, after the round: what the round did not do (see the module docstring)."""
+    step, folder, is_writer = plan.step, plan.folder, get_rank() == WRITER_RANK
+    async_save = writer.config.async_save
+    if plan.sync_first:
+        # A collective of its own, so it runs only once the round has shown that the
+        # ranks agree (step, entries, which models); copies and DCP take the synced values.
+        sync_batchnorm(state, writer.config.timeout)
+        if is_writer and (async_save or plan.dcp_kinds):
+            plan.entries, plan.events = snapshot.collect(plan.rest, snapshot=async_save)
+    if plan.dcp_kinds and async_save:  # written on the manager's own group
+        flight.pending = Pending(step, folder, shared=True)
+        flight.thread = _dcp.start_async_step(
+            writer, flight, step, state, plan.dcp_kinds, plan.entries, plan.events,
+            rng_blobs, plan.metrics,
+        )  # fmt: skip
+    elif plan.dcp_kinds:
+        _dcp.save_step(writer, step, state, plan.dcp_kinds, plan.entries, rng_blobs, plan.metrics)
+    elif async_save:
+        flight.pending = Pending(step, folder)
+        if is_writer:
+            writer.start_async(flight, step, plan.entries, rng_blobs, plan.metrics, plan.events)
+    else:
+        if plan.sync_first:  # not committed in the round: the statistics were synced after it
+            causes: list[BaseException] = []
+            failure = _commit(writer, plan, rng_blobs, causes) if is_writer else None
+            writer.share_outcome(step, folder, failure, causes[0] if causes else None)
         writer.check_seen(step, folder)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ddpstate import _checksum, _manifest, _visibility, storage
-from ddpstate._manager.entries import Timeout
 from ddpstate._manifest import MANIFEST_NAME
+from ddpstate.checkpoint import Timeout
 from ddpstate.dist import broadcast_object, gather_and_decide, get_rank, get_world_size
 from ddpstate.errors import CheckpointNotFoundError
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,7 +22,8 @@ from ddpstate import _fs, _visibility, storage
 from ddpstate._checksum import checksum_hex, error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.safetensors_io import write_safetensors
-from ddpstate._manager.entries import KIND_MODULE, Entry, Timeout, is_flat_tensor_dict, rng_states
+from ddpstate._manager.config import ManagerConfig
+from ddpstate._manager.entries import KIND_MODULE, Entry, is_flat_tensor_dict, rng_states
 from ddpstate._manifest import (
     COMMITTED_BUT,
     LATEST_NAME,
@@ -81,32 +81,14 @@ class InFlight:
 class StepWriter:
     """Write, commit and rotate a manager's step folders (see the module docstring)."""
 
-    def __init__(
-        self,
-        directory: str,
-        *,
-        storage_options: Optional[dict[str, Any]],
-        format: str,
-        safe_globals: Sequence[Any],
-        keep_last: Optional[int],
-        keep_best: int,
-        metric: Optional[str],
-        mode: str,
-        timeout: Timeout,
-        async_save: bool,
-        writers: str,
-    ) -> None:
-        self.directory = directory
-        self.storage_options = storage_options
-        self.format = format
-        self.safe_globals = tuple(safe_globals)
-        self.keep_last = keep_last
-        self.keep_best = keep_best
-        self.metric = metric
-        self.mode = mode
-        self.timeout = timeout
-        self.async_save = async_save
-        self.writers = writers
+    def __init__(self, config: ManagerConfig) -> None:
+        self.config = config
+        # Read by the methods below and by save/restore as writer.<option>.
+        self.directory, self.storage_options = config.directory, config.storage_options
+        self.format, self.safe_globals = config.format, config.safe_globals
+        self.keep_last, self.keep_best = config.keep_last, config.keep_best
+        self.metric, self.mode, self.timeout = config.metric, config.mode, config.timeout
+        self.async_save, self.writers = config.async_save, config.writers
         self._metrics: dict[int, dict[str, float]] = {}
         self._warned_newer = False
 

@@ -1,0 +1,142 @@
+"""A CheckpointManager's configuration: validated once, frozen, and passed whole to its parts.
+
+``CheckpointManager.__init__`` builds one :class:`ManagerConfig` with
+:func:`make_config` (every argument checked there, before any collective) and
+hands it by name to the durable writer, the node-local tier, ``save`` and
+``restore``; :func:`check_same_on_every_rank` is the one round that checks the
+ranks built the same one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ddpstate._dcp.write import WRITERS
+from ddpstate._fs import PathLike
+from ddpstate._io import savecheck as _savecheck
+from ddpstate.checkpoint import Timeout
+from ddpstate.dist import compare_across_ranks, is_distributed
+from ddpstate.errors import InvalidArgumentError
+from ddpstate.formats import PT, SAFETENSORS, parse_format
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """What a :class:`~ddpstate.CheckpointManager` was created with (see its Args), checked."""
+
+    directory: str
+    keep_last: Optional[int]
+    keep_best: int
+    metric: Optional[str]
+    mode: str
+    async_save: bool
+    format: str
+    storage_options: Optional[dict[str, Any]]
+    timeout: Timeout
+    safe_globals: tuple[Any, ...]
+    writers: str
+    #: The node-local tier's folder (absolute), or None when the tier is off.
+    local_dir: Optional[str]
+    local_every: int
+    local_keep: int
+
+
+def _int_at_least(value: Any, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= low
+
+
+def _positive(name: str, value: Any) -> int:
+    if not _int_at_least(value, 1):
+        raise InvalidArgumentError(f"CheckpointManager: {name}={value!r} must be an int >= 1")
+    return int(value)
+
+
+def _local_dir(directory: Any) -> Optional[str]:
+    if directory is None:
+        return None
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise InvalidArgumentError(
+            f"CheckpointManager: local_dir={directory!r} must be a local folder, such as "
+            f"'/dev/shm/ddpstate-<job id>'"
+        )
+    if "://" in os.fspath(directory):
+        raise InvalidArgumentError(
+            f"CheckpointManager: local_dir={directory!r} must be a node-local folder, not a URL"
+        )
+    return os.path.abspath(os.fspath(directory))
+
+
+def make_config(
+    directory: PathLike, *, keep_last: Any, keep_best: Any, metric: Optional[str], mode: str,
+    async_save: bool, format: str, storage_options: Optional[dict[str, Any]], timeout: Timeout,
+    safe_globals: Sequence[Any], local_dir: Optional[PathLike], local_every: Any,
+    local_keep: Any, writers: str,
+) -> ManagerConfig:  # fmt: skip
+    """Check ``CheckpointManager``'s arguments (not a collective) and freeze them.
+
+    Raises:
+        InvalidArgumentError: An argument is invalid (the message names it).
+    """
+    if keep_last is not None and not _int_at_least(keep_last, 1):
+        raise InvalidArgumentError(
+            f"CheckpointManager: keep_last={keep_last!r} must be an int >= 1 (the newest "
+            f"checkpoint is always kept) or None to keep every checkpoint"
+        )
+    if not _int_at_least(keep_best, 0):
+        raise InvalidArgumentError(
+            f"CheckpointManager: keep_best={keep_best!r} must be an int >= 0"
+        )
+    if keep_best and not metric:
+        raise InvalidArgumentError(
+            f"CheckpointManager: keep_best={keep_best} needs metric= (the name of the metric "
+            f"passed to save(metrics=...) that ranks checkpoints)"
+        )
+    if mode not in ("min", "max"):
+        raise InvalidArgumentError(f"CheckpointManager: mode={mode!r} must be 'min' or 'max'")
+    if writers not in WRITERS:
+        raise InvalidArgumentError(
+            f"CheckpointManager: writers={writers!r} must be 'rank0' (rank 0 writes models "
+            f"and optimizers) or 'all' (every rank writes part, through "
+            f"torch.distributed.checkpoint)"
+        )
+    return ManagerConfig(
+        directory=os.fspath(directory),
+        keep_last=keep_last,
+        keep_best=keep_best,
+        metric=metric,
+        mode=mode,
+        async_save=bool(async_save),
+        format=parse_format(format, allowed=(PT, SAFETENSORS), what="CheckpointManager format"),
+        storage_options=storage_options,
+        timeout=timeout,
+        safe_globals=_savecheck.check_safe_globals(safe_globals, "CheckpointManager"),
+        writers=writers,
+        local_dir=_local_dir(local_dir),
+        local_every=_positive("local_every", local_every),
+        local_keep=_positive("local_keep", local_keep),
+    )
+
+
+def check_same_on_every_rank(config: ManagerConfig) -> None:
+    """Every rank: raise on every rank when some rank built another durable configuration.
+
+    The local tier's folder may differ between nodes; its settings are compared
+    by the tier itself.
+    """
+    if not is_distributed():
+        return
+    c = config
+    durable = (c.directory, c.keep_last, c.keep_best, c.metric, c.mode, c.async_save, c.format)
+    gathered = compare_across_ranks(
+        (*durable, c.writers), name="CheckpointManager(...)", timeout=c.timeout
+    )
+    if gathered is not None:
+        differing = [r for r, g in enumerate(gathered) if g != gathered[0]]
+        raise InvalidArgumentError(
+            f"CheckpointManager: rank(s) {differing} were created with different arguments "
+            f"than rank 0 ({gathered[differing[0]]!r} vs {gathered[0]!r}); every rank must "
+            f"pass the same directory and options (no per-rank timestamps in the path)"
+        )
