@@ -75,7 +75,7 @@ from ddpstate._manifest import MANIFEST_NAME as MANIFEST_NAME
 from ddpstate._manifest import RNG_FILE as RNG_FILE
 from ddpstate._manifest import STEP_DIGITS as STEP_DIGITS
 from ddpstate._manifest import CheckpointVerification, step_name, verify_checkpoint
-from ddpstate.checkpoint import Timeout as Timeout
+from ddpstate.dist import Timeout as Timeout
 from ddpstate.dist import barrier, is_distributed
 from ddpstate.errors import InvalidArgumentError
 

@@ -22,7 +22,7 @@ from ddpstate.batchnorm import (
     warn_if_checksums_differ,
     wrapped_unsynced,
 )
-from ddpstate.checkpoint import Timeout
+from ddpstate.dist import Timeout
 from ddpstate.errors import CheckpointWriteError, DDPStateError, InvalidArgumentError
 
 

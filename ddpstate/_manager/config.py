@@ -17,8 +17,7 @@ from typing import Any, Optional
 from ddpstate._dcp.write import WRITERS
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
-from ddpstate.checkpoint import Timeout
-from ddpstate.dist import compare_across_ranks, is_distributed
+from ddpstate.dist import Timeout, compare_across_ranks, is_distributed
 from ddpstate.errors import InvalidArgumentError
 from ddpstate.formats import PT, SAFETENSORS, parse_format
 

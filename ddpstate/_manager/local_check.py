@@ -29,8 +29,7 @@ from typing import Any, Optional
 from ddpstate import _checksum, _manifest
 from ddpstate._manager import verify_split
 from ddpstate._warn import warn
-from ddpstate.checkpoint import Timeout
-from ddpstate.dist import gather_to_receivers, get_local_rank, get_rank
+from ddpstate.dist import Timeout, gather_to_receivers, get_local_rank, get_rank
 
 __all__ = ["local_world_size", "check_share_of_step", "newest_on_nodes"]
 

@@ -28,8 +28,8 @@ from ddpstate._manager.local_tier import LocalTier, RestoreSource
 from ddpstate._manager.writer import StepWriter
 from ddpstate._manifest import MANIFEST_NAME, RNG_FILE, check_folder, parse_step
 from ddpstate._warn import warn
-from ddpstate.checkpoint import Timeout
 from ddpstate.dist import (
+    Timeout,
     broadcast_object,
     gather_and_decide,
     get_rank,

@@ -20,8 +20,7 @@ from typing import Any, Optional
 
 from ddpstate import _checksum, _manifest, _visibility, storage
 from ddpstate._manifest import MANIFEST_NAME
-from ddpstate.checkpoint import Timeout
-from ddpstate.dist import broadcast_object, gather_and_decide, get_rank, get_world_size
+from ddpstate.dist import Timeout, broadcast_object, gather_and_decide, get_rank, get_world_size
 from ddpstate.errors import CheckpointNotFoundError
 
 _NAME = "CheckpointManager.restore (verify)"
