@@ -70,19 +70,19 @@ _SINGLETON_TYPES: dict[type, Any] = {
 }
 
 
-def _put(index: int) -> bytes:
+def put_op(index: int) -> bytes:
     if index < 256:
         return _PUTS[index]
     return pickle.LONG_BINPUT + _U32.pack(index)
 
 
-def _get(index: int) -> bytes:
+def get_op(index: int) -> bytes:
     if index < 256:
         return _GETS[index]
     return pickle.LONG_BINGET + _U32.pack(index)
 
 
-def _int_op(value: int) -> bytes:
+def int_op(value: int) -> bytes:
     """The opcode writing ``value``: BININT1/BININT2/BININT, else LONG1/LONG4."""
     if 0 <= value <= 0xFF:
         return _SMALL_INTS[value]
@@ -205,7 +205,7 @@ class _Emitter:
     def _memoize(self, obj: Any) -> None:
         index = self.next_slot
         self.next_slot = index + 1
-        self.write(_put(index))
+        self.write(put_op(index))
         self.memo[id(obj)] = (index, obj)
 
     def _fresh_slot(self) -> None:
@@ -216,13 +216,13 @@ class _Emitter:
         """
         index = self.next_slot
         self.next_slot = index + 1
-        self.write(_put(index))
+        self.write(put_op(index))
 
     def _after_reduce(self, obj: Any) -> None:
         hit = self.memo.get(id(obj))
         if hit is not None:
             # Built again inside its own arguments: drop this copy, use the first.
-            self.write(pickle.POP + _get(hit[0]))
+            self.write(pickle.POP + get_op(hit[0]))
         else:
             self._memoize(obj)
 
@@ -248,7 +248,7 @@ class _Emitter:
             return
         hit = self.memo.get(id(obj))
         if hit is not None:
-            self.write(_get(hit[0]))
+            self.write(get_op(hit[0]))
             return
         if isinstance(obj, TensorRecord):
             self._write_tensor(obj)
@@ -305,7 +305,7 @@ class _Emitter:
     # -- scalars and strings ------------------------------------------------
 
     def _save_int(self, obj: int) -> None:
-        self.write(_SMALL_INTS[obj] if 0 <= obj <= 0xFF else _int_op(obj))
+        self.write(_SMALL_INTS[obj] if 0 <= obj <= 0xFF else int_op(obj))
 
     def _save_float(self, obj: float) -> None:
         self.write(pickle.BINFLOAT + _F64.pack(obj))
@@ -319,7 +319,7 @@ class _Emitter:
     def _save_str(self, obj: str) -> None:
         hit = self.memo.get(id(obj))
         if hit is not None:
-            self.write(_get(hit[0]))
+            self.write(get_op(hit[0]))
             return
         encoded = obj.encode("utf-8", "surrogatepass")
         self.write(pickle.BINUNICODE + _U32.pack(len(encoded)) + encoded)
@@ -333,7 +333,7 @@ class _Emitter:
             return
         hit = self.memo.get(id(obj))
         if hit is not None:
-            self.write(_get(hit[0]))
+            self.write(get_op(hit[0]))
             return
         size = len(obj)
         if size > 3:
@@ -346,7 +346,7 @@ class _Emitter:
             # The tuple holds itself (through a list or dict): its items were
             # written for nothing; drop them and use the copy already made.
             drop = pickle.POP_MARK if size > 3 else pickle.POP * size
-            self.write(drop + _get(hit[0]))
+            self.write(drop + get_op(hit[0]))
             return
         self.write(_SHORT_TUPLES[size] if size <= 3 else pickle.TUPLE)
         self._memoize(obj)
@@ -354,7 +354,7 @@ class _Emitter:
     def _save_list(self, obj: list[Any]) -> None:
         hit = self.memo.get(id(obj))
         if hit is not None:
-            self.write(_get(hit[0]))
+            self.write(get_op(hit[0]))
             return
         self.write(pickle.EMPTY_LIST)
         self._memoize(obj)
@@ -363,7 +363,7 @@ class _Emitter:
     def _save_dict(self, obj: dict[Any, Any]) -> None:
         hit = self.memo.get(id(obj))
         if hit is not None:
-            self.write(_get(hit[0]))
+            self.write(get_op(hit[0]))
             return
         self.write(pickle.EMPTY_DICT)
         self._memoize(obj)
@@ -413,7 +413,7 @@ class _Emitter:
     def _save_ref(self, ref: GlobalRef) -> None:
         index = self.global_slots.get(ref.qualname)
         if index is not None:
-            self.write(_get(index))
+            self.write(get_op(index))
             return
         if not (_NAME.match(ref.module) and _NAME.match(ref.name)):
             # A newline in a name would let it smuggle opcodes into the output.
@@ -427,7 +427,7 @@ class _Emitter:
     def _save_global(self, obj: Any) -> None:
         hit = self.memo.get(id(obj))
         if hit is not None:
-            self.write(_get(hit[0]))
+            self.write(get_op(hit[0]))
             return
         found = _global_op(obj)
         if found is None:
@@ -530,7 +530,7 @@ class _Emitter:
     def _save_tensor(self, obj: TensorRecord) -> None:
         hit = self.memo.get(id(obj))
         if hit is not None:
-            self.write(_get(hit[0]))
+            self.write(get_op(hit[0]))
         else:
             self._write_tensor(obj)
 

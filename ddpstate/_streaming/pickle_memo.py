@@ -7,7 +7,7 @@ import pickle
 import pickletools
 from typing import IO
 
-__all__ = ["check_memo_indexes"]
+__all__ = ["check_memo_indexes", "opcode_end"]
 
 # The opcodes the walk looks at, as the byte values it compares (data[pos] is an int).
 _STOP = pickle.STOP[0]
@@ -28,6 +28,25 @@ def _opcode_args() -> dict[int, int]:
         for op in pickletools.opcodes:
             _OPCODE_ARGS[ord(op.code)] = op.arg.n if op.arg is not None else 0
     return _OPCODE_ARGS
+
+
+def opcode_end(data: bytes, pos: int) -> int:
+    """Where the opcode at ``pos`` of a well-formed pickle ends, its argument included.
+
+    Example:
+        >>> opcode_end(pickle.dumps("ab", protocol=2), 2)
+        9
+    """
+    code = data[pos]
+    n = _opcode_args()[code]
+    if n >= 0:
+        return pos + 1 + n
+    if n == -1:  # up to a newline (two lines for GLOBAL and INST)
+        end = data.find(b"\n", pos + 1)
+        return (data.find(b"\n", end + 1) if code in (_GLOBAL, _INST) else end) + 1
+    width = _LENGTH_WIDTH[n]
+    length = int.from_bytes(data[pos + 1 : pos + 1 + width], "little", signed=n == -3)
+    return pos + 1 + width + length
 
 
 def _memo_error(name: str, at: int, index: int) -> pickle.UnpicklingError:

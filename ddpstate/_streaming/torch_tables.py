@@ -1,6 +1,6 @@
-"""torch's own tables for the torch-free scanner, read once from the generated ``torch_tables.json``.
+"""torch's own tables for the torch-free scanner, read once from the generated JSON file.
 
-The JSON beside this module is GENERATED: regenerate it with
+``torch_tables.json`` beside this module is GENERATED: regenerate it with
 ``python -m ddpstate._streaming.gen_tables`` after a torch upgrade;
 ``tests/test_safe_globals.py`` fails while it differs from the installed torch's.
 """
