@@ -37,7 +37,7 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
     scan_pickle,
 )
-from ddpstate._streaming.stream import Source
+from ddpstate._streaming.stream import ReadWindow, Source
 from ddpstate._streaming.torch_tables import TORCH_VERSION
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -246,6 +246,46 @@ def _unsafe_message(ckpt: Checkpoint) -> str:
 
 
 def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoint:
+    records, problems, prefix = _zip_records(source, path, detected)
+    pkl_bytes = zip_entry_bytes(source, records[prefix + "data.pkl"], path)
+    byteorder = "little"
+    if prefix + "byteorder" in records:
+        byteorder = zip_entry_bytes(source, records[prefix + "byteorder"], path).decode(
+            "ascii", "replace"
+        )
+        if byteorder not in ("little", "big"):
+            raise _corrupt(path, f"its byteorder record says {byteorder!r}")
+    storages = _ZipStorages(records, prefix, path, problems)
+    # One walk over the opcodes: it checks the memo indexes (so the scan skips its
+    # own walk) and, when the pickle has torch.save's shape, lets convert copy it
+    # through instead of re-emitting it.
+    layout = walk(pkl_bytes)
+    result = _scan(
+        io.BytesIO(pkl_bytes), storages, path, "data.pkl", memo_checked=layout is not None
+    )
+    return Checkpoint(
+        path=path,
+        format=formats.TORCH_ZIP,
+        size=source.size,
+        obj=result.obj,
+        storages=list(storages.found.values()),
+        globals_used=result.globals_used,
+        unsafe_globals=result.unsafe_globals,
+        byteorder=byteorder,
+        problems=problems,
+        source=source,
+        zip_records=records,
+        zip_prefix=prefix,
+        pickle_bytes=pkl_bytes,
+        pickle_layout=layout,
+    )
+
+
+def _zip_records(
+    source: Source, path: str, detected: formats.Detected
+) -> tuple[dict[str, ZipRecord], list[str], str]:
+    """The zip's entries by name, checked against their local headers: ``(records, problems,
+    archive folder)``."""
     end = detected.zip_end
     assert end is not None  # classify_file read it, as it does for every zip
     try:
@@ -255,9 +295,7 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
         raise _corrupt(path, "the zip directory cannot be read", exc) from exc
     records: dict[str, ZipRecord] = {}
     problems: list[str] = []
-    spans = [(entry.header_offset, LOCAL.size + len(entry.raw_name)) for entry in entries]
-    headers = _local_headers(source, spans)
-    for entry, header in zip(entries, headers, strict=True):
+    for entry, header in zip(entries, _local_headers(source, entries), strict=True):
         # The local header and, right after it, the name.
         fields = LOCAL.unpack(header[: LOCAL.size])
         if fields[0] != LOCAL_SIGNATURE:
@@ -288,20 +326,43 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
         raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
     prefix = pickles[0][: -len("data.pkl")]
     problems.extend(_zip_header_problems(end, detected.zip_directory, entries, prefix))
-    # Not needed past here: 100,000 entries are memory the scan can use.
-    del entries, spans, headers
-    pkl_bytes = zip_entry_bytes(source, records[pickles[0]], path)
-    byteorder = "little"
-    if prefix + "byteorder" in records:
-        byteorder = zip_entry_bytes(source, records[prefix + "byteorder"], path).decode(
-            "ascii", "replace"
-        )
-        if byteorder not in ("little", "big"):
-            raise _corrupt(path, f"its byteorder record says {byteorder!r}")
+    return records, problems, prefix
 
-    storages: dict[str, StorageRecord] = {}
 
-    def persistent_load(pid: Any) -> Any:
+def _local_headers(source: Source, entries: list[CentralEntry]) -> list[bytes]:
+    """Each entry's local header and name, read in file order through one read-ahead window.
+
+    A checkpoint with 100,000 small tensors has 100,000 local headers a few KiB
+    apart: one read per MiB instead of one per header.
+    """
+    window = ReadWindow(source)
+    headers = [b""] * len(entries)
+    for i in sorted(range(len(entries)), key=lambda i: entries[i].header_offset):
+        entry = entries[i]
+        headers[i] = window.read(entry.header_offset, LOCAL.size + len(entry.raw_name))
+    return headers
+
+
+class _ZipStorages:
+    """The ``persistent_load`` of a zip's ``data.pkl``: one storage record per key.
+
+    Args:
+        records: The zip's entries by name.
+        prefix: The archive folder.
+        path: The file, for messages.
+        problems: Where a missing or mis-sized data record is noted.
+    """
+
+    def __init__(
+        self, records: dict[str, ZipRecord], prefix: str, path: str, problems: list[str]
+    ) -> None:
+        self.found: dict[str, StorageRecord] = {}  # in first-use order
+        self._records = records
+        self._prefix = prefix
+        self._path = path
+        self._problems = problems
+
+    def __call__(self, pid: Any) -> StorageRecord:
         # Once per storage (100,000 calls for as many tensors): the checks of _text,
         # _count and _storage_type inlined for the types torch.save writes, those
         # helpers called (to convert or refuse) for any other.
@@ -311,23 +372,23 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
         if tag != "storage" and _text(tag) != "storage":
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
         if type(storage_type) is not StorageTypeRef:
-            storage_type = _storage_type(storage_type, path)
+            storage_type = _storage_type(storage_type, self._path)
         if type(key) is not str:
             key = _text(key)
-        found = storages.get(key)
+        found = self.found.get(key)
         if found is not None:
             return found
         if type(location) is not str:
             location = _text(location)
         if type(numel) is not int or numel < 0:
             numel = _count(numel)
-        name = f"{prefix}data/{key}"
-        entry = records.get(name)
+        name = f"{self._prefix}data/{key}"
+        entry = self._records.get(name)
         if entry is None:
             record = StorageRecord(
                 key, storage_type.name, storage_type.dtype, location, numel, record_name=name
             )
-            problems.append(f"tensor data record data/{key} is missing")
+            self._problems.append(f"tensor data record data/{key} is missing")
         else:
             # Positional, in field order; the zip entry's own name object: one string,
             # not two, per storage.
@@ -344,75 +405,12 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
                 entry.name,
             )
             if entry.size != record.nbytes:
-                problems.append(
+                self._problems.append(
                     f"tensor data record data/{key} holds {entry.size} bytes, "
                     f"its storage needs {record.nbytes}"
                 )
-        storages[key] = record
+        self.found[key] = record
         return record
-
-    # One walk over the opcodes: it checks the memo indexes (so the scan skips its
-    # own walk) and, when the pickle has torch.save's shape, lets convert copy it
-    # through instead of re-emitting it.
-    layout = walk(pkl_bytes)
-    result = _scan(
-        io.BytesIO(pkl_bytes), persistent_load, path, "data.pkl", memo_checked=layout is not None
-    )
-    return Checkpoint(
-        path=path,
-        format=formats.TORCH_ZIP,
-        size=source.size,
-        obj=result.obj,
-        storages=list(storages.values()),
-        globals_used=result.globals_used,
-        unsafe_globals=result.unsafe_globals,
-        byteorder=byteorder,
-        problems=problems,
-        source=source,
-        zip_records=records,
-        zip_prefix=prefix,
-        pickle_bytes=pkl_bytes,
-        pickle_layout=layout,
-    )
-
-
-# Local headers closer together than this are read in one piece.
-_HEADER_GAP = 1 << 20
-
-
-def _local_headers(source: Source, spans: list[tuple[int, int]]) -> list[bytes]:
-    """The bytes of each ``(offset, length)`` span, neighbours read together.
-
-    A checkpoint with 100,000 small tensors has 100,000 local headers a few KiB
-    apart: one read per MiB instead of one per header. A group that cannot be read
-    whole is read span by span, so a truncated file fails exactly as before.
-    """
-    out: list[bytes] = [b""] * len(spans)
-    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
-    group: list[int] = []
-
-    def flush() -> None:
-        first = spans[group[0]][0]
-        end = max(spans[i][0] + spans[i][1] for i in group)
-        try:
-            chunk = source.read_at(first, end - first) if first >= 0 else None
-        except CheckpointCorruptError:
-            chunk = None
-        for i in group:
-            offset, length = spans[i]
-            if chunk is None:
-                out[i] = source.read_at(offset, length)
-            else:
-                out[i] = chunk[offset - first : offset - first + length]
-
-    for i in order:
-        if group and spans[i][0] - spans[group[0]][0] > _HEADER_GAP:
-            flush()
-            group = []
-        group.append(i)
-    if group:
-        flush()
-    return out
 
 
 def _zip_header_problems(
@@ -501,6 +499,29 @@ def zip_entry_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
 
 def _read_legacy(source: Source, path: str) -> Checkpoint:
     file = source.file
+    little = _legacy_header(file, path)
+    storages = _LegacyStorages(path)
+    result = _scan(file, storages, path, "the pickled object")
+    keys = _scan(file, _no_persistent, path, "the storage list").obj
+    if not isinstance(keys, list):
+        raise _corrupt(path, "the storage list is not a list")
+    ordered, problems = _legacy_data(source, file.tell(), keys, storages.found, little)
+    return Checkpoint(
+        path=path,
+        format=formats.LEGACY,
+        size=source.size,
+        obj=result.obj,
+        storages=ordered,
+        globals_used=result.globals_used,
+        unsafe_globals=result.unsafe_globals,
+        byteorder="little" if little else "big",
+        problems=problems,
+        source=source,
+    )
+
+
+def _legacy_header(file: IO[bytes], path: str) -> bool:
+    """Read the magic number, protocol version and system info; True for little-endian data."""
     file.seek(0)
     magic = _scan(file, _no_persistent, path, "the magic number").obj
     version = _scan(file, _no_persistent, path, "the protocol version").obj
@@ -510,10 +531,17 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
             f"{version!r}; it is not a format ddpstate reads"
         )
     sys_info = _scan(file, _no_persistent, path, "the system info").obj
-    little = not isinstance(sys_info, dict) or bool(sys_info.get("little_endian", True))
-    storages: dict[str, StorageRecord] = {}
+    return not isinstance(sys_info, dict) or bool(sys_info.get("little_endian", True))
 
-    def persistent_load(pid: Any) -> Any:
+
+class _LegacyStorages:
+    """The ``persistent_load`` of a legacy pickle: storages (or views of them) and modules."""
+
+    def __init__(self, path: str) -> None:
+        self.found: dict[str, StorageRecord] = {}
+        self._path = path
+
+    def __call__(self, pid: Any) -> Any:
         if not isinstance(pid, tuple) or not pid:
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
         kind = _text(pid[0])
@@ -521,9 +549,9 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
             return pid[1]  # the pickled module's class placeholder
         if kind != "storage" or len(pid) != 6:
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        storage_type = _storage_type(pid[1], path)
+        storage_type = _storage_type(pid[1], self._path)
         key = _text(pid[2])
-        record = storages.get(key)
+        record = self.found.get(key)
         if record is None:
             record = StorageRecord(
                 key=key,
@@ -532,7 +560,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
                 location=_text(pid[3]),
                 numel=_count(pid[4]),
             )
-            storages[key] = record
+            self.found[key] = record
         view = pid[5]
         if view is not None:
             if not isinstance(view, tuple) or len(view) != 3:
@@ -540,12 +568,13 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
             return StorageView(record, _count(view[1]), _count(view[2]))
         return record
 
-    result = _scan(file, persistent_load, path, "the pickled object")
-    keys = _scan(file, _no_persistent, path, "the storage list").obj
-    if not isinstance(keys, list):
-        raise _corrupt(path, "the storage list is not a list")
+
+def _legacy_data(
+    source: Source, offset: int, keys: list[Any], storages: dict[str, StorageRecord], little: bool
+) -> tuple[list[StorageRecord], list[str]]:
+    """Place each storage's data, which follows the pickles as (element count, bytes) in
+    ``keys`` order: ``(storages in file order, problems)``."""
     problems: list[str] = []
-    offset = file.tell()
     ordered: list[StorageRecord] = []
     for raw_key in keys:
         key = _text(raw_key)
@@ -576,18 +605,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
     if not problems and offset < source.size:
         problems.append(f"{source.size - offset} unexpected bytes after the last storage")
     ordered.extend(r for r in storages.values() if r.data_offset < 0)
-    return Checkpoint(
-        path=path,
-        format=formats.LEGACY,
-        size=source.size,
-        obj=result.obj,
-        storages=ordered,
-        globals_used=result.globals_used,
-        unsafe_globals=result.unsafe_globals,
-        byteorder="little" if little else "big",
-        problems=problems,
-        source=source,
-    )
+    return ordered, problems
 
 
 # --------------------------------------------------------------------------- safetensors

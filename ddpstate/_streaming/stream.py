@@ -6,7 +6,7 @@ import errno
 import io
 import os
 import zlib
-from typing import IO, Any, Optional
+from typing import IO, Any, ClassVar, Optional
 
 from ddpstate import _fs, storage
 from ddpstate._streaming.progress import Progress
@@ -16,8 +16,11 @@ from ddpstate.errors import CheckpointCorruptError
 _CHUNK = 4 << 20
 # copy_file_range in slices this size, so the progress bar moves.
 _KERNEL_SLICE = 16 << 20
-# Copies up to this size go through user space (see Sink.copy_from).
+# Copies up to this size go through user space (see Sink.copy_from), and reads up to
+# this size are gathered with their neighbours (see ReadWindow).
 _SMALL = 64 << 10
+# The read-ahead block of a ReadWindow.
+_BLOCK = 1 << 20
 # Start the disk write-back of every this many bytes written (see Sink._write_back).
 _WRITE_BACK = 16 << 20
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
@@ -126,6 +129,34 @@ class Source:
             if progress is not None:
                 progress.update(got)
         return crc
+
+
+class ReadWindow:
+    """Reads of a source served from one read-ahead block while they fall inside it.
+
+    For gathering many small stretches of a source that lie close together in
+    order (a checkpoint's small tensor records): one read per :attr:`BLOCK`
+    bytes instead of one per stretch. Stretches under :attr:`SMALL` bytes pay off.
+    """
+
+    SMALL: ClassVar[int] = _SMALL
+    BLOCK: ClassVar[int] = _BLOCK
+
+    def __init__(self, source: Source) -> None:
+        self._source = source
+        self._start = 0
+        self._data = b""
+
+    def read(self, offset: int, length: int) -> bytes:
+        end = offset + length
+        if offset < self._start or end > self._start + len(self._data):
+            # Never past the end of the file holding offset (a shard of a sharded source).
+            ahead = min(_BLOCK, self._source.segment_end(offset) - offset)
+            # read_at raises on a source that ends before ``end``.
+            # A negative offset (damage) fails on the bytes asked for, not the block.
+            self._data = self._source.read_at(offset, max(length, ahead) if offset >= 0 else length)
+            self._start = offset
+        return self._data[offset - self._start : end - self._start]
 
 
 class Sink:
