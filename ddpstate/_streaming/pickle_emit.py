@@ -180,11 +180,12 @@ class _Emitter:
         # Slot of each placeholder global written, by qualname.
         self.global_slots: dict[str, int] = {}
         # Exact types with a writer of their own; anything else takes _save_other.
-        self._writers: dict[type, Callable[[Any], None]] = {
-            int: self._save_int,
-            float: self._save_float,
-            bool: self._save_bool,
-            type(None): self._save_none,
+        write = self.write
+        self._writers: dict[type, Callable[[Any], object]] = {
+            int: lambda obj: write(_SMALL_INTS[obj] if 0 <= obj <= 0xFF else int_op(obj)),
+            float: lambda obj: write(pickle.BINFLOAT + _F64.pack(obj)),
+            bool: lambda obj: write(pickle.NEWTRUE if obj else pickle.NEWFALSE),
+            type(None): lambda obj: write(pickle.NONE),
             str: self._save_str,
             tuple: self._save_tuple,
             list: self._save_list,
@@ -218,6 +219,13 @@ class _Emitter:
         self.next_slot = index + 1
         self.write(put_op(index))
 
+    def _fetched(self, obj: Any) -> bool:
+        """Write a GET and return True when ``obj`` is in the memo already."""
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(get_op(hit[0]))
+        return hit is not None
+
     def _after_reduce(self, obj: Any) -> None:
         hit = self.memo.get(id(obj))
         if hit is not None:
@@ -246,9 +254,7 @@ class _Emitter:
         if isinstance(obj, StorageRecord):
             self._save_storage(obj)
             return
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(get_op(hit[0]))
+        if self._fetched(obj):
             return
         if isinstance(obj, TensorRecord):
             self._write_tensor(obj)
@@ -302,38 +308,20 @@ class _Emitter:
             raise pickle.PicklingError(f"the reduction of {kind.__name__} is not a 2 to 6-tuple")
         self._save_reduce(*rv, obj=obj)
 
-    # -- scalars and strings ------------------------------------------------
-
-    def _save_int(self, obj: int) -> None:
-        self.write(_SMALL_INTS[obj] if 0 <= obj <= 0xFF else int_op(obj))
-
-    def _save_float(self, obj: float) -> None:
-        self.write(pickle.BINFLOAT + _F64.pack(obj))
-
-    def _save_bool(self, obj: bool) -> None:
-        self.write(pickle.NEWTRUE if obj else pickle.NEWFALSE)
-
-    def _save_none(self, obj: None) -> None:
-        self.write(pickle.NONE)
+    # -- strings and containers ---------------------------------------------
 
     def _save_str(self, obj: str) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(get_op(hit[0]))
+        if self._fetched(obj):
             return
         encoded = obj.encode("utf-8", "surrogatepass")
         self.write(pickle.BINUNICODE + _U32.pack(len(encoded)) + encoded)
         self._memoize(obj)
 
-    # -- containers ---------------------------------------------------------
-
     def _save_tuple(self, obj: tuple[Any, ...]) -> None:
         if not obj:
             self.write(pickle.EMPTY_TUPLE)  # the one empty tuple; never memoized
             return
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(get_op(hit[0]))
+        if self._fetched(obj):
             return
         size = len(obj)
         if size > 3:
@@ -352,59 +340,42 @@ class _Emitter:
         self._memoize(obj)
 
     def _save_list(self, obj: list[Any]) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(get_op(hit[0]))
+        if self._fetched(obj):
             return
         self.write(pickle.EMPTY_LIST)
         self._memoize(obj)
         self._append_items(obj)
 
     def _save_dict(self, obj: dict[Any, Any]) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(get_op(hit[0]))
+        if self._fetched(obj):
             return
         self.write(pickle.EMPTY_DICT)
         self._memoize(obj)
         self._set_items(obj.items())
 
     def _append_items(self, items: Iterable[Any]) -> None:
-        # APPENDS in batches of 1,000; a batch of one is a single APPEND.
-        save = self.save
-        write = self.write
+        self._batches(items, self.save, pickle.APPEND, pickle.APPENDS)
+
+    def _set_items(self, items: Iterable[Any]) -> None:
+        self._batches(items, self._save_pair, pickle.SETITEM, pickle.SETITEMS)
+
+    def _save_pair(self, pair: tuple[Any, Any]) -> None:
+        self.save(pair[0])
+        self.save(pair[1])
+
+    def _batches(
+        self, items: Iterable[Any], save: Callable[[Any], None], one: bytes, many: bytes
+    ) -> None:
+        # ``many`` after a MARK in batches of 1,000 items; a batch of one is ``one``.
         values = iter(items)
         while True:
             batch = list(itertools.islice(values, _BATCH))
-            if len(batch) == 1:
-                save(batch[0])
-                write(pickle.APPEND)
-            elif batch:
-                write(pickle.MARK)
-                for value in batch:
-                    save(value)
-                write(pickle.APPENDS)
-            if len(batch) < _BATCH:
-                return
-
-    def _set_items(self, items: Iterable[Any]) -> None:
-        # SETITEMS in batches of 1,000; a batch of one is a single SETITEM.
-        save = self.save
-        write = self.write
-        pairs = iter(items)
-        while True:
-            batch = list(itertools.islice(pairs, _BATCH))
-            if len(batch) == 1:
-                key, value = batch[0]
-                save(key)
+            if len(batch) > 1:
+                self.write(pickle.MARK)
+            for value in batch:
                 save(value)
-                write(pickle.SETITEM)
-            elif batch:
-                write(pickle.MARK)
-                for key, value in batch:
-                    save(key)
-                    save(value)
-                write(pickle.SETITEMS)
+            if batch:
+                self.write(one if len(batch) == 1 else many)
             if len(batch) < _BATCH:
                 return
 
@@ -425,9 +396,7 @@ class _Emitter:
         self.global_slots[ref.qualname] = self.next_slot - 1
 
     def _save_global(self, obj: Any) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(get_op(hit[0]))
+        if self._fetched(obj):
             return
         found = _global_op(obj)
         if found is None:
@@ -528,10 +497,7 @@ class _Emitter:
         self.write(pickle.BINPERSID)
 
     def _save_tensor(self, obj: TensorRecord) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(get_op(hit[0]))
-        else:
+        if not self._fetched(obj):
             self._write_tensor(obj)
 
     def _write_tensor(self, obj: TensorRecord) -> None:
