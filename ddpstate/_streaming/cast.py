@@ -23,15 +23,9 @@ if TYPE_CHECKING:
 
     from ddpstate._streaming.stream import Sink
 
-#: ``convert --dtype`` names, and the dtype each stands for (torch's own names work too).
-DTYPE_NAMES: dict[str, str] = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "float16": "float16",
-    "float32": "float32",
-}
+# ``convert --dtype``'s short names, and the dtype each stands for (torch's own names
+# work too).
+_SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # The dtypes that count as floating; what torch.is_floating_point says of them.
 _FLOATING = frozenset(
     {
@@ -47,8 +41,8 @@ def target_dtype(name: str) -> str:
     Raises:
         InvalidArgumentError: An unknown name (also a ``ValueError``).
     """
-    found = DTYPE_NAMES.get(str(name).lower())
-    if found is None:
+    found = _SHORT_NAMES.get(str(name).lower(), str(name).lower())
+    if found not in _SHORT_NAMES.values():
         raise InvalidArgumentError(
             f"dtype must be one of bf16, fp16, fp32 (or bfloat16, float16, float32), got {name!r}"
         )

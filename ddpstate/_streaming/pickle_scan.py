@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import pickle
 from collections.abc import Iterator, Mapping
 from typing import IO, Any, Callable, ClassVar, Optional, cast
@@ -209,10 +210,7 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -144,12 +144,10 @@ def _no_persistent(pid: Any) -> Any:
 
 
 def _text(value: Any) -> str:
-    if type(value) is str:
+    if isinstance(value, str):
         return value
     if isinstance(value, bytes):
         return value.decode("ascii")
-    if isinstance(value, str):
-        return value
     raise pickle.UnpicklingError(f"expected a string in a storage id, got {value!r}")
 
 

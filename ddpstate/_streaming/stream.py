@@ -92,11 +92,15 @@ class Source:
             self.file.seek(offset)
             data = self.file.read(length)
         if len(data) != length:
-            raise CheckpointCorruptError(
-                f"{self.name}: ends at byte {self.size} but data runs to byte {offset + length}; "
-                f"the file is truncated: re-save or re-download it"
-            )
+            raise self.truncated(offset + length)
         return data
+
+    def truncated(self, end: int) -> CheckpointCorruptError:
+        """The error for data said to run to byte ``end``, past the end of the file."""
+        return CheckpointCorruptError(
+            f"{self.name}: ends at byte {self.size} but data runs to byte {end}; "
+            f"the file is truncated: re-save or re-download it"
+        )
 
     def read_upto(self, offset: int, length: int) -> bytes:
         """Up to ``length`` bytes at ``offset``: fewer where the file ends first (no error)."""
@@ -230,10 +234,7 @@ class Sink:
             # A checkpoint with 100,000 tensors has mostly small records: one pread
             # into the buffered file beats a flush, a copy_file_range and a seek each.
             data = source.read_at(offset, length)
-            self.write(data)
-            self._write_back()
-            if self.progress is not None:
-                self.progress.update(length)
+            self.write_copied(data, length)
             return zlib.crc32(data) if crc else 0
         kernel = not crc and self._kernel_copy and source.fd is not None
         if kernel and self._copy_in_kernel(source, offset, length):
@@ -273,10 +274,7 @@ class Sink:
                     start + done,
                 )
                 if count == 0:
-                    raise CheckpointCorruptError(
-                        f"{source.name}: ends at byte {source.size} but data runs to byte "
-                        f"{offset + length}; the file is truncated: re-save or re-download it"
-                    )
+                    raise source.truncated(offset + length)
                 done += count
                 self.position = start + done
                 self._write_back()
@@ -301,10 +299,7 @@ class Sink:
         while length > 0:
             got = source.readinto_at(offset, buffer[: min(length, len(buffer))])
             if got <= 0:
-                raise CheckpointCorruptError(
-                    f"{source.name}: ends at byte {source.size} but data runs to byte "
-                    f"{offset + length}; the file is truncated: re-save or re-download it"
-                )
+                raise source.truncated(offset + length)
             chunk = buffer[:got]
             if crc:
                 value = zlib.crc32(chunk, value)
