@@ -438,20 +438,22 @@ def rename_keys(
         >>> pickle.loads(new)
         {'w1': 1}
     """
-    wanted: Mapping[bytes, bytes] = {_encode(old): _encode(new) for old, new in renames}
+    # Each old key's text -> the new key's length prefix and text.
+    wanted: Mapping[bytes, bytes] = {
+        _encode(old): len(_encode(new)).to_bytes(4, "little") + _encode(new) for old, new in renames
+    }
     if len(wanted) != len(renames):
         return None
     if any(len(old) <= 1 or len(new) <= 1 for old, new in renames):
         return None
-    edits = [(pos, removed, replacement, False) for pos, removed, replacement in layout.edits]
+    edits = list(layout.edits)
     if state is not None:
         spliced = _splice_state(data, layout, *state)
         if spliced is None:
             return None
         start, removed, _ = spliced[0]
         # The re-emitted state writes its own batches.
-        edits = [e for e in edits if not start <= e[0] < start + removed]
-        edits += [(pos, removed, replacement, False) for pos, removed, replacement in spliced]
+        edits = [e for e in edits if not start <= e[0] < start + removed] + spliced
     if wanted:
         found: set[bytes] = set()
         shared = layout.shared
@@ -462,8 +464,7 @@ def rename_keys(
                 if text in found or index in shared:
                     return None
                 found.add(text)
-                # The length prefix and the text; the new text is not copied here.
-                edits.append((pos + 1, 4 + len(text), new, True))
+                edits.append((pos + 1, 4 + len(text), new))  # the length prefix and the text
         if len(found) != len(wanted):
             return None
     if not edits:
@@ -472,12 +473,10 @@ def rename_keys(
     out = bytearray()
     view = memoryview(data)
     start = 0
-    for pos, removed, replacement, counted in edits:
+    for pos, removed, replacement in edits:
         if pos < start:
             return None  # overlapping edits: a key inside the replaced state
         out += view[start:pos]
-        if counted:  # a string: its 4-byte length first
-            out += len(replacement).to_bytes(4, "little")
         out += replacement
         start = pos + removed
     out += view[start:]

@@ -466,26 +466,21 @@ def zip_entry_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
     """
     if record.method == zipfile.ZIP_STORED:
         return source.read_at(record.data_offset, record.size)
-    if record.method == zipfile.ZIP_DEFLATED:
+    try:
+        if record.method != zipfile.ZIP_DEFLATED:
+            with zipfile.ZipFile(source.file) as archive:
+                return archive.read(record.name)
         # Inflated from the offset the directory walk found: no second ZipFile
         # (and its directory parse) per entry.
-        try:
-            inflater = zlib.decompressobj(-zlib.MAX_WBITS)
-            data = inflater.decompress(source.read_at(record.data_offset, record.compressed_size))
-            data += inflater.flush()
-        except zlib.error as exc:
-            raise _corrupt(path, f"zip entry {record.name} cannot be read", exc) from exc
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        data = inflater.decompress(source.read_at(record.data_offset, record.compressed_size))
+        data += inflater.flush()
         # The messages zipfile gives for the same damage.
         if not inflater.eof:
-            cut = EOFError("Compressed file ended before the end-of-stream marker was reached")
-            raise _corrupt(path, f"zip entry {record.name} cannot be read", cut)
+            raise EOFError("Compressed file ended before the end-of-stream marker was reached")
         if len(data) != record.size or zlib.crc32(data) != record.crc32:
-            bad = zipfile.BadZipFile(f"Bad CRC-32 for file {record.name!r}")
-            raise _corrupt(path, f"zip entry {record.name} cannot be read", bad)
+            raise zipfile.BadZipFile(f"Bad CRC-32 for file {record.name!r}")
         return data
-    try:
-        with zipfile.ZipFile(source.file) as archive:
-            return archive.read(record.name)
     except (
         zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, zlib.error
     ) as exc:  # fmt: skip
