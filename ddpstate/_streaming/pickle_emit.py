@@ -245,45 +245,34 @@ class _Emitter:
             self._save_other(obj)
 
     def _save_other(self, obj: Any) -> None:
+        kind = type(obj)
         if isinstance(obj, GlobalRef):
             self._save_ref(obj)
-            return
-        if isinstance(obj, StandIn) or (isinstance(obj, type) and issubclass(obj, Opaque)):
+        elif isinstance(obj, StandIn) or (isinstance(obj, type) and issubclass(obj, Opaque)):
             self._save_ref(obj.ref)
-            return
-        if isinstance(obj, StorageRecord):
+        elif isinstance(obj, StorageRecord):
             self._save_storage(obj)
-            return
-        if self._fetched(obj):
-            return
-        if isinstance(obj, TensorRecord):
+        elif self._fetched(obj):
+            pass  # in the memo already: a GET is written
+        elif isinstance(obj, TensorRecord):
             self._write_tensor(obj)
-            return
-        if isinstance(obj, Opaque):
+        elif isinstance(obj, Opaque):
             self._save_reduce(*_opaque_reduce(obj), obj=obj)
-            return
-        kind = type(obj)
-        if kind is bytes:
-            if obj:
-                self._save_reduce(codecs.encode, (str(obj, "latin1"), "latin1"), obj=obj)
-            else:
-                self._save_reduce(bytes, (), obj=obj)
-            return
-        if kind is bytearray:
+        elif kind is bytes:
+            args = (str(obj, "latin1"), "latin1") if obj else ()
+            self._save_reduce(codecs.encode if obj else bytes, args, obj=obj)
+        elif kind is bytearray:
             self._save_reduce(bytearray, (bytes(obj),) if obj else (), obj=obj)
-            return
-        if kind is set or kind is frozenset:
+        elif kind is set or kind is frozenset:
             self._save_reduce(kind, (list(obj),), obj=obj)
-            return
-        if kind is types.FunctionType:
+        elif kind is types.FunctionType:
             self._save_global(obj)
-            return
-        if kind is type:
+        elif kind is type:
             self._save_type(obj)
-            return
-        if kind is pickle.PickleBuffer:
+        elif kind is pickle.PickleBuffer:
             raise pickle.PicklingError("PickleBuffer can only be pickled with protocol >= 5")
-        self._save_reduced(obj, kind)
+        else:
+            self._save_reduced(obj, kind)
 
     def _save_reduced(self, obj: Any, kind: type) -> None:
         reducer = copyreg.dispatch_table.get(kind)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
+import math
 import pickle
 import struct
 import zipfile
@@ -611,9 +612,7 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
     storages: list[StorageRecord] = []
     for key, entry in header.entries.items():
         dtype = entry.dtype
-        numel = 1
-        for n in entry.shape:
-            numel *= n
+        numel = math.prod(entry.shape)
         typed = dtype in DTYPE_STORAGE
         type_name, storage_dtype = storage_type_for(dtype)
         record = StorageRecord(

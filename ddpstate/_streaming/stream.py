@@ -186,7 +186,7 @@ class Sink:
             self.position = file.tell()
         except (OSError, ValueError):
             self.position = 0
-        self._fd: Optional[int] = None
+        self._fd: Optional[int]
         try:
             self._fd = file.fileno()
         except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
