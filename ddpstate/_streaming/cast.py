@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddpstate._streaming.pickle_scan import StorageRecord, TensorRecord
-from ddpstate._streaming.reader import contiguous_strides, storage_type_for
+from ddpstate._streaming.reader import contiguous_tensor
 from ddpstate.errors import CheckpointFormatError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -74,7 +74,6 @@ class Casts:
         self.replace: dict[int, TensorRecord] = {}
         self._origin: dict[int, TensorRecord] = {}
         shared: dict[tuple[Any, ...], StorageRecord] = {}
-        type_name, storage_dtype = storage_type_for(dtype)
         for rec in tensors:
             if not isinstance(rec, TensorRecord) or id(rec) in self.replace:
                 continue
@@ -86,15 +85,10 @@ class Casts:
                     f"in torch before casting"
                 )
             identity = (id(rec.storage), rec.offset, rec.shape, rec.stride, rec.dtype)
+            fresh = contiguous_tensor(f"cast-{len(self._origin)}", dtype, rec.shape)
             storage = shared.get(identity) if rec.numel else None
             if storage is None:
-                storage = StorageRecord(
-                    key=f"cast-{len(self._origin)}",
-                    type_name=type_name,
-                    dtype=storage_dtype,
-                    location="cpu",
-                    numel=rec.numel,
-                )
+                storage = fresh.storage
                 self._origin[id(storage)] = rec
                 if rec.numel:
                     shared[identity] = storage
@@ -102,9 +96,9 @@ class Casts:
                 rec,
                 storage=storage,
                 offset=0,
-                stride=contiguous_strides(rec.shape),
+                stride=fresh.stride,
                 dtype=dtype,
-                rebuild="v2" if type_name != "UntypedStorage" else "v3",
+                rebuild=fresh.rebuild,
             )
 
     @property

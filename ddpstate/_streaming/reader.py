@@ -611,28 +611,9 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
     state_dict: collections.OrderedDict[str, Any] = collections.OrderedDict()
     storages: list[StorageRecord] = []
     for key, entry in header.entries.items():
-        dtype = entry.dtype
-        numel = math.prod(entry.shape)
-        typed = dtype in DTYPE_STORAGE
-        type_name, storage_dtype = storage_type_for(dtype)
-        record = StorageRecord(
-            key=key,
-            type_name=type_name,
-            dtype=storage_dtype,
-            location="cpu",
-            numel=numel if typed else numel * DTYPE_ITEMSIZE[dtype],
-            data_offset=header.data_start + entry.begin,
-            stored_size=max(entry.end - entry.begin, 0),
-        )
-        storages.append(record)
-        state_dict[key] = TensorRecord(
-            storage=record,
-            offset=0,
-            shape=entry.shape,
-            stride=contiguous_strides(entry.shape),
-            dtype=dtype,
-            rebuild="v2" if typed else "v3",
-        )
+        start, stored = header.data_start + entry.begin, max(entry.end - entry.begin, 0)
+        state_dict[key] = contiguous_tensor(key, entry.dtype, entry.shape, start, stored)
+        storages.append(state_dict[key].storage)
     problems += restore_extras(state_dict, header.metadata)
     return Checkpoint(
         path=path,
@@ -657,6 +638,24 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def contiguous_tensor(
+    key: str, dtype: str, shape: tuple[int, ...], data_offset: int = -1, stored_size: int = -1
+) -> TensorRecord:
+    """A C-contiguous tensor filling a storage of its own (``key``), as torch.save writes one.
+
+    Example:
+        >>> tensor = contiguous_tensor("0", "bfloat16", (2, 3))
+        >>> tensor.stride, tensor.storage.type_name
+        ((3, 1), 'BFloat16Storage')
+    """
+    type_name, storage_dtype = storage_type_for(dtype)
+    typed = type_name != "UntypedStorage"  # an untyped storage counts bytes
+    numel = math.prod(shape) * (1 if typed else DTYPE_ITEMSIZE[dtype])
+    storage = StorageRecord(key, type_name, storage_dtype, "cpu", numel, data_offset, stored_size)
+    strides = contiguous_strides(shape)
+    return TensorRecord(storage, 0, shape, strides, dtype, rebuild="v2" if typed else "v3")
 
 
 def storage_type_for(dtype: str) -> tuple[str, str]:
