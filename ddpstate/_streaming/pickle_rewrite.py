@@ -104,6 +104,7 @@ class PickleLayout:
         return zip(self.positions, self.slots, strict=True)
 
 
+@dataclasses.dataclass(slots=True)
 class _Walk:
     """What one :func:`walk` has seen so far, and a handler per family of opcodes with an argument.
 
@@ -111,22 +112,20 @@ class _Walk:
     the pickle is not in torch.save's shape.
     """
 
-    __slots__ = ("containers", "data", "edits", "globals", "items", "marks", "memo", "pending",
-                 "positions", "shared", "short", "slots")  # fmt: skip
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.positions = array.array("q")
-        self.slots = array.array("q")
-        self.edits: list[tuple[int, int, bytes]] = []
-        self.shared: set[int] = set()
-        self.containers: set[int] = set()  # memo slots of dicts, lists and OrderedDict()s
-        self.short: set[bytes] = set()  # strings of at most one character seen
-        self.globals: list[tuple[int, str, int]] = []
-        self.marks: list[tuple[int, int]] = []  # (position of the MARK, items before it)
-        self.items = 0  # stack items since the last MARK
-        self.memo = 0  # the next memo slot
-        self.pending = False  # the last opcode's result must be memoized now
+    data: bytes
+    positions: array.array[int] = dataclasses.field(default_factory=lambda: array.array("q"))
+    slots: array.array[int] = dataclasses.field(default_factory=lambda: array.array("q"))
+    edits: list[tuple[int, int, bytes]] = dataclasses.field(default_factory=list)
+    shared: set[int] = dataclasses.field(default_factory=set)
+    # Memo slots of dicts, lists and OrderedDict()s.
+    containers: set[int] = dataclasses.field(default_factory=set)
+    short: set[bytes] = dataclasses.field(default_factory=set)  # strings of at most one char
+    globals: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+    # (position of the MARK, items before it) of each open MARK.
+    marks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    items: int = 0  # stack items since the last MARK
+    memo: int = 0  # the next memo slot
+    pending: bool = False  # the last opcode's result must be memoized now
 
     def number(self, code: int, pos: int) -> int:
         self.items += 1

@@ -282,11 +282,10 @@ class Opaque:
     def append(self, item: Any) -> None:
         self.listitems.append(item)
 
+    add = append  # a set's items (ADDITEMS)
+
     def extend(self, items: Any) -> None:
         self.listitems.extend(items)
-
-    def add(self, item: Any) -> None:
-        self.listitems.append(item)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.dictitems.append((key, value))

@@ -6,6 +6,7 @@ import errno
 import io
 import os
 import zlib
+from collections.abc import Iterator
 from typing import IO, Any, ClassVar, Optional
 
 from ddpstate import _fs, storage
@@ -116,22 +117,28 @@ class Source:
         self.file.seek(offset)
         return self.file.readinto(view)  # type: ignore[attr-defined, no-any-return]
 
+    def chunks(self, offset: int, length: int) -> Iterator[memoryview]:
+        """``length`` bytes from ``offset``, as views of one reused buffer of up to 4 MiB.
+
+        Raises:
+            CheckpointCorruptError: The file ends first.
+        """
+        buffer = memoryview(bytearray(min(_CHUNK, max(length, 1))))
+        end = offset + length
+        while offset < end:
+            got = self.readinto_at(offset, buffer[: min(end - offset, len(buffer))])
+            if got <= 0:
+                raise self.truncated(end)
+            yield buffer[:got]
+            offset += got
+
     def crc32(self, offset: int, length: int, progress: Optional[Progress] = None) -> int:
         """CRC-32 of ``length`` bytes from ``offset``, read in chunks."""
-        buffer = memoryview(bytearray(min(_CHUNK, max(length, 1))))
         crc = 0
-        while length > 0:
-            got = self.readinto_at(offset, buffer[: min(length, len(buffer))])
-            if got <= 0:
-                raise CheckpointCorruptError(
-                    f"{self.name}: ends at byte {self.size} before the data it promises; "
-                    f"the file is truncated: re-save or re-download it"
-                )
-            crc = zlib.crc32(buffer[:got], crc)
-            offset += got
-            length -= got
+        for chunk in self.chunks(offset, length):
+            crc = zlib.crc32(chunk, crc)
             if progress is not None:
-                progress.update(got)
+                progress.update(len(chunk))
         return crc
 
 
@@ -202,7 +209,7 @@ class Sink:
         self.file.write(data)
         self.position += len(data)
 
-    def write_copied(self, data: bytes | bytearray, copied: int) -> None:
+    def write_copied(self, data: bytes | bytearray | memoryview, copied: int) -> None:
         """Append ``data``, which carries ``copied`` bytes read from a source.
 
         Like :meth:`copy_from` for the progress bar and the disk write-back, for
@@ -294,19 +301,9 @@ class Sink:
         return True
 
     def _copy_through_buffer(self, source: Source, offset: int, length: int, crc: bool) -> int:
-        buffer = memoryview(bytearray(min(_CHUNK, length)))
         value = 0
-        while length > 0:
-            got = source.readinto_at(offset, buffer[: min(length, len(buffer))])
-            if got <= 0:
-                raise source.truncated(offset + length)
-            chunk = buffer[:got]
+        for chunk in source.chunks(offset, length):
             if crc:
                 value = zlib.crc32(chunk, value)
-            self.write(chunk)
-            self._write_back()
-            offset += got
-            length -= got
-            if self.progress is not None:
-                self.progress.update(got)
+            self.write_copied(chunk, len(chunk))
         return value

@@ -199,9 +199,8 @@ class ZipWriter:
         for record in records:
             size = record.size
             if record.data_offset < 0 or size >= ReadWindow.SMALL:
-                if block:
-                    sink.write_copied(block, copied)
-                    block, copied = bytearray(), 0
+                sink.write_copied(block, copied)  # what was gathered first
+                block, copied = bytearray(), 0
                 crcs.append(self.add_record(record.name, size, record.write_data))
                 position = sink.position
                 continue
@@ -219,8 +218,7 @@ class ZipWriter:
             if len(block) >= ReadWindow.BLOCK:
                 sink.write_copied(block, copied)
                 block, copied = bytearray(), 0
-        if block:
-            sink.write_copied(block, copied)
+        sink.write_copied(block, copied)
         return crcs
 
     def close(self) -> None:
