@@ -192,9 +192,7 @@ class _Emitter:
             dict: self._save_dict,
             TensorRecord: self._save_tensor,
             StorageRecord: self._save_storage,
-            GlobalRef: self._save_ref,
-            DtypeRef: self._save_ref,
-            StorageTypeRef: self._save_ref,
+            **dict.fromkeys((GlobalRef, DtypeRef, StorageTypeRef), self._save_ref),
         }
 
     def getvalue(self) -> bytes:
@@ -333,20 +331,14 @@ class _Emitter:
             return
         self.write(pickle.EMPTY_LIST)
         self._memoize(obj)
-        self._append_items(obj)
+        self._batches(obj, self.save, pickle.APPEND, pickle.APPENDS)
 
     def _save_dict(self, obj: dict[Any, Any]) -> None:
         if self._fetched(obj):
             return
         self.write(pickle.EMPTY_DICT)
         self._memoize(obj)
-        self._set_items(obj.items())
-
-    def _append_items(self, items: Iterable[Any]) -> None:
-        self._batches(items, self.save, pickle.APPEND, pickle.APPENDS)
-
-    def _set_items(self, items: Iterable[Any]) -> None:
-        self._batches(items, self._save_pair, pickle.SETITEM, pickle.SETITEMS)
+        self._batches(obj.items(), self._save_pair, pickle.SETITEM, pickle.SETITEMS)
 
     def _save_pair(self, pair: tuple[Any, Any]) -> None:
         self.save(pair[0])
@@ -443,9 +435,9 @@ class _Emitter:
         if obj is not None:
             self._after_reduce(obj)
         if listitems is not None:
-            self._append_items(listitems)
+            self._batches(listitems, self.save, pickle.APPEND, pickle.APPENDS)
         if dictitems is not None:
-            self._set_items(dictitems)
+            self._batches(dictitems, self._save_pair, pickle.SETITEM, pickle.SETITEMS)
         if state is not None:
             if state_setter is None:
                 save(state)

@@ -231,8 +231,7 @@ _HANDLERS: dict[int, Callable[[_Walk, int, int], int]] = {
     **dict.fromkeys((_GET_1, _GET_4), _Walk.fetch),
     pickle.BINUNICODE[0]: _Walk.string,
     pickle.MARK[0]: _Walk.mark,
-    _SETITEMS: _Walk.batch,
-    pickle.APPENDS[0]: _Walk.batch,
+    **dict.fromkeys((_SETITEMS, pickle.APPENDS[0]), _Walk.batch),
     pickle.TUPLE[0]: _Walk.mark_tuple,
     pickle.GLOBAL[0]: _Walk.global_name,
 }

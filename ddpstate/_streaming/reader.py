@@ -27,7 +27,6 @@ from ddpstate._streaming.pickle_scan import (
     DTYPE_ITEMSIZE,
     DTYPE_STORAGE,
     STORAGE_DTYPE,
-    Opaque,
     StorageRecord,
     StorageTypeRef,
     StorageView,
@@ -342,24 +341,23 @@ def _local_headers(source: Source, entries: list[CentralEntry]) -> list[bytes]:
     return headers
 
 
+@dataclasses.dataclass
 class _ZipStorages:
     """The ``persistent_load`` of a zip's ``data.pkl``: one storage record per key.
 
-    Args:
+    Attributes:
         records: The zip's entries by name.
         prefix: The archive folder.
         path: The file, for messages.
         problems: Where a missing or mis-sized data record is noted.
+        found: The storages, by key, in first-use order.
     """
 
-    def __init__(
-        self, records: dict[str, ZipRecord], prefix: str, path: str, problems: list[str]
-    ) -> None:
-        self.found: dict[str, StorageRecord] = {}  # in first-use order
-        self._records = records
-        self._prefix = prefix
-        self._path = path
-        self._problems = problems
+    records: dict[str, ZipRecord]
+    prefix: str
+    path: str
+    problems: list[str]
+    found: dict[str, StorageRecord] = dataclasses.field(default_factory=dict)
 
     def __call__(self, pid: Any) -> StorageRecord:
         # Once per storage (100,000 calls for as many tensors): the checks of _text,
@@ -371,7 +369,7 @@ class _ZipStorages:
         if tag != "storage" and _text(tag) != "storage":
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
         if type(storage_type) is not StorageTypeRef:
-            storage_type = _storage_type(storage_type, self._path)
+            storage_type = _storage_type(storage_type, self.path)
         if type(key) is not str:
             key = _text(key)
         found = self.found.get(key)
@@ -381,13 +379,13 @@ class _ZipStorages:
             location = _text(location)
         if type(numel) is not int or numel < 0:
             numel = _count(numel)
-        name = f"{self._prefix}data/{key}"
-        entry = self._records.get(name)
+        name = f"{self.prefix}data/{key}"
+        entry = self.records.get(name)
         if entry is None:
             record = StorageRecord(
                 key, storage_type.name, storage_type.dtype, location, numel, record_name=name
             )
-            self._problems.append(f"tensor data record data/{key} is missing")
+            self.problems.append(f"tensor data record data/{key} is missing")
         else:
             # Positional, in field order; the zip entry's own name object: one string,
             # not two, per storage.
@@ -404,7 +402,7 @@ class _ZipStorages:
                 entry.name,
             )
             if entry.size != record.nbytes:
-                self._problems.append(
+                self.problems.append(
                     f"tensor data record data/{key} holds {entry.size} bytes, "
                     f"its storage needs {record.nbytes}"
                 )
@@ -528,12 +526,12 @@ def _legacy_header(file: IO[bytes], path: str) -> bool:
     return not isinstance(sys_info, dict) or bool(sys_info.get("little_endian", True))
 
 
+@dataclasses.dataclass
 class _LegacyStorages:
     """The ``persistent_load`` of a legacy pickle: storages (or views of them) and modules."""
 
-    def __init__(self, path: str) -> None:
-        self.found: dict[str, StorageRecord] = {}
-        self._path = path
+    path: str  # the file, for messages
+    found: dict[str, StorageRecord] = dataclasses.field(default_factory=dict)
 
     def __call__(self, pid: Any) -> Any:
         if not isinstance(pid, tuple) or not pid:
@@ -543,7 +541,7 @@ class _LegacyStorages:
             return pid[1]  # the pickled module's class placeholder
         if kind != "storage" or len(pid) != 6:
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        storage_type = _storage_type(pid[1], self._path)
+        storage_type = _storage_type(pid[1], self.path)
         key = _text(pid[2])
         record = self.found.get(key)
         if record is None:
@@ -650,26 +648,19 @@ def contiguous_tensor(
         >>> tensor.stride, tensor.storage.type_name
         ((3, 1), 'BFloat16Storage')
     """
-    type_name, storage_dtype = storage_type_for(dtype)
-    typed = type_name != "UntypedStorage"  # an untyped storage counts bytes
+    typed = dtype in DTYPE_STORAGE  # else an untyped storage, counting bytes
+    type_name = DTYPE_STORAGE[dtype] if typed else "UntypedStorage"
+    storage_dtype = dtype if typed else STORAGE_DTYPE["UntypedStorage"]
     numel = math.prod(shape) * (1 if typed else DTYPE_ITEMSIZE[dtype])
     storage = StorageRecord(key, type_name, storage_dtype, "cpu", numel, data_offset, stored_size)
     strides = contiguous_strides(shape)
     return TensorRecord(storage, 0, shape, strides, dtype, rebuild="v2" if typed else "v3")
 
 
-def storage_type_for(dtype: str) -> tuple[str, str]:
-    """``(storage class name, storage dtype)`` torch.save uses for tensors of ``dtype``."""
-    if dtype in DTYPE_STORAGE:
-        return DTYPE_STORAGE[dtype], dtype
-    return "UntypedStorage", STORAGE_DTYPE["UntypedStorage"]
-
-
 __all__ = [
     "Checkpoint",
-    "Opaque",
     "ZipRecord",
+    "contiguous_tensor",
     "read_file",
-    "storage_type_for",
     "zip_entry_bytes",
 ]

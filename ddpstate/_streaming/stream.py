@@ -87,11 +87,7 @@ class Source:
                 f"{self.name}: a header points to {length} bytes at byte {offset}, outside the "
                 f"file; the file is damaged: re-save or re-download it"
             )
-        if self.fd is not None:
-            data = os.pread(self.fd, length, offset)
-        else:
-            self.file.seek(offset)
-            data = self.file.read(length)
+        data = self.read_upto(offset, length)
         if len(data) != length:
             raise self.truncated(offset + length)
         return data

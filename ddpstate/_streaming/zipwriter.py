@@ -65,9 +65,8 @@ def _local_header(encoded: bytes, offset: int, size: int) -> bytes:
 
 def _descriptor(offset: int, size: int, crc: int) -> bytes:
     """The data descriptor that follows the data of a record written at ``offset``."""
-    if size >= U32_MAX or offset >= U32_MAX:
-        return DESCRIPTOR64.pack(DESCRIPTOR_SIGNATURE, crc, size, size)
-    return DESCRIPTOR.pack(DESCRIPTOR_SIGNATURE, crc, size, size)
+    zip64 = size >= U32_MAX or offset >= U32_MAX
+    return (DESCRIPTOR64 if zip64 else DESCRIPTOR).pack(DESCRIPTOR_SIGNATURE, crc, size, size)
 
 
 class CopyCandidate(NamedTuple):
