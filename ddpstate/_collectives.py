@@ -5,30 +5,28 @@ world size, the call counter), never the process group, so that a benchmark or
 a test can run many ranks as threads in one process, each with its own store
 client. ``ddpstate.dist`` builds the public collectives on these.
 
-One call ``g`` of a collective uses at most five keys under ``<prefix>/<g>/``:
+One call ``g`` of a collective uses at most four keys under ``<prefix>/<g>/``:
 
-* ``id``: what the call is. Each arriving rank does one ``compare_set`` of its
-  identity (the public call and its key arguments, e.g. ``ddpstate.save('ck.pt')``,
-  and which of its rounds; see ``_calls.calling``): the first sets it, and a
-  later rank whose identity differs is *mismatched* (another call, or a rank
-  that skipped one);
-* ``n``: a counter. Each arriving rank adds 1 (a failing rank adds
-  ``1 + _FAILED``, a mismatched one ``1 + _MISMATCHED``), so the one ``add``
-  tells the last arriver that it is last, how many ranks failed and whether
-  the ranks are in the same call;
-* ``log``: an append-only record per arrival (rank + payload; a mismatched
-  rank's identity instead). It is read only where a payload is needed (a
-  gather to one rank, an outcome with failures), on a mismatch, or on a
-  timeout, to name the ranks that never arrived;
-* ``done``: set by the last arriver (its value: the failure count, or the
-  agreement verdict); the other ranks wait on this one key;
-* ``value``: a broadcast's payload, set by the source.
+* ``log``: one record per arriving rank, appended: its rank, its identity (the
+  public call and its key arguments, e.g. ``ddpstate.save('ck.pt')``, and which
+  of its rounds; see ``_calls.calling``) and its payload;
+* ``n``: a counter; each arriving rank adds 1, so the ``add`` tells the last
+  arriver that it is last. The last arriver reads the log, so it alone checks
+  that every rank is in the same call (and sees every payload);
+* ``done``: set by the last arriver (``d`` and its verdict: a failure flag, an
+  agreement); the other ranks wait on this one key with one blocking ``get``;
+* ``value``: a broadcast's payload (with the source's identity), a deciding
+  rank's verdict, the receivers' verdicts.
+
+So a barrier costs each rank ``append`` + ``add`` + ``get``; the last arriver
+reads the log and sets ``done`` instead of the ``get``.
 
 When the ranks are not all in the same call, the last arriver sets ``done``
 and ``value`` to :data:`_MISMATCH` (so every rank wakes, whichever key its own
-collective waits on), and every rank reads ``id`` and ``log`` and raises the
-same :class:`InvalidArgumentError` naming what each rank called. A rank raising
-it then "leaves": it arrives once, mismatched, at its next call, so a rank that
+collective waits on; a broadcast's receivers also compare the source's identity
+with their own), and every rank reads the log and raises the same
+:class:`InvalidArgumentError` naming what each rank called. A rank raising it
+then "leaves": it arrives once, mismatched, at its next call, so a rank that
 had gone one call ahead (past a ``broadcast_object`` it was the source of,
 which does not wait) is released with the same kind of error instead of
 waiting out its timeout.
@@ -75,24 +73,17 @@ REMINDER = (
     "a missing rank may also have crashed or be stuck"
 )
 
-# A failing arrival adds this on top of 1: the counter's low 32 bits count the
-# arrivals, the next 16 bits the failures, and one atomic add reports both.
-_FAILED = 1 << 32
-# A mismatched arrival (its call is not the first arriver's) adds this on top of 1:
-# the bits from 48 up count them (the store's counter is a signed 64-bit integer).
-_MISMATCHED = 1 << 48
-# A log record: rank and payload length, then the payload.
-_RECORD = struct.Struct("<iI")
-# Set in a record's length: the payload is the rank's identity (a mismatched arrival).
-_IDENTITY = 1 << 31
-# ``done`` and ``value`` of a call whose ranks are not all in the same call. No other
-# value of either key equals it (verdicts start with b"v", broadcasts are pickles).
+# A log record: rank, identity length and payload length, then the identity and payload.
+_RECORD = struct.Struct("<iII")
+# ``done`` and ``value`` of a call whose ranks are not all in the same call. Every other
+# value starts with a letter naming what it is (b"d" done, b"v" a verdict, b"b" a
+# broadcast, b"g" the receivers' verdicts), so a reader expecting one sees it is not.
 _MISMATCH = b"\x00ddpstate: the ranks are in different calls"
 # Error messages travel through the store; keep each one bounded.
 MAX_MESSAGE = 8000
 _MAX_ATTRS = 64 << 10
 # Keys one call may create (deleted by the last arriver of the next counted call).
-_SUFFIXES = ("id", "n", "log", "done", "value")
+_SUFFIXES = ("n", "log", "done", "value")
 
 
 @dataclasses.dataclass
@@ -181,13 +172,9 @@ def _first_line(exc: BaseException) -> str:
 def _is_timeout(exc: BaseException) -> bool:
     import torch.distributed as dist
 
-    store_error = getattr(dist, "DistStoreError", None)
-    network_error = getattr(dist, "DistNetworkError", None)
-    if network_error is not None and isinstance(exc, network_error):
+    if isinstance(exc, dist.DistNetworkError):  # a DistStoreError's sibling: the host is gone
         return False
-    if store_error is not None and isinstance(exc, store_error):
-        return True
-    return "timeout" in str(exc).lower()
+    return isinstance(exc, dist.DistStoreError) or "timeout" in str(exc).lower()
 
 
 def lost_connection(group: StoreGroup, name: str, exc: BaseException) -> StoreConnectionError:
@@ -200,14 +187,17 @@ def lost_connection(group: StoreGroup, name: str, exc: BaseException) -> StoreCo
     )
 
 
+def _ranks(missing: Sequence[int]) -> str:
+    who = ", ".join(str(r) for r in missing) if missing else "unknown"
+    return f"rank{'s' if len(missing) != 1 else ''} {who}"
+
+
 def timeout_error(
     group: StoreGroup, name: str, missing: Sequence[int], seconds: float
 ) -> BarrierTimeoutError:
     """The error every arriving rank gets when ``missing`` never reached ``name``."""
-    who = ", ".join(str(r) for r in missing) if missing else "unknown"
-    plural = "s" if len(missing) != 1 else ""
     return BarrierTimeoutError(
-        f"rank {group.rank}: rank{plural} {who} of {group.world} did not reach {name!r} within "
+        f"rank {group.rank}: {_ranks(missing)} of {group.world} did not reach {name!r} within "
         f"{seconds:g} s. {REMINDER}. If a rank is legitimately slow, pass timeout= or set "
         f"{TIMEOUT_ENV} (seconds).",
         missing_ranks=list(missing),
@@ -218,12 +208,10 @@ def timeout_error(
 def _still_waiting(
     group: StoreGroup, name: str, missing: Sequence[int], elapsed: float, left: float
 ) -> str:
-    who = ", ".join(str(r) for r in missing) if missing else "unknown"
-    plural = "s" if len(missing) != 1 else ""
     return (
-        f"rank {group.rank}: still waiting at {name!r} after {elapsed:.0f} s for rank{plural} "
-        f"{who} of {group.world} (giving up in {left:.0f} s). Was {name!r} called under "
-        f"`if rank == 0:`? {REMINDER}. If this call runs on one rank only (a framework hook, "
+        f"rank {group.rank}: still waiting at {name!r} after {elapsed:.0f} s for "
+        f"{_ranks(missing)} of {group.world} (giving up in {left:.0f} s). Was {name!r} called "
+        f"under `if rank == 0:`? {REMINDER}. If this call runs on one rank only (a framework hook, "
         f"evaluation on rank 0), pass barrier=False (and src_rank=<that rank> to save/load) "
         f"so it does not wait for the others. ({WARN_AFTER_ENV} sets when this warning starts.)"
     )
@@ -232,31 +220,20 @@ def _still_waiting(
 # --------------------------------------------------------------------------- records
 
 
-def record(rank: int, payload: bytes) -> bytes:
-    """One entry of a call's log: this rank and its payload."""
-    return _RECORD.pack(rank, len(payload)) + payload
+def record(rank: int, identity: bytes, payload: bytes) -> bytes:
+    """One entry of a call's log: this rank, the call it is in, and its payload."""
+    return _RECORD.pack(rank, len(identity), len(payload)) + identity + payload
 
 
-def _parse(raw: bytes) -> tuple[dict[int, bytes], dict[int, str]]:
-    """A call's log: rank -> payload, and rank -> identity of the mismatched ranks."""
-    found: dict[int, bytes] = {}
-    identities: dict[int, str] = {}
+def records(raw: bytes) -> dict[int, tuple[bytes, bytes]]:
+    """Parse a call's log into rank -> (identity, payload)."""
+    found: dict[int, tuple[bytes, bytes]] = {}
     at = 0
     while at + _RECORD.size <= len(raw):
-        rank, size = _RECORD.unpack_from(raw, at)
-        at += _RECORD.size
-        length = size & ~_IDENTITY
-        if size & _IDENTITY:
-            identities[rank] = raw[at : at + length].decode(errors="replace")
-        else:
-            found[rank] = raw[at : at + length]
-        at += length
-    return found, identities
-
-
-def records(raw: bytes) -> dict[int, bytes]:
-    """Parse a call's log into rank -> payload."""
-    return _parse(raw)[0]
+        rank, known, size = _RECORD.unpack_from(raw, at)
+        at += _RECORD.size + known + size
+        found[rank] = (raw[at - known - size : at - size], raw[at - size : at])
+    return found
 
 
 def encode_error(error: DDPStateError) -> bytes:
@@ -322,182 +299,153 @@ def as_shareable(error: BaseException, group: StoreGroup, name: str) -> DDPState
     return RankFailedError(f"{name} failed on rank {group.rank}: {_first_line(error)}")
 
 
-# --------------------------------------------------------------------------- waiting
+# --------------------------------------------------------------------------- one call
 
 
-def _arrived(group: StoreGroup, log: str) -> set[int]:
-    payloads, identities = _parse(group.op("reading who arrived", group.store.get, log))
-    return set(payloads) | set(identities)
+class _Round:
+    """This rank's part in one call ``g``: arrive, then wait for or set the call's keys."""
 
+    def __init__(
+        self, group: StoreGroup, name: str, seconds: float, kind: str, identity: str = ""
+    ) -> None:
+        self.group, self.name, self.seconds = group, name, seconds
+        self.start = time.monotonic()
+        self.call = group.next_call()
+        self.identity = (identity or _calls.identity(name, kind)).encode()
+        self.log: Optional[dict[int, tuple[bytes, bytes]]] = None  # read once, when complete
 
-def _wait(
-    group: StoreGroup,
-    key: str,
-    name: str,
-    seconds: float,
-    start: float,
-    missing: Any,
-) -> None:
-    """Wait for ``key``; warn at DDPSTATE_WARN_AFTER and its doublings; raise on timeout.
-
-    ``missing()`` names the ranks being waited for; it runs only when warning or
-    timing out, never on the happy path.
-    """
-    deadline = start + seconds
-    warn_every = warn_after()
-    warn_at = start + warn_every
-    while True:
-        now = time.monotonic()
-        until = min(deadline, warn_at)
-        try:
-            group.store.wait([key], timedelta(seconds=max(until - now, 0.001)))
-            return
-        except Exception as exc:
-            if not _is_timeout(exc):
-                raise lost_connection(group, name, exc) from exc
-            cause: BaseException = exc
-        now = time.monotonic()
-        if now >= deadline - 0.001:
-            raise timeout_error(group, name, missing(), seconds) from cause
-        absent = missing()
-        # Once per job: the lowest rank of those waiting says it, the others stay quiet.
-        waiting = sorted(set(range(group.world)) - set(absent))
-        if not absent or not waiting or waiting[0] == group.rank:
-            warn(_still_waiting(group, name, absent, now - start, deadline - now))
-        warn_every *= 2
-        warn_at = start + warn_every
-
-
-def _cleanup(group: StoreGroup, call: str) -> None:
-    # Called by the last arriver of `call`: every rank has left the call before it.
-    number = int(call.rsplit("/", 1)[1])
-    if number == 0:
-        return
-    old = f"{call.rsplit('/', 1)[0]}/{number - 1}"
-    for suffix in _SUFFIXES:
-        # Tidying only: a lost store shows up at the next call.
-        with contextlib.suppress(Exception):
-            group.store.delete_key(f"{old}/{suffix}")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Arrival:
-    """What one rank's arrival at a call told it."""
-
-    last: bool  # its add completed the count: every rank has arrived
-    failures: int  # failing arrivals counted so far (all of them, for the last)
-    mismatched: bool  # its call differs from the first arriver's (or, for the last, any's)
-
-
-def _arrive(
-    group: StoreGroup,
-    call: str,
-    name: str,
-    payload: bytes,
-    failed: bool,
-    log: bool = True,
-    identity: Optional[str] = None,
-    first: Optional[bytes] = None,
-    kind: str = "",
-) -> _Arrival:
-    """Check this rank's identity, log its record (``log``), count it (see the module docstring).
-
-    ``first``: the ``id`` this rank's own ``compare_set`` already returned.
-    """
-    mine = identity if identity is not None else _calls.identity(name, kind)
-    if first is None:
-        first = group.op(name, group.store.compare_set, f"{call}/id", "", mine)
-    own = first != mine.encode()
-    if own:
-        text = mine.encode()
-        group.op(
-            name,
-            group.store.append,
-            f"{call}/log",
-            _RECORD.pack(group.rank, len(text) | _IDENTITY) + text,
+    def op(self, method: str, key: str, *args: Any) -> Any:
+        """One store operation on this call's ``key``."""
+        return self.group.op(
+            self.name, getattr(self.group.store, method), f"{self.call}/{key}", *args
         )
-    elif log:
-        group.op(name, group.store.append, f"{call}/log", record(group.rank, payload))
-    added = 1 + (_FAILED if failed else 0) + (_MISMATCHED if own else 0)
-    total = int(group.op(name, group.store.add, f"{call}/n", added))
-    last = total % _FAILED == group.world
-    mismatched = own or (last and total >= _MISMATCHED)
-    if last and mismatched:
-        # Wake every rank, whichever key its own collective waits on.
-        group.op(name, group.store.set, f"{call}/done", _MISMATCH)
-        group.op(name, group.store.set, f"{call}/value", _MISMATCH)
-        _cleanup(group, call)
-    return _Arrival(last, (total // _FAILED) % (1 << 16), mismatched)
 
+    def arrive(self, payload: bytes) -> bool:
+        """Log this rank's record and count it in; True for the last arriver.
 
-def _mismatch(
-    group: StoreGroup, call: str, name: str, seconds: float, start: float
-) -> InvalidArgumentError:
-    """The error of a call whose ranks are in different calls, the same on every rank.
+        The last arriver reads the log: when the ranks are not all in this call, it
+        marks ``done`` and ``value`` (every rank wakes, whichever key it waits on)
+        and raises the mismatch error.
+        """
+        self.op("append", "log", record(self.group.rank, self.identity, payload))
+        if int(self.op("add", "n", 1)) != self.group.world:
+            return False
+        if len({identity for identity, _ in self.entries().values()}) > 1:
+            self.op("set", "done", _MISMATCH)
+            self.op("set", "value", _MISMATCH)
+            self.cleanup()
+            raise self.mismatch()
+        return True
 
-    Waits until every rank has arrived (the last sets ``done``), reads what each
-    called, then leaves (see the module docstring).
-    """
+    def entries(self) -> dict[int, tuple[bytes, bytes]]:
+        """The complete log (read once): rank -> (identity, payload)."""
+        if self.log is None:
+            self.log = records(self.op("get", "log"))
+        return self.log
 
-    def missing() -> list[int]:
-        here = _arrived(group, f"{call}/log")
-        return [r for r in range(group.world) if r not in here]
+    def payloads(self) -> list[bytes]:
+        """Every rank's payload, by rank."""
+        entries = self.entries()
+        return [entries[rank][1] for rank in range(self.group.world)]
 
-    _wait(group, f"{call}/done", name, seconds, start, missing)
-    first = group.op(name, group.store.get, f"{call}/id").decode(errors="replace")
-    _, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
-    calls = {r: identities.get(r, first) for r in range(group.world)}
-    if LEFT not in calls.values():
-        # A rank that met another's leave is one call ahead of it: leaving again
-        # would put it ahead once more, where not leaving puts the two back in step.
-        _leave(group, name)
-    return mismatch_error(calls)
+    def absent(self) -> list[int]:
+        """The ranks not in the log yet (read afresh: for warnings and timeouts only)."""
+        here = records(self.op("get", "log"))
+        return [rank for rank in range(self.group.world) if rank not in here]
+
+    def finish(self, key: str, value: bytes) -> None:
+        """Set ``key`` (the last arriver's answer), then delete the previous call's keys."""
+        self.op("set", key, value)
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        # The last arriver of call g: every rank has left call g-1.
+        prefix, number = self.call.rsplit("/", 1)
+        for suffix in _SUFFIXES if number != "0" else ():
+            # Tidying only: a lost store shows up at the next call.
+            with contextlib.suppress(Exception):
+                self.group.store.delete_key(f"{prefix}/{int(number) - 1}/{suffix}")
+
+    def read(
+        self, key: str, tag: bytes, missing: Optional[Callable[[], list[int]]] = None
+    ) -> bytes:
+        """Wait for ``key``; its value after ``tag``, else (another call's value) the mismatch."""
+        raw = self.wait(key, missing or self.absent)
+        if raw[:1] != tag:  # the mismatch mark, or another collective's value at this number
+            raise self.mismatch()
+        return raw[1:]
+
+    def wait(self, key: str, missing: Callable[[], list[int]]) -> bytes:
+        """``key``'s value; warn at DDPSTATE_WARN_AFTER and its doublings; raise on timeout.
+
+        ``missing()`` names the ranks being waited for; it runs only when warning or
+        timing out, never on the happy path.
+        """
+        group, deadline, warn_every = self.group, self.start + self.seconds, warn_after()
+        while True:
+            until = min(deadline, self.start + warn_every)
+            try:
+                return self._get(key, until - time.monotonic())
+            except Exception as exc:
+                if not _is_timeout(exc):
+                    raise lost_connection(group, self.name, exc) from exc
+                cause: BaseException = exc
+            now = time.monotonic()
+            if now >= deadline - 0.001:
+                raise timeout_error(group, self.name, missing(), self.seconds) from cause
+            absent = missing()
+            # Once per job: the lowest rank of those waiting says it, the others stay quiet.
+            waiting = sorted(set(range(group.world)) - set(absent))
+            if not absent or not waiting or waiting[0] == group.rank:
+                warn(_still_waiting(group, self.name, absent, now - self.start, deadline - now))
+            warn_every *= 2
+
+    def _get(self, key: str, seconds: float) -> bytes:
+        # A get blocks until the key is set, within the client's timeout: one request
+        # where wait + get are two. torch's elastic barrier sets the timeout the same way.
+        store = self.group.store
+        before = store.timeout
+        store.set_timeout(timedelta(seconds=max(seconds, 0.001)))
+        try:
+            return cast(bytes, store.get(f"{self.call}/{key}"))
+        finally:
+            store.set_timeout(before)
+
+    def mismatch(self) -> InvalidArgumentError:
+        """The error of a call whose ranks are in different calls, the same on every rank.
+
+        Waits until every rank has arrived (the last marks ``done``), reads what each
+        called, then leaves (see the module docstring).
+        """
+        if self.log is None:  # not the last arriver: the log is complete once done is set
+            self.wait("done", self.absent)
+        entries = self.entries()
+        calls = {rank: identity.decode(errors="replace") for rank, (identity, _) in entries.items()}
+        if LEFT not in calls.values():
+            # A rank that met another's leave is one call ahead of it: leaving again
+            # would put it ahead once more, where not leaving puts the two back in step.
+            _leave(self.group, self.name)
+        return mismatch_error(calls)
 
 
 def _leave(group: StoreGroup, name: str) -> None:
     """Arrive once, mismatched, at this rank's next call: a rank gone ahead to it wakes."""
-    call = group.next_call()
+    left = _Round(group, name, 0.0, "", identity=LEFT)
     with contextlib.suppress(DDPStateError):
-        _arrive(group, call, name, b"", False, identity=LEFT)
-
-
-def _check_value(
-    group: StoreGroup, call: str, name: str, raw: bytes, seconds: float, start: float
-) -> bytes:
-    """``raw`` (a ``done`` or ``value`` read), unless it says the ranks are in different calls."""
-    if raw == _MISMATCH:
-        raise _mismatch(group, call, name, seconds, start)
-    return raw
-
-
-def _finish(group: StoreGroup, call: str, name: str, verdict: bytes) -> None:
-    group.op(name, group.store.set, f"{call}/done", verdict)
-    _cleanup(group, call)
-
-
-def _await_all(group: StoreGroup, call: str, name: str, seconds: float, start: float) -> None:
-    def missing() -> list[int]:
-        here = _arrived(group, f"{call}/log")
-        return [r for r in range(group.world) if r not in here]
-
-    _wait(group, f"{call}/done", name, seconds, start, missing)
+        if left.arrive(b""):  # every rank left: nobody waits for this call
+            left.cleanup()
 
 
 # --------------------------------------------------------------------------- collectives
 
 
 def barrier(group: StoreGroup, name: str, seconds: float) -> None:
-    """Wait until every rank arrives (5 store operations per rank, +2 for the last)."""
-    start = time.monotonic()
-    call = group.next_call()
-    arrival = _arrive(group, call, name, b"", False, kind="barrier")
-    if arrival.mismatched:
-        raise _mismatch(group, call, name, seconds, start)
-    if arrival.last:
-        _finish(group, call, name, b"0")
-        return
-    _await_all(group, call, name, seconds, start)
-    _check_value(group, call, name, group.op(name, group.store.get, f"{call}/done"), seconds, start)
+    """Wait until every rank arrives (3 store operations per rank; the last: 4 + deletes)."""
+    call = _Round(group, name, seconds, "barrier")
+    if call.arrive(b""):
+        call.finish("done", b"d")
+    else:
+        call.read("done", b"d")
 
 
 def share_outcome(
@@ -508,31 +456,22 @@ def share_outcome(
     The happy path costs the barrier's operations; the failing ranks' records
     are read only when some rank failed.
     """
-    start = time.monotonic()
-    call = group.next_call()
-    payload = b"" if error is None else encode_error(as_shareable(error, group, name))
-    arrival = _arrive(group, call, name, payload, error is not None, kind="share_outcome")
-    if arrival.mismatched:
-        raise _mismatch(group, call, name, seconds, start)
-    failures = arrival.failures
-    if arrival.last:
-        _finish(group, call, name, str(failures).encode())
+    call = _Round(group, name, seconds, "share_outcome")
+    if call.arrive(b"" if error is None else encode_error(as_shareable(error, group, name))):
+        failed = any(call.payloads())
+        call.finish("done", b"d1" if failed else b"d0")
     else:
-        _await_all(group, call, name, seconds, start)
-        done = group.op(name, group.store.get, f"{call}/done")
-        failures = int(_check_value(group, call, name, done, seconds, start))
-    if not failures:
+        failed = call.read("done", b"d") == b"1"
+    if not failed:
         return None
-    log = records(group.op(name, group.store.get, f"{call}/log"))
-    failed = sorted(r for r, p in log.items() if p)
-    shared = decode_error(log[failed[0]])
-    if len(failed) > 1:
-        others = "; ".join(f"rank {r}: {decode_error(log[r])}"[:500] for r in failed[1:4])
-        more = f" (and {len(failed) - 4} more)" if len(failed) > 4 else ""
-        shared = restate(
-            type(shared),
-            f"{shared} [ranks {', '.join(map(str, failed))} failed; {others}{more}]",
-            {k: v for k, v in vars(shared).items() if not k.startswith("_")},
+    log = call.payloads()
+    failing = [rank for rank, payload in enumerate(log) if payload]
+    shared = decode_error(log[failing[0]])
+    if len(failing) > 1:
+        others = "; ".join(f"rank {r}: {decode_error(log[r])}"[:500] for r in failing[1:4])
+        more = f" (and {len(failing) - 4} more)" if len(failing) > 4 else ""
+        shared = with_message(
+            shared, f"{shared} [ranks {', '.join(map(str, failing))} failed; {others}{more}]"
         )
     return shared
 
@@ -545,24 +484,12 @@ def gather(
     Every rank waits for every other (a timeout names the same missing ranks
     everywhere); only the receivers read the log.
     """
-    start = time.monotonic()
-    call = group.next_call()
-    arrival = _arrive(group, call, name, payload, False, kind="gather")
-    if arrival.mismatched:
-        raise _mismatch(group, call, name, seconds, start)
-    if arrival.last:
-        _finish(group, call, name, b"0")
+    call = _Round(group, name, seconds, "gather")
+    if call.arrive(payload):
+        call.finish("done", b"d")
     else:
-        _await_all(group, call, name, seconds, start)
-    if dst is not None and group.rank != dst:
-        if not arrival.last:
-            done = group.op(name, group.store.get, f"{call}/done")
-            _check_value(group, call, name, done, seconds, start)
-        return None
-    log, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
-    if identities:
-        raise _mismatch(group, call, name, seconds, start)
-    return [log[r] for r in range(group.world)]
+        call.read("done", b"d")
+    return call.payloads() if dst is None or group.rank == dst else None
 
 
 def gather_and_decide(
@@ -582,66 +509,37 @@ def gather_and_decide(
     RankFailedError naming it) and the exception goes on on ``dst``. When the
     ranks are not all in this call, ``decide`` never runs.
     """
-    start = time.monotonic()
-    call = group.next_call()
-    arrival = _arrive(group, call, name, payload, False, kind="gather_and_decide")
-    if arrival.mismatched:
-        raise _mismatch(group, call, name, seconds, start)
-    if arrival.last:
-        _finish(group, call, name, b"0")
-    verdict_key = f"{call}/value"
-    if group.rank == dst:
-        if not arrival.last:
-            _await_all(group, call, name, seconds, start)
-        log, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
-        if identities:
-            raise _mismatch(group, call, name, seconds, start)
-        try:
-            error = decide([log[r] for r in range(group.world)])
-        except BaseException as exc:
-            told = encode_error(as_shareable(exc, group, name))
-            group.op(name, group.store.set, verdict_key, b"v" + told)
-            raise
-        told = b"" if error is None else encode_error(error)
-        group.op(name, group.store.set, verdict_key, b"v" + told)
-        return error
-
-    def missing() -> list[int]:
-        here = _arrived(group, f"{call}/log")
-        return [r for r in range(group.world) if r not in here] or [dst]
-
-    _wait(group, verdict_key, name, seconds, start, missing)
-    raw = group.op(name, group.store.get, verdict_key)
-    if raw[:1] != b"v":  # the mismatch mark, or another call's payload (then a mark follows)
-        raise _mismatch(group, call, name, seconds, start)
-    return decode_error(raw[1:]) if raw[1:] else None
+    call = _Round(group, name, seconds, "gather_and_decide")
+    last = call.arrive(payload)
+    if last:
+        call.finish("done", b"d")
+    if group.rank != dst:
+        told = call.read("value", b"v", lambda: call.absent() or [dst])
+        return decode_error(told) if told else None
+    if not last:
+        call.read("done", b"d")
+    try:
+        error = decide(call.payloads())
+    except BaseException as exc:
+        call.op("set", "value", b"v" + encode_error(as_shareable(exc, group, name)))
+        raise
+    call.op("set", "value", b"v" + (b"" if error is None else encode_error(error)))
+    return error
 
 
 def agree(group: StoreGroup, value: Any, name: str, seconds: float) -> Optional[list[Any]]:
     """None when every rank passed an equal ``value``; else every rank's value, on every rank.
 
-    The last arriver compares (one read of the log); the others read one verdict.
+    The last arriver compares (it has read the log); the others read one verdict.
     """
-    start = time.monotonic()
-    call = group.next_call()
-    payload = pickle.dumps(value)
-    arrival = _arrive(group, call, name, payload, False, kind="agree")
-    if arrival.mismatched:
-        raise _mismatch(group, call, name, seconds, start)
-    if arrival.last:
-        payloads = list(records(group.op(name, group.store.get, f"{call}/log")).values())
-        same = all(p == payloads[0] for p in payloads) or all(
-            _loads(p) == _loads(payloads[0]) for p in payloads
-        )
-        _finish(group, call, name, b"1" if same else b"0")
+    call = _Round(group, name, seconds, "agree")
+    if call.arrive(pickle.dumps(value)):
+        first, *rest = call.payloads()
+        same = all(p == first for p in rest) or all(_loads(p) == _loads(first) for p in rest)
+        call.finish("done", b"d1" if same else b"d0")
     else:
-        _await_all(group, call, name, seconds, start)
-        done = group.op(name, group.store.get, f"{call}/done")
-        same = _check_value(group, call, name, done, seconds, start) == b"1"
-    if same:
-        return None
-    log = records(group.op(name, group.store.get, f"{call}/log"))
-    return [_loads(log[r]) for r in range(group.world)]
+        same = call.read("done", b"d") == b"1"
+    return None if same else [_loads(p) for p in call.payloads()]
 
 
 def _loads(payload: bytes) -> Any:
@@ -654,29 +552,20 @@ def broadcast(
 ) -> bytes:
     """``src``'s payload on every rank (``src`` passes it, the others None).
 
-    ``src`` does not wait for the others: it sets one key and returns. Ranks
-    log nothing (no payload to gather) unless their call is not the first
-    arriver's.
+    ``src`` does not wait for the others: it sets one key and returns. The
+    payload carries ``src``'s identity, so a receiver in another call sees it.
     """
-    start = time.monotonic()
-    call = group.next_call()
-    key = f"{call}/value"
-    mine = _calls.identity(name, "broadcast")
-    first: Optional[bytes] = None
+    call = _Round(group, name, seconds, "broadcast")
     if payload is not None:  # this rank is src: the payload is set before it counts in
-        first = group.op(name, group.store.compare_set, f"{call}/id", "", mine)
-        if first == mine.encode():
-            group.op(name, group.store.set, key, payload)
-    arrival = _arrive(group, call, name, b"", False, log=False, identity=mine, first=first)
-    if arrival.mismatched:
-        raise _mismatch(group, call, name, seconds, start)
-    if arrival.last:
-        _cleanup(group, call)
+        call.op("set", "value", b"b" + record(src, call.identity, payload))
+    if call.arrive(b""):
+        call.cleanup()
     if payload is not None:
         return payload
-    _wait(group, key, name, seconds, start, lambda: [src])
-    raw = cast(bytes, group.op(name, group.store.get, key))
-    return _check_value(group, call, name, raw, seconds, start)
+    ((identity, sent),) = records(call.read("value", b"b", lambda: [src])).values()
+    if identity != call.identity:
+        raise call.mismatch()
+    return sent
 
 
 def gather_to_receivers(
@@ -693,64 +582,48 @@ def gather_to_receivers(
     receiver (such as each node's local rank 0). Every rank logs its payload
     and counts itself in; the last arriver marks ``value``. The receivers wait
     for that mark, read the log, run ``decide`` on every rank's payload and
-    append their verdict to ``value``; the receiver that counts in last sets
-    ``done``. The other ranks wait on ``done`` and read ``value`` (one record
-    per receiver): five store operations each (with the identity check), whatever the world size.
-    Returns the verdict of this rank's receiver. If ``decide`` raises, that
-    receiver's ranks raise its error (rebuilt as by :func:`share_outcome`, a
-    RankFailedError naming it if it is not a DDPStateError) and the exception
-    goes on on the receiver.
+    append their verdict to ``value``; the receiver that counts in last copies
+    ``value`` to ``done``. The other ranks wait on ``done``: three store
+    operations each, whatever the world size. Returns the verdict of this
+    rank's receiver. If ``decide`` raises, that receiver's ranks raise its error
+    (rebuilt as by :func:`share_outcome`, a RankFailedError naming it if it is
+    not a DDPStateError) and the exception goes on on the receiver.
     """
-    start = time.monotonic()
-    call = group.next_call()
-    receiver = dst == group.rank
-    arrival = _arrive(
-        group, call, name, (b"r" if receiver else b"-") + payload, False, kind="gather_to_receivers"
-    )
-    if arrival.mismatched:
-        raise _mismatch(group, call, name, seconds, start)
-    verdicts = f"{call}/value"
-    if arrival.last:
-        # A rank -1 record marks "all arrived"; the receivers append theirs after it.
-        group.op(name, group.store.set, verdicts, record(-1, b""))
-        _cleanup(group, call)
+    call = _Round(group, name, seconds, "gather_to_receivers")
+    if call.arrive((b"r" if dst == group.rank else b"-") + payload):
+        call.finish("value", b"g")  # all arrived; the receivers append their verdicts to it
 
     def missing() -> list[int]:
-        here = _arrived(group, f"{call}/log")
-        absent = [r for r in range(group.world) if r not in here]
+        absent = call.absent()
         if absent:
             return absent
-        decided = set(records(group.op(name, group.store.get, verdicts)))
-        log = records(group.op(name, group.store.get, f"{call}/log"))
-        return sorted(r for r, p in log.items() if p[:1] == b"r" and r not in decided)
+        decided = set(records(call.op("get", "value")[1:]))
+        log = records(call.op("get", "log"))
+        return sorted(r for r, (_, p) in log.items() if p[:1] == b"r" and r not in decided)
 
-    if receiver:
-        _wait(group, verdicts, name, seconds, start, missing)
-        log, identities = _parse(group.op(name, group.store.get, f"{call}/log"))
-        if identities or len(log) < group.world:  # woken by a mismatch (or its first steps)
-            raise _mismatch(group, call, name, seconds, start)
-        receivers = sum(1 for p in log.values() if p[:1] == b"r")
-        try:
-            told = b"v" + decide([log[r][1:] for r in range(group.world)])
-            failure: Optional[BaseException] = None
-        except BaseException as exc:
-            told = b"e" + encode_error(as_shareable(exc, group, name))
-            failure = exc
-        group.op(name, group.store.append, verdicts, record(group.rank, told))
-        total = int(group.op(name, group.store.add, f"{call}/n", 1))
-        if total % _FAILED == group.world + receivers:
-            group.op(name, group.store.set, f"{call}/done", b"0")
-        if failure is not None:
-            raise failure
-        return told[1:]
-    _wait(group, f"{call}/done", name, seconds, start, missing)
-    raw = _check_value(group, call, name, group.op(name, group.store.get, verdicts), seconds, start)
-    answer = records(raw).get(dst)
-    if answer is None:
-        raise InvalidArgumentError(
-            f"{name}: rank {group.rank} named rank {dst} as its receiver, but rank {dst} "
-            f"named another rank; every rank's receiver must name itself"
-        )
-    if answer[:1] == b"e":
-        raise decode_error(answer[1:])
-    return answer[1:]
+    if dst != group.rank:
+        answer = records(call.read("done", b"d", missing)).get(dst)
+        if answer is None:
+            raise InvalidArgumentError(
+                f"{name}: rank {group.rank} named rank {dst} as its receiver, but rank {dst} "
+                f"named another rank; every rank's receiver must name itself"
+            )
+        if answer[1][:1] == b"e":
+            raise decode_error(answer[1][1:])
+        return answer[1][1:]
+    call.read("value", b"g", missing)
+    payloads = call.payloads()
+    receivers = sum(1 for p in payloads if p[:1] == b"r")
+    failure: Optional[BaseException] = None
+    try:
+        told = b"v" + decide([p[1:] for p in payloads])
+    except BaseException as exc:
+        told = b"e" + encode_error(as_shareable(exc, group, name))
+        failure = exc
+    call.op("append", "value", record(group.rank, b"", told))
+    if int(call.op("add", "n", 1)) == group.world + receivers:
+        # The last receiver copies the verdicts to the key the other ranks wait on.
+        call.op("set", "done", b"d" + call.op("get", "value")[1:])
+    if failure is not None:
+        raise failure
+    return told[1:]

@@ -40,36 +40,17 @@ __all__ = [
 _INPLACE_TEXT = "modified by an inplace operation"
 
 
-def _ddp_init_params() -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
-    except (TypeError, ValueError):  # pragma: no cover - a C-implemented or wrapped __init__
-        # torch 2.13 added forward_sync_buffers and deprecated broadcast_buffers.
-        if Version(torch.__version__).release >= (2, 13):
-            return frozenset({"broadcast_buffers", "forward_sync_buffers"})
-        return frozenset({"broadcast_buffers"})
-
-
-def _ddp_sync_keeps_versions() -> bool:
-    # torch 2.6-2.12's DDP copies buffers in place and bumps their version
-    # counters (pytorch#175024); the fix (pytorch#175851, torch 2.13) wraps the
-    # copy in _unsafe_preserve_version_counter. Read the source where it is
-    # available, since a patched older build may carry the fix too.
-    try:
-        return "_unsafe_preserve_version_counter" in inspect.getsource(
-            DistributedDataParallel._sync_buffers
-        )
-    except (AttributeError, OSError, TypeError):  # pragma: no cover - no source shipped
-        return Version(torch.__version__).release >= (2, 13)
-
-
-DDP_PARAMS = _ddp_init_params()
+DDP_PARAMS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 #: The name DDP prefers for "sync buffers before each forward" on this torch.
 BUFFER_SYNC_KWARG = (
     "forward_sync_buffers" if "forward_sync_buffers" in DDP_PARAMS else "broadcast_buffers"
 )
 BUFFER_SYNC_NAMES = ("broadcast_buffers", "forward_sync_buffers")
-DDP_SYNC_KEEPS_VERSIONS = _ddp_sync_keeps_versions()
+#: Whether DDP's buffer copy leaves version counters alone. torch 2.6-2.12's DDP copies
+#: buffers in place and bumps them (pytorch#175024); torch 2.13 wraps the copy in
+#: ``torch.autograd._unsafe_preserve_version_counter`` (pytorch#175851, in
+#: ``DistributedDataParallel._sync_buffers``), so a version gate tells.
+DDP_SYNC_KEEPS_VERSIONS = Version(torch.__version__).release >= (2, 13)
 
 
 def find_ddp(model: nn.Module) -> Optional[DistributedDataParallel]:

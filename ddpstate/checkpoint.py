@@ -99,7 +99,7 @@ def _write(
     if parent and not parent.endswith("://"):
         storage.makedirs(parent, storage_options=storage_options)
     if max_shard_size is not None:
-        from ddpstate._hf.write import save_sharded
+        from ddpstate._io.safetensors_io import save_sharded
 
         save_sharded(obj, path, max_shard_size, metadata)
         return
@@ -266,7 +266,7 @@ def save(
             return
         fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
         if max_shard_size is not None:
-            from ddpstate._hf.write import parse_size
+            from ddpstate._streaming.hf_write import parse_size
 
             parse_size(max_shard_size)  # a bad size fails on every rank, before any write
             if format is not None and _save_format(text, format) != SAFETENSORS:
@@ -345,7 +345,7 @@ def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:
     )
     temp = made[0] if made else None
     if distributed:
-        temp = broadcast_object(temp, src=src_rank, timeout=timeout)
+        temp = broadcast_object(temp, src_rank=src_rank, timeout=timeout)
     info: dict[str, Any] = {}
     cause: Optional[BaseException] = None
     try:

@@ -26,7 +26,6 @@ import functools
 import pickle
 import threading
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any, Optional, TypeVar
 
 import torch
@@ -38,6 +37,7 @@ from ddpstate._collectives import TIMEOUT_ENV, WARN_AFTER_ENV
 from ddpstate._dist.launch import DistContext, device_for, init_distributed
 from ddpstate._dist.ranks import (
     DEFAULT_TIMEOUT,
+    Timeout,
     default_timeout,
     get_local_rank,
     get_rank,
@@ -47,17 +47,15 @@ from ddpstate._dist.ranks import (
     is_main_process,
     resolve_timeout,
 )
-from ddpstate.errors import (
-    DDPStateError,
-    InvalidArgumentError,
-    RankFailedError,
-)
+from ddpstate._warn import warn
+from ddpstate.errors import DDPStateError, InvalidArgumentError, RankFailedError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "TIMEOUT_ENV",
     "WARN_AFTER_ENV",
     "DistContext",
+    "Timeout",
     "all_gather_object",
     "all_reduce_flag",
     "barrier",
@@ -83,6 +81,12 @@ __all__ = [
 _R = TypeVar("_R")
 
 
+def _check_rank(name: str, arg: str, rank: int) -> None:
+    world = dist.get_world_size()
+    if not 0 <= rank < world:
+        raise InvalidArgumentError(f"{name}: {arg}={rank} is not a rank of a {world}-rank job")
+
+
 # --------------------------------------------------------------------------- store collectives
 
 # This process's view of the current process group's store (see _collectives.StoreGroup).
@@ -92,15 +96,8 @@ _current: list[_collectives.StoreGroup] = []
 
 
 def _default_store() -> Any:
-    from torch.distributed import distributed_c10d as c10d
-
-    getter = getattr(c10d, "_get_default_store", None)
-    if getter is None:  # pragma: no cover - every supported torch has it
-        raise InvalidArgumentError(
-            f"this torch ({torch.__version__}) does not expose the process group's store; "
-            "ddpstate needs torch >= 2.5"
-        )
-    return getter()
+    # Private, but the only way to the process group's store; every torch >= 2.5 has it.
+    return dist.distributed_c10d._get_default_store()
 
 
 def _group() -> _collectives.StoreGroup:
@@ -119,7 +116,7 @@ def _group() -> _collectives.StoreGroup:
     return group
 
 
-def barrier(*, timeout: float | timedelta | None = None, name: str = "barrier") -> None:
+def barrier(*, timeout: Timeout = None, name: str = "barrier") -> None:
     """Wait until every rank arrives; never hang silently.
 
     A collective: every rank must call it. A no-op when not distributed. A
@@ -152,7 +149,7 @@ def share_outcome(
     error: Optional[BaseException],
     *,
     name: str,
-    timeout: float | timedelta | None = None,
+    timeout: Timeout = None,
 ) -> None:
     """Tell every rank how an operation went; raise the same error on every rank if one failed.
 
@@ -190,7 +187,7 @@ def share_outcome(
             raise shared from error
 
 
-def all_gather_object(obj: Any, *, timeout: float | timedelta | None = None) -> list[Any]:
+def all_gather_object(obj: Any, *, timeout: Timeout = None) -> list[Any]:
     """Gather one small picklable object from every rank, on every rank.
 
     A collective. Meant for small metadata: values travel through the
@@ -227,7 +224,7 @@ def gather_object(
     obj: Any,
     dst: int = 0,
     *,
-    timeout: float | timedelta | None = None,
+    timeout: Timeout = None,
     name: str = "gather_object",
 ) -> Optional[list[Any]]:
     """Gather one small picklable object from every rank on rank ``dst`` only.
@@ -255,11 +252,7 @@ def gather_object(
     with _calls.calling("ddpstate.gather_object()"):
         if not is_distributed():
             return [obj]
-        world = dist.get_world_size()
-        if not 0 <= dst < world:
-            raise InvalidArgumentError(
-                f"gather_object: dst={dst} is not a rank of a {world}-rank job"
-            )
+        _check_rank("gather_object", "dst", dst)
         gathered = _collectives.gather(
             _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout)
         )
@@ -275,7 +268,7 @@ def gather_and_decide(
     *,
     dst: int = 0,
     name: str = "gather_and_decide",
-    timeout: float | timedelta | None = None,
+    timeout: Timeout = None,
 ) -> None:
     """Gather one object per rank on ``dst``, let ``dst`` decide, raise its verdict everywhere.
 
@@ -307,9 +300,7 @@ def gather_and_decide(
             if error is not None:
                 raise error
             return
-        world = dist.get_world_size()
-        if not 0 <= dst < world:
-            raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+        _check_rank(name, "dst", dst)
 
         def on_dst(payloads: list[bytes]) -> Optional[DDPStateError]:
             # Trusted input: these bytes come from this job's own ranks, never from a file.
@@ -329,7 +320,7 @@ def gather_to_receivers(
     *,
     dst: int,
     name: str,
-    timeout: float | timedelta | None = None,
+    timeout: Timeout = None,
 ) -> Any:
     """Gather one object per rank on each receiver; each rank gets its receiver's answer.
 
@@ -337,7 +328,7 @@ def gather_to_receivers(
     local rank 0): every rank names its receiver ``dst``, and a rank with
     ``dst == rank`` is a receiver. Each receiver calls ``decide`` with every
     rank's object (indexed by rank) and its small picklable answer goes to the
-    ranks that named it. A rank that is not a receiver costs four store
+    ranks that named it. A rank that is not a receiver costs three store
     operations and never reads the other ranks' objects.
 
     Args:
@@ -364,9 +355,7 @@ def gather_to_receivers(
     with _calls.calling(f"ddpstate.gather_to_receivers({name=})"):
         if not is_distributed():
             return decide([obj])
-        world = dist.get_world_size()
-        if not 0 <= dst < world:
-            raise InvalidArgumentError(f"{name}: dst={dst} is not a rank of a {world}-rank job")
+        _check_rank(name, "dst", dst)
 
         def on_receiver(payloads: list[bytes]) -> bytes:
             # Trusted input: these bytes come from this job's own ranks, never from a file.
@@ -379,9 +368,7 @@ def gather_to_receivers(
         return pickle.loads(raw)
 
 
-def compare_across_ranks(
-    value: Any, *, name: str, timeout: float | timedelta | None = None
-) -> Optional[list[Any]]:
+def compare_across_ranks(value: Any, *, name: str, timeout: Timeout = None) -> Optional[list[Any]]:
     """Check that every rank passed an equal ``value``; every rank gets the same answer.
 
     A collective. One rank compares; the others read one verdict, so the
@@ -410,47 +397,51 @@ def compare_across_ranks(
 
 
 def broadcast_object(
-    obj: Any = None, src: int = 0, *, timeout: float | timedelta | None = None
+    obj: Any = None, src_rank: int = 0, *, timeout: Timeout = None, src: Optional[int] = None
 ) -> Any:
-    """Send one small picklable object from rank ``src`` to every rank.
+    """Send one small picklable object from rank ``src_rank`` to every rank.
 
     A collective. Values travel through the rendezvous store, so use it for
-    metadata and decisions; use torch collectives for tensors. ``src`` writes
-    one key and returns; the others read that key.
+    metadata and decisions; use torch collectives for tensors. ``src_rank``
+    writes one key and returns; the others read that key.
 
     Args:
-        obj: The object, read on ``src`` only.
-        src: The sending rank.
+        obj: The object, read on ``src_rank`` only.
+        src_rank: The sending rank (the name ``ddpstate.load`` uses too).
         timeout: As for :func:`barrier`.
+        src: Deprecated keyword spelling of ``src_rank``.
 
     Returns:
-        ``src``'s object, on every rank.
+        ``src_rank``'s object, on every rank.
 
     Raises:
-        BarrierTimeoutError: ``src`` did not send within the timeout (named).
+        BarrierTimeoutError: ``src_rank`` did not send within the timeout (named).
+        InvalidArgumentError: ``src_rank`` is not a rank, or ``src=`` and
+            ``src_rank=`` name different ranks.
 
     Example:
         >>> import ddpstate
         >>> ddpstate.broadcast_object({"resume_step": 100})
         {'resume_step': 100}
     """
-    with _calls.calling(f"ddpstate.broadcast_object({src=})"):
+    if src is not None:
+        if src_rank not in (0, src):
+            raise InvalidArgumentError(
+                f"broadcast_object(src={src}, src_rank={src_rank}): pass src_rank= only"
+            )
+        warn("broadcast_object(src=) is deprecated; pass src_rank=", DeprecationWarning)
+        src_rank = src
+    with _calls.calling(f"ddpstate.broadcast_object({src_rank=})"):
         if not is_distributed():
             return obj
-        world = dist.get_world_size()
-        if not 0 <= src < world:
-            raise InvalidArgumentError(
-                f"broadcast_object: src={src} is not a rank of a {world}-rank job"
-            )
+        _check_rank("broadcast_object", "src_rank", src_rank)
         group = _group()
-        payload = pickle.dumps(obj) if group.rank == src else None
+        payload = pickle.dumps(obj) if group.rank == src_rank else None
         raw = _collectives.broadcast(
-            group, payload, src, "broadcast_object", resolve_timeout(timeout)
+            group, payload, src_rank, "broadcast_object", resolve_timeout(timeout)
         )
-        if group.rank == src:
-            return obj
-        # Trusted input: these bytes come from this job's own rank src, never from a file.
-        return pickle.loads(raw)
+        # Trusted input: these bytes come from this job's own rank src_rank, never a file.
+        return obj if payload is not None else pickle.loads(raw)
 
 
 _flag_buffer: list[tuple[Any, torch.Tensor]] = []
@@ -525,9 +516,7 @@ def rank_zero_only(fn: Callable[..., _R]) -> Callable[..., Optional[_R]]:
 
 
 @contextlib.contextmanager
-def main_process_first(
-    *, local: bool = False, timeout: float | timedelta | None = None
-) -> Iterator[None]:
+def main_process_first(*, local: bool = False, timeout: Timeout = None) -> Iterator[None]:
     """Run the block on the main process first, then on every other rank.
 
     For work whose result the others reuse (preprocessing, writing a cache).

@@ -10,7 +10,8 @@ import zipfile
 from collections.abc import Callable, Iterable
 from typing import IO, Any, Final, Literal, Optional, Union
 
-from ddpstate import _fs
+from ddpstate import _fs, storage
+from ddpstate._layout.hf_index import find_index, is_index_name
 from ddpstate._layout.safetensors import SAFETENSORS_MAX_HEADER
 from ddpstate._layout.zip import LOCAL_MAGIC, ZipEnd, read_directory
 from ddpstate.errors import (
@@ -30,8 +31,10 @@ __all__ = [
     "PT",
     "PT_LEGACY",
     "SAFETENSORS",
+    "TABLE",
     "TORCHSCRIPT",
     "TORCH_ZIP",
+    "Format",
     "FormatName",
     "detect_format",
     "parse_format",
@@ -60,26 +63,73 @@ PT_LEGACY: Final = LEGACY
 FormatName = Literal[
     "pt", "pt_legacy", "safetensors", "torchscript", "dcp", "manager", "hf_sharded"
 ]
-FORMATS: tuple[FormatName, ...] = (
-    TORCH_ZIP,
-    LEGACY,
-    SAFETENSORS,
-    TORCHSCRIPT,
-    DCP,
-    MANAGER,
-    HF_SHARDED,
-)
 
+#: torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PREFIX = (
+    pickle.PROTO + b"\x02" + pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little")
+    + pickle.STOP
+)  # fmt: skip
+
+
+def _is_zip(head: bytes, size: Optional[int]) -> bool:
+    return head.startswith(LOCAL_MAGIC)
+
+
+def _is_legacy(head: bytes, size: Optional[int]) -> bool:
+    return head.startswith(_LEGACY_PREFIX)
+
+
+def _is_safetensors(head: bytes, size: Optional[int]) -> bool:
+    if len(head) < 9:
+        return False
+    (header_len,) = struct.unpack("<Q", head[:8])
+    fits = size is None or 8 + header_len <= size
+    return 2 <= header_len <= SAFETENSORS_MAX_HEADER and fits and head[8:9] == b"{"
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """What one checkpoint format is; :data:`TABLE` holds one per format.
+
+    Attributes:
+        name: Its one name (one of :data:`FORMATS`).
+        description: How it is named to a person (the CLI's output).
+        folder: A folder of files rather than one file.
+        suffixes: File-name suffixes that ask for it on output, the default first.
+        torch_free: The streaming commands read it without torch.
+        mappable: A local file of it can be memory-mapped when loaded.
+        sniff: Whether a file's first bytes (and size, if known) are this format;
+            None for folders and for what a zip's directory tells (TorchScript).
+    """
+
+    name: FormatName
+    description: str
+    folder: bool = False
+    suffixes: tuple[str, ...] = ()
+    torch_free: bool = False
+    mappable: bool = False
+    sniff: Optional[Callable[[bytes, Optional[int]], bool]] = None
+
+
+#: Every format, by name: adding a format adds a row here (and its reader).
+TABLE: dict[FormatName, Format] = {
+    f.name: f
+    for f in (
+        Format(TORCH_ZIP, "torch.save zip", suffixes=(".pt", ".pth", ".bin", ".ckpt"),
+               torch_free=True, mappable=True, sniff=_is_zip),
+        Format(LEGACY, "legacy torch.save (pre-1.6)", torch_free=True, sniff=_is_legacy),
+        Format(SAFETENSORS, "safetensors", suffixes=(".safetensors",), torch_free=True,
+               mappable=True, sniff=_is_safetensors),
+        Format(TORCHSCRIPT, "TorchScript archive"),
+        Format(DCP, "torch.distributed.checkpoint folder", folder=True),
+        Format(MANAGER, "CheckpointManager folder", folder=True, torch_free=True),
+        Format(HF_SHARDED, "Hugging Face sharded checkpoint", folder=True, torch_free=True),
+    )
+}  # fmt: skip
+FORMATS: tuple[FormatName, ...] = tuple(TABLE)
 #: How each format is named to a person (the CLI's output).
-DESCRIPTIONS: dict[FormatName, str] = {
-    TORCH_ZIP: "torch.save zip",
-    LEGACY: "legacy torch.save (pre-1.6)",
-    SAFETENSORS: "safetensors",
-    TORCHSCRIPT: "TorchScript archive",
-    DCP: "torch.distributed.checkpoint folder",
-    MANAGER: "CheckpointManager folder",
-    HF_SHARDED: "Hugging Face sharded checkpoint",
-}
+DESCRIPTIONS: dict[FormatName, str] = {name: f.description for name, f in TABLE.items()}
 
 # Names accepted on input, each for a reason: the canonical names; "torch", the
 # name save(format=) documented first; "torch_zip"/"torch_legacy", what detection
@@ -136,12 +186,6 @@ def parse_format(
     return name
 
 
-#: torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_PREFIX = (
-    pickle.PROTO + b"\x02" + pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little")
-    + pickle.STOP
-)  # fmt: skip
 _SNIFF_BYTES = 64
 
 Source = Union[str, "os.PathLike[str]", IO[bytes]]
@@ -211,16 +255,7 @@ def sniff_format(head: bytes, size: Optional[int] = None) -> Optional[FormatName
         >>> sniff_format(b"PK\\x03\\x04" + bytes(60))
         'pt'
     """
-    if head.startswith(LOCAL_MAGIC):
-        return TORCH_ZIP
-    if head.startswith(_LEGACY_PREFIX):
-        return LEGACY
-    if len(head) >= 9:
-        (header_len,) = struct.unpack("<Q", head[:8])
-        fits = size is None or 8 + header_len <= size
-        if 2 <= header_len <= SAFETENSORS_MAX_HEADER and fits and head[8:9] == b"{":
-            return SAFETENSORS
-    return None
+    return next((f.name for f in TABLE.values() if f.sniff and f.sniff(head, size)), None)
 
 
 def _describe(head: bytes) -> str:
@@ -275,48 +310,33 @@ def detect_format(
         return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>")).format
 
     name = os.fspath(source)
-    if _fs.is_remote(name):
-        fs, path = _fs.url_to_fs(name, storage_options)
-        if not fs.exists(path):
-            raise CheckpointNotFoundError(f"{name}: no such file or folder")
-        if fs.isdir(path):
-            if _hf_index(name, storage_options):
-                return HF_SHARDED
-            return _folder_kind(name, fs.exists(path.rstrip("/") + "/.metadata"))
-        with fs.open(path, "rb") as remote:
-            head = remote.read(_SNIFF_BYTES)
-            if _is_index(name, head):
-                return HF_SHARDED
-            size = fs.size(path)
-            remote.seek(0)
-            return _classify(remote, head, size, name).format
-
-    name = _fs.local_path(name)
-    if os.path.isdir(name):
-        if _hf_index(name, storage_options):
+    remote = _fs.is_remote(name)
+    if not remote:
+        name = _fs.local_path(name)
+    elif not storage.exists(name, storage_options=storage_options):
+        raise CheckpointNotFoundError(f"{name}: no such file or folder")
+    if storage.isdir(name, storage_options=storage_options):
+        if find_index(name, storage_options) is not None:
             return HF_SHARDED
-        return _folder_kind(name, os.path.exists(os.path.join(name, ".metadata")))
+        metadata = storage.join(name, ".metadata")
+        return _folder_kind(name, storage.exists(metadata, storage_options=storage_options))
     try:
-        with open(name, "rb") as local:
-            head = local.read(_SNIFF_BYTES)
+        opened: IO[bytes]
+        if remote:
+            opened = storage.open_read(name, storage_options=storage_options)
+        else:  # opened here, so that a PermissionError reaches the caller as such
+            opened = open(name, "rb")  # noqa: SIM115 - closed by the with below
+        with opened as f:
+            head = f.read(_SNIFF_BYTES)
             if _is_index(name, head):
                 return HF_SHARDED
-            size = os.fstat(local.fileno()).st_size
-            return _classify(local, head, size, name).format
+            return _classify(f, head, f.seek(0, os.SEEK_END), name).format
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
 
 
 def _is_index(name: str, head: bytes) -> bool:
-    from ddpstate._hf.index import is_index_name
-
     return is_index_name(name) and head.lstrip().startswith(b"{")
-
-
-def _hf_index(name: str, storage_options: Optional[dict[str, Any]]) -> bool:
-    from ddpstate._hf.index import find_index
-
-    return find_index(name, storage_options) is not None
 
 
 def _folder_kind(name: str, has_dcp_metadata: bool) -> FormatName:

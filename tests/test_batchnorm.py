@@ -366,3 +366,17 @@ def test_explain_passes_other_errors_and_plain_models_through() -> None:
     with explain_ddp_errors(model):
         model(torch.randn(4, 2)).sum().backward()
     assert model[0].weight.grad is not None
+
+
+def test_the_version_gate_for_ddps_buffer_copy_matches_this_torchs_source() -> None:
+    # DDP_SYNC_KEEPS_VERSIONS is a version gate; the installed torch's DDP must agree.
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddpstate import _ddp_buffers
+
+    fixed = "_unsafe_preserve_version_counter" in inspect.getsource(
+        DistributedDataParallel._sync_buffers
+    )
+    assert _ddp_buffers.DDP_SYNC_KEEPS_VERSIONS is fixed

@@ -259,23 +259,13 @@ def _assert_one_writer(
             assert result["writes"] == [], f"rank {rank} opened files for writing"
     writes = results[writer]["writes"]
     opened = [name for kind, name in writes if kind == "open"]
-    # A safetensors save also moves the library's file from its staging folder onto the
-    # temp name (storage.write_by_name); only the renames onto targets count here.
-    from ddpstate.storage import is_temp_name
-
-    renamed = [name for kind, name in writes if kind == "rename" and not is_temp_name(name)]
+    renamed = [name for kind, name in writes if kind == "rename"]
     assert renamed == targets
     assert len(opened) == len(targets)
     for name, target in zip(opened, targets, strict=True):
         assert name.startswith(f".{target}.ddpstate-tmp-")
     # The kernel agrees: one file created and closed-after-writing per save, then renamed.
     for target in targets:
-        if target.endswith(".safetensors"):
-            # The library writes inside a staging folder (not watched) and ddpstate moves
-            # its file onto the temp name: one rename onto the target is what is left to see.
-            moved = [n for kind, n in events if kind == "moved_to" and n == target]
-            assert len(moved) == 1, (target, events)
-            continue
         created = [n for kind, n in events if kind == "create" and n.startswith(f".{target}.")]
         closed = [n for kind, n in events if kind == "close_write" and n.startswith(f".{target}.")]
         moved = [n for kind, n in events if kind == "moved_to" and n == target]

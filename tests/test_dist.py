@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import psutil
@@ -80,6 +81,14 @@ def test_collectives_are_identity_without_process_group() -> None:
         pass
 
 
+def test_broadcast_object_takes_src_rank_and_the_old_src_keyword() -> None:
+    assert ddpstate.broadcast_object(5, src_rank=0) == 5
+    with pytest.warns(DeprecationWarning, match=r"src=\) is deprecated; pass src_rank="):
+        assert ddpstate.broadcast_object(5, src=0) == 5
+    with pytest.raises(ddpstate.InvalidArgumentError, match="pass src_rank= only"):
+        ddpstate.broadcast_object(5, src_rank=1, src=2)
+
+
 def test_rank_zero_only_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     @ddpstate.rank_zero_only
     def answer() -> int:
@@ -137,15 +146,26 @@ def test_rank_queries_on_real_ranks(world: int) -> None:
 
 def _collectives(rank: int, world: int) -> dict[str, object]:
     ddpstate.barrier(timeout=30)
-    got = ddpstate.broadcast_object({"from": rank} if rank == 1 else None, src=1, timeout=30)
+    got = ddpstate.broadcast_object({"from": rank} if rank == 1 else None, src_rank=1, timeout=30)
     gathered = ddpstate.all_gather_object(rank * 10, timeout=30)
     ddpstate.barrier(timeout=30)  # a second round reuses nothing from the first
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # The old keyword still works (with a DeprecationWarning), and so does the position.
+        old = ddpstate.broadcast_object("x" if rank == 2 else None, src=2, timeout=30)
+        positional = ddpstate.broadcast_object("y" if rank == 2 else None, 2, timeout=30)
+    deprecated = [str(w.message) for w in caught if w.category is DeprecationWarning]
 
     @ddpstate.rank_zero_only
     def only_zero() -> str:
         return "ran"
 
-    return {"bcast": got, "gather": gathered, "zero": only_zero()}
+    return {
+        "bcast": got,
+        "gather": gathered,
+        "zero": only_zero(),
+        "old": (old, positional, deprecated),
+    }
 
 
 @pytest.mark.slow
@@ -155,6 +175,7 @@ def test_collectives_on_three_ranks() -> None:
         assert result["bcast"] == {"from": 1}
         assert result["gather"] == [0, 10, 20]
         assert result["zero"] == ("ran" if rank == 0 else None)
+        assert result["old"] == ("x", "y", ["broadcast_object(src=) is deprecated; pass src_rank="])
 
 
 def _first(rank: int, world: int, folder: str) -> list[str]:

@@ -83,6 +83,7 @@ def test_memory_failed_save_keeps_previous(mem_root: str) -> None:
 
 def test_memory_dcp_folder(mem_root: str) -> None:
     import torch.distributed.checkpoint as dcp
+
     try:  # the public name, where torch exports one
         from torch.distributed.checkpoint import FsspecWriter  # type: ignore[attr-defined,unused-ignore]
     except ImportError:  # torch 2.13 has none: its private module, deprecated later

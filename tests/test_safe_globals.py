@@ -114,3 +114,25 @@ def test_verify_calls_a_newer_torchs_type_a_format_error_not_damage(
     assert lines[0].startswith(f"ddpstate: error: {newer}: its pickle names {named} torch.{glob}")
     assert "newer torch" in lines[0] and "upgrade ddpstate" in lines[0]
     assert "damaged" not in lines[0]
+
+
+class _Custom:
+    pass
+
+
+def test_the_private_allowlist_getter_agrees_with_torchs_public_check() -> None:
+    # Legacy files are checked against torch's built-in allowlist through its private
+    # getter (no public one); zip files through the public get_unsafe_globals_in_checkpoint.
+    # The two must judge the same objects alike on this torch.
+    import collections
+    import io
+
+    from ddpstate._io.torch_io import unsafe_globals
+
+    for extra, expected in (({}, []), ({"c": _Custom()}, [f"{__name__}._Custom"])):
+        obj = {"w": torch.ones(2), "od": collections.OrderedDict(a=1), **extra}
+        zipped, legacy = io.BytesIO(), io.BytesIO()
+        torch.save(obj, zipped)
+        torch.save(obj, legacy, _use_new_zipfile_serialization=False)
+        assert unsafe_globals(zipped, "pt") == expected
+        assert unsafe_globals(legacy, "pt_legacy") == expected

@@ -1,4 +1,4 @@
-"""Local safetensors files go through the safetensors library, both ways, byte for byte."""
+"""Local safetensors files: read by the safetensors library, written byte for byte as it writes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 import ddpstate
 from ddpstate._io.safetensors_io import (
     ALIASES_KEY,
+    DTYPE_NAMES,
     read_safetensors,
     read_safetensors_header,
     write_safetensors,
@@ -52,6 +53,23 @@ def test_ddpstate_save_is_save_file_plus_its_own_header_entries(tmp_path: Path) 
         assert json.loads(ours_meta.pop("ddpstate.key_order")) == list(sd)
         assert ours_meta == (metadata or {})
     assert list(ddpstate.load(ours)) == list(sd)  # the state dict's order comes back
+
+
+def test_the_data_order_is_the_librarys_for_every_dtype(tmp_path: Path) -> None:
+    # ddpstate streams the bytes itself: its layout (the library's dtype order, then
+    # names) must be save_file's for every dtype both know, ties of size included.
+    sd = {
+        f"{9 - i}.{code}": torch.ones(3, dtype=dt)
+        for i, (dt, code) in enumerate(DTYPE_NAMES.items())
+    }
+    sd.update({f"z{k}": torch.zeros(0, dtype=t.dtype) for k, t in list(sd.items())[:4]})
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    ddpstate.save(sd, ours)
+    safetensors.torch.save_file(sd, theirs)
+    (our_header, our_data), (their_header, their_data) = _parts(ours), _parts(theirs)
+    our_header.pop("__metadata__")
+    assert our_header == their_header
+    assert our_data == their_data
 
 
 def _parts(path: Path) -> tuple[dict[str, Any], bytes]:

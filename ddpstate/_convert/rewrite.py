@@ -228,7 +228,7 @@ def convert_file(
 def _sharded_base(ckpt: Checkpoint) -> Optional[str]:
     if ckpt.format != HF_SHARDED:
         return None
-    from ddpstate._hf.index import folder_of
+    from ddpstate._layout.hf_index import folder_of
 
     return folder_of(ckpt.path)
 
@@ -237,7 +237,7 @@ def _check_sharded_output(
     dst: Optional[PathLike], to: Optional[str], in_place: bool, max_shard_size: Union[int, str]
 ) -> tuple[int, str]:
     """``(shard size limit, output folder)``, or the error for a combination that cannot be."""
-    from ddpstate._hf.write import parse_size
+    from ddpstate._streaming.hf_write import parse_size
 
     limit = parse_size(max_shard_size)
     if to not in (None, SAFETENSORS):

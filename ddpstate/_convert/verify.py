@@ -10,7 +10,7 @@ from ddpstate import formats
 from ddpstate._convert.common import extent_problems
 from ddpstate._convert.results import VerifyResult
 from ddpstate._fs import PathLike
-from ddpstate._hf.index import find_index, key_problems, read_index
+from ddpstate._layout.hf_index import find_index, key_problems, read_index
 from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import TensorRecord, iter_tensors
 from ddpstate._streaming.progress import Progress

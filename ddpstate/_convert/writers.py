@@ -317,7 +317,7 @@ def write_sharded_safetensors(
     overwrite: bool,
 ) -> tuple[int, int, dict[str, str], list[str]]:
     """The state dict as a Hugging Face sharded folder, each shard by ``write_safetensors``."""
-    from ddpstate._hf import write as _hf_write
+    from ddpstate._streaming import hf_write as _hf_write
 
     if casts is not None:
         sd = casts.state_dict(sd)

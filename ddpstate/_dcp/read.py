@@ -239,12 +239,7 @@ def load_sharded_model_state(
         path, into=f" into {type(model).__name__}'s shards", advice=f"run `ddpstate verify {path}`"
     ):
         if _is_remote(path):
-            try:  # the public name, where torch exports one
-                from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined,unused-ignore]
-            except ImportError:  # torch 2.13 has none: its private module, deprecated later
-                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-            dcp_load(plan.into, storage_reader=FsspecReader(path, **(storage_options or {})))
+            dcp_load(plan.into, storage_reader=_torch_io.fsspec_reader(path, storage_options))
         else:
             dcp_load(plan.into, checkpoint_id=path)
     set_model_state_dict(model, plan.loaded, options=StateDictOptions(strict=False))

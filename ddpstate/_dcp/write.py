@@ -496,7 +496,7 @@ def _prepare(writer: StepWriter, step: int, rank: int) -> str:
             prepared = writer.prepare_folder(step)
         except Exception as exc:
             failure = error_text(exc)
-    prepared, failure = broadcast_object((prepared, failure), src=0, timeout=writer.timeout)
+    prepared, failure = broadcast_object((prepared, failure), src_rank=0, timeout=writer.timeout)
     if prepared is None:
         target = writer.checkpoint_path(step)
         raise writer.write_failure(step, target, [(0, failure)])

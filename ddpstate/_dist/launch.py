@@ -6,13 +6,14 @@ import dataclasses
 import os
 import re
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ddpstate import _elastic
 from ddpstate._dist.ranks import (
+    Timeout,
     _env_int,
     _pg_ready,
     get_local_rank,
@@ -170,7 +171,7 @@ def _refuse_unknown_rank() -> None:
 def init_distributed(
     *,
     backend: str = "auto",
-    timeout: float | timedelta | None = None,
+    timeout: Timeout = None,
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     init_method: Optional[str] = None,
@@ -227,41 +228,34 @@ def init_distributed(
                 torch.multiprocessing.spawn(worker, args=(2,), nprocs=2)
     """
     _check_given_ranks(rank, world_size, init_method)
-    local_rank = get_local_rank()
     if _pg_ready():
-        used = str(dist.get_backend())
+        used, local_rank = str(dist.get_backend()), get_local_rank()
         return DistContext(
             get_rank(), local_rank, get_world_size(), device_for(used, local_rank), used
         )
-    if rank is not None and world_size is not None:
-        return _init_given(rank, world_size, init_method, backend, timeout)
-    launcher = _launched_env() if dist.is_available() else None
+    launcher = "given" if rank is not None else _launched_env() if dist.is_available() else None
     if launcher is None:
         _refuse_unknown_rank()
-        return DistContext(0, local_rank, 1, device_for(None, local_rank), None)
-    if launcher == "slurm":
+        return DistContext(0, get_local_rank(), 1, device_for(None, get_local_rank()), None)
+    meet: dict[str, Any] = {"init_method": init_method or "env://"}
+    if launcher == "given":
+        # mp.spawn starts one worker per GPU of this node, numbered from 0: that index is
+        # the local rank, which device placement ("auto" = cuda:LOCAL_RANK) and
+        # get_local_rank() read from the environment, as under torchrun.
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+        meet.update(rank=rank, world_size=world_size)
+    elif launcher == "slurm":
         _slurm_to_env()
-        local_rank = get_local_rank()
+    local_rank = get_local_rank()
     backend = _chosen_backend(backend, local_rank)
     pg_timeout = timedelta(seconds=resolve_timeout(timeout))
     # Under torchrun's shared agent store, each restart attempt gets keys of its own.
-    store = _elastic.attempt_store(pg_timeout)
+    store = None if launcher == "given" else _elastic.attempt_store(pg_timeout)
     if store is not None:
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=get_rank(),
-            world_size=get_world_size(),
-            timeout=pg_timeout,
-        )
-    else:
-        dist.init_process_group(backend=backend, init_method="env://", timeout=pg_timeout)
+        meet = {"store": store, "rank": get_rank(), "world_size": get_world_size()}
+    dist.init_process_group(backend=backend, timeout=pg_timeout, **meet)
     return DistContext(
-        dist.get_rank(),
-        local_rank,
-        dist.get_world_size(),
-        device_for(backend, local_rank),
-        backend,
+        dist.get_rank(), local_rank, dist.get_world_size(), device_for(backend, local_rank), backend
     )
 
 
@@ -272,29 +266,3 @@ def _chosen_backend(backend: str, local_rank: int) -> str:
     if "nccl" in backend and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return backend
-
-
-def _init_given(
-    rank: int,
-    world_size: int,
-    init_method: Optional[str],
-    backend: str,
-    timeout: float | timedelta | None,
-) -> DistContext:
-    """Start the group for a launcher that passes the rank (``mp.spawn``)."""
-    # mp.spawn starts one worker per GPU of this node, numbered from 0: that index is
-    # the local rank, which device placement ("auto" = cuda:LOCAL_RANK) and
-    # get_local_rank() read from the environment, as under torchrun.
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    local_rank = get_local_rank()
-    backend = _chosen_backend(backend, local_rank)
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method or "env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=resolve_timeout(timeout)),
-    )
-    return DistContext(
-        dist.get_rank(), local_rank, dist.get_world_size(), device_for(backend, local_rank), backend
-    )

@@ -19,6 +19,7 @@ from ddpstate.errors import InvalidArgumentError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "Timeout",
     "default_timeout",
     "get_local_rank",
     "get_rank",
@@ -32,6 +33,10 @@ __all__ = [
 #: Default collective timeout in seconds: torch's own default process-group
 #: timeout, long enough for a multi-GB save to object storage.
 DEFAULT_TIMEOUT = 1800.0
+
+#: A collective's timeout as every ddpstate function takes it: seconds, a
+#: ``timedelta``, or None for :func:`default_timeout`.
+Timeout = float | timedelta | None
 
 
 def _env_int(*names: str) -> Optional[int]:
@@ -155,7 +160,7 @@ def default_timeout() -> float:
     return _collectives.seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT)
 
 
-def resolve_timeout(timeout: float | timedelta | None) -> float:
+def resolve_timeout(timeout: Timeout) -> float:
     """A collective's timeout in seconds: the given one, or :func:`default_timeout`.
 
     Args:

@@ -3,37 +3,42 @@
 ``ddpstate.load`` (and ``load_model_state`` through it) reads here on the
 ranks that read: the format comes from the bytes (``formats.detect_format``),
 never from the name, and each format's reader places the tensors where
-``map_location`` resolved.
+``map_location`` resolved. A Hugging Face sharded checkpoint is read shard by
+shard through the same single-file reader.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Optional
 
 from ddpstate import _fs, storage
-from ddpstate._hf.read import load_sharded
 from ddpstate._io import torch_io
 from ddpstate._io.safetensors_io import read_safetensors
-from ddpstate.errors import CheckpointAccessError, CheckpointFormatError
+from ddpstate._layout.hf_index import check_keys, open_index
+from ddpstate.errors import CheckpointAccessError, CheckpointFormatError, CheckpointNotFoundError
 from ddpstate.formats import (
     DCP,
     HF_SHARDED,
     LEGACY,
     SAFETENSORS,
+    TABLE,
     TORCH_ZIP,
     TORCHSCRIPT,
+    FormatName,
     detect_format,
 )
 from ddpstate.location import ResolvedMapLocation, place_all, require_reachable
 
-__all__ = ["detect", "read"]
+__all__ = ["detect", "load_sharded", "read"]
 
 # torch.load goes by this suffix: a torch file so named cannot be mapped by it.
-_SAFETENSORS_SUFFIXES = (".safetensors",)
+_SAFETENSORS_SUFFIXES = TABLE[SAFETENSORS].suffixes
 
 
-def detect(text: str, storage_options: Optional[dict[str, Any]]) -> str:
+def detect(text: str, storage_options: Optional[dict[str, Any]]) -> FormatName:
     try:
         return detect_format(text, storage_options=storage_options)
     except PermissionError as exc:
@@ -56,8 +61,6 @@ def read(
 ) -> Any:
     require_reachable(resolved, text)
     kind = detect(text, storage_options)
-    remote = _fs.is_remote(text)
-    local = _fs.local_path(text)
     if kind == TORCHSCRIPT:
         raise CheckpointFormatError(
             f"{text}: this is a TorchScript archive, not a checkpoint: use torch.jit.load"
@@ -74,8 +77,9 @@ def read(
     if kind == DCP:
         if mmap:
             raise _mmap_refused(text, "a torch.distributed.checkpoint folder")
+        remote = _fs.is_remote(text)
         state = torch_io.load_dcp(
-            text if remote else local,
+            text if remote else _fs.local_path(text),
             name=text,
             weights_only=weights_only,
             storage_options=storage_options,
@@ -83,38 +87,109 @@ def read(
             safe_globals=safe_globals,
         )
         return place_all(state, "cpu", resolved)
-    if kind == SAFETENSORS:
-        if mmap and remote:
-            raise _mmap_refused(text, "the file is remote")
-        if remote:
-            with storage.open_read(text, storage_options=storage_options) as f:
-                tensors = read_safetensors(f, mmap=False)
-        else:
-            tensors = read_safetensors(local, mmap=mmap is None or mmap)
-        return place_all(tensors, "cpu", resolved)
-    # torch.save's zip or legacy format
-    if mmap and (remote or kind == LEGACY):
+    return _read_file(text, kind, resolved, weights_only, mmap, storage_options, safe_globals)
+
+
+def _read_file(
+    text: str,
+    kind: FormatName,
+    resolved: ResolvedMapLocation,
+    weights_only: bool,
+    mmap: Optional[bool],
+    storage_options: Optional[dict[str, Any]],
+    safe_globals: Sequence[Any],
+) -> Any:
+    """One safetensors, torch.save zip or legacy torch file, its tensors placed."""
+    remote = _fs.is_remote(text)
+    local = _fs.local_path(text)
+    if mmap and (remote or not TABLE[kind].mappable):
         raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
-    # torch.load cannot map a torch file named .safetensors (it goes by the suffix).
-    mappable = kind == TORCH_ZIP and not remote and not local.endswith(_SAFETENSORS_SUFFIXES)
-    use_mmap = mappable if mmap is None else bool(mmap)
-    if remote:
-        with storage.open_read(text, storage_options=storage_options) as f:
-            return torch_io.load_torch_file(
-                f,
-                kind=kind,
-                name=text,
-                map_location=resolved,
-                weights_only=weights_only,
-                mmap=False,
-                safe_globals=safe_globals,
+    # torch.load (2.13+) picks its safetensors reader from this suffix, whatever the bytes
+    # say; a file object makes it read the bytes ddpstate detected (and cannot be mapped).
+    misnamed = kind != SAFETENSORS and local.endswith(_SAFETENSORS_SUFFIXES)
+    if mmap and misnamed:
+        raise CheckpointFormatError(
+            f"{text}: named .safetensors but holds a {torch_io.DESCRIPTIONS[kind]}; it cannot be "
+            f"memory-mapped under this name: load it with mmap=False, or rename it to .pt"
+        )
+    with contextlib.ExitStack() as stack:
+        # A remote file is read through a file object, never mapped.
+        src = (
+            stack.enter_context(storage.open_read(text, storage_options=storage_options))
+            if remote or misnamed
+            else local
+        )
+        use_mmap = TABLE[kind].mappable and isinstance(src, str) if mmap is None else bool(mmap)
+        if kind == SAFETENSORS:
+            return place_all(read_safetensors(src, mmap=use_mmap), "cpu", resolved)
+        return torch_io.load_torch_file(
+            src,
+            kind=kind,
+            name=text,
+            map_location=resolved,
+            weights_only=weights_only,
+            mmap=use_mmap,
+            safe_globals=safe_globals,
+        )
+
+
+def load_sharded(
+    path: str,
+    resolved: ResolvedMapLocation,
+    *,
+    weights_only: bool,
+    mmap: Optional[bool],
+    storage_options: Optional[dict[str, Any]],
+    safe_globals: Sequence[Any] = (),
+) -> collections.OrderedDict[str, Any]:
+    """Load a Hugging Face sharded checkpoint into one state dict, shard by shard.
+
+    Each shard is read as a single file is (safetensors through ddpstate's
+    safetensors reader, torch shards through its safe ``torch.load``); its
+    keys are checked against the index before the next shard is read.
+
+    Args:
+        path: The index file or its folder.
+        resolved: The resolved ``map_location``.
+        weights_only: As for :func:`ddpstate.load` (``.bin`` shards).
+        mmap: As for :func:`ddpstate.load`.
+        storage_options: fsspec options for URLs.
+        safe_globals: As for :func:`ddpstate.load`.
+
+    Returns:
+        An ``OrderedDict`` of every tensor, in the index's order.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointCorruptError, CheckpointFormatError,
+        UnsafeCheckpointError: As for :func:`ddpstate.load`; a missing shard,
+            or one the index disagrees with, is named with the index.
+    """
+    index = open_index(path, storage_options)
+    if mmap and _fs.is_remote(index.path):
+        raise CheckpointFormatError(
+            f"{path}: mmap=True is not possible here (the shards are remote); pass mmap=None"
+        )
+    merged: collections.OrderedDict[str, Any] = collections.OrderedDict()
+    for shard in index.shards:
+        where = index.shard_path(shard)
+        try:
+            kind = detect_format(where, storage_options=storage_options)
+        except CheckpointNotFoundError as exc:
+            raise index.missing(shard) from exc
+        if kind not in (SAFETENSORS, TORCH_ZIP, LEGACY):
+            raise CheckpointFormatError(
+                f"{where}: a shard of {index.path} in format {kind!r}; shards must be "
+                f"safetensors or torch.save files"
             )
-    return torch_io.load_torch_file(
-        local,
-        kind=kind,
-        name=text,
-        map_location=resolved,
-        weights_only=weights_only,
-        mmap=use_mmap,
-        safe_globals=safe_globals,
-    )
+        part = _read_file(where, kind, resolved, weights_only, mmap, storage_options, safe_globals)
+        if not isinstance(part, dict) or not all(isinstance(k, str) for k in part):
+            raise CheckpointFormatError(
+                f"{where}: a shard of {index.path} that is not a state dict; a sharded "
+                f"checkpoint's shards hold state-dict entries only"
+            )
+        check_keys(index, shard, list(part))
+        merged.update(part)
+    # The index's order: a state dict's own for files ddpstate writes (then nothing moves).
+    if list(merged) == list(index.weight_map):
+        return merged
+    return collections.OrderedDict((k, merged[k]) for k in index.weight_map)

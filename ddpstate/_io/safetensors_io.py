@@ -1,30 +1,31 @@
 """safetensors files with ddpstate's tied tensors and ``_metadata``: the library, or a stream.
 
-Local files are read and written by the ``safetensors`` package itself (the
-reference implementation). What it cannot serve is done here on top of the
-torch-free layout in :mod:`ddpstate._layout.safetensors`: writing to and
-reading from file objects (fsspec uploads and downloads, buffers), and
-headers read without the data.
+Local files are read by the ``safetensors`` package itself (the reference
+implementation). Every write, and reads from file objects (fsspec downloads,
+buffers) and headers read without the data, are done here on top of the
+torch-free layout in :mod:`ddpstate._layout.safetensors`: the header it builds
+and each tensor's bytes, streamed into whatever file object the caller has
+(the temp file of :func:`ddpstate.storage.atomic_write`, an fsspec upload), so
+no second copy of the state dict and no second file is made. Also the Hugging
+Face sharded layout's torch side: :func:`save_sharded`.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import io
 import json
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Mapping
 from typing import IO, Any, Optional, Union
 
 import safetensors
-import safetensors.torch
 import torch
 
-from ddpstate import storage
 from ddpstate._gc import gc_paused
 from ddpstate._layout.safetensors import (
     ALIASES_KEY,
@@ -39,6 +40,7 @@ from ddpstate._layout.safetensors import (
     restore_extras,
     state_dict_metadata_json,
 )
+from ddpstate._streaming.hf_write import parse_size, plan_shards, write_sharded
 from ddpstate._warn import warn
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
 
@@ -52,6 +54,7 @@ __all__ = [
     "read_safetensors",
     "read_safetensors_header",
     "safetensors_header_for",
+    "save_sharded",
     "write_safetensors",
 ]
 
@@ -183,9 +186,7 @@ def _view(key: str, t: torch.Tensor) -> Optional[View]:
     return View(key, identity, storage, start, start + extent * size)
 
 
-def _find_ties(
-    state_dict: Mapping[str, torch.Tensor], name: str, overlapping: Optional[set[str]] = None
-) -> dict[str, str]:
+def _find_ties(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, str]:
     """``{alias: canonical}`` of tied tensors; warns about overlaps that are not ties."""
     # Only tensors that share a storage with another can be tied or overlap; a
     # storage's start is data_ptr - offset, which costs no storage object.
@@ -194,9 +195,7 @@ def _find_ties(
         base = t.data_ptr() - int(t.storage_offset()) * t.element_size()
         by_storage.setdefault((t.get_device(), base), []).append(k)
     shared = {k for keys in by_storage.values() if len(keys) > 1 for k in keys}
-    aliases, overlaps = find_aliases(
-        (_view(k, t) for k, t in state_dict.items() if k in shared), overlapping=overlapping
-    )
+    aliases, overlaps = find_aliases(_view(k, t) for k, t in state_dict.items() if k in shared)
     if overlaps:
         warn(
             f"{name}: tensors overlap in memory without being identical "
@@ -262,14 +261,10 @@ def safetensors_header_for(
     meta = _metadata_entries(state_dict, metadata, name)
     aliases = _find_ties(state_dict, name)
     written = {k: t for k, t in state_dict.items() if k not in aliases}
-    header, order, _ = build_header(
-        [
-            (k, DTYPE_NAMES[t.dtype], t.shape, t.numel() * t.element_size())
-            for k, t in written.items()
-        ],
-        meta,
-        aliases,
-    )
+    entries = [
+        (k, DTYPE_NAMES[t.dtype], t.shape, t.numel() * t.element_size()) for k, t in written.items()
+    ]
+    header, order, _ = build_header(entries, meta, aliases)
     return header, [(k, written[k]) for k in order], aliases
 
 
@@ -281,51 +276,6 @@ def _write_all(fileobj: IO[bytes], data: memoryview) -> None:
         data = data[written:]
 
 
-def _local_file_of(fileobj: IO[bytes]) -> Optional[str]:
-    """The path of ``fileobj`` when it is an empty :func:`ddpstate.storage.atomic_write`
-    temp file, else None: the safetensors library can then write it by name
-    (through :func:`ddpstate.storage.write_by_name`).
-    """
-    # Only Python's own file objects: a wrapper (a checksum, an fsspec file, a
-    # fault injector) must see every byte, so it is streamed to instead.
-    if type(fileobj) not in (io.BufferedWriter, io.BufferedRandom, io.FileIO):
-        return None
-    name = getattr(fileobj, "name", None)
-    if not isinstance(name, str) or not storage.is_temp_name(name):
-        return None  # only atomic_write's temp files: the library writes beside them
-    try:
-        if fileobj.tell() != 0:
-            return None
-        held = os.fstat(fileobj.fileno())
-        named = os.stat(name)
-    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
-        return None
-    if not stat.S_ISREG(held.st_mode) or held.st_size != 0:
-        return None
-    return name if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino) else None
-
-
-def _storable(
-    state_dict: Mapping[str, torch.Tensor], aliases: Mapping[str, str], overlapping: set[str]
-) -> dict[str, torch.Tensor]:
-    """The tensors as ``safetensors.torch.save_file`` takes them: each its own dense memory."""
-    out: dict[str, torch.Tensor] = {}
-    for key, t in state_dict.items():
-        if aliases and key in aliases:
-            continue
-        if not t.numel():
-            # An empty view into a live storage would count as sharing it.
-            t = torch.empty(t.shape, dtype=t.dtype)
-        elif key in overlapping:
-            t = t.detach().clone()  # save_file refuses overlapping memory: its own copy
-        elif t.is_conj() or t.is_neg():
-            t = t.detach().resolve_conj().resolve_neg()  # the writer reads raw memory
-        if not t.is_contiguous():
-            t = t.detach().contiguous()
-        out[key] = t
-    return out
-
-
 def write_safetensors(
     fileobj: IO[bytes],
     state_dict: Mapping[str, torch.Tensor],
@@ -335,12 +285,13 @@ def write_safetensors(
 ) -> dict[str, str]:
     """Write a state dict to a binary file in safetensors format.
 
-    The local temp file of :func:`ddpstate.storage.atomic_write` is written by
-    ``safetensors.torch.save_file``; any other file object (an fsspec upload,
-    a buffer, a plain open file) is streamed one tensor at a time straight
-    from memory, so no second copy of the state dict is built. Tied tensors are written once
-    and recorded as aliases, with a warning; ``_metadata`` and ``metadata``
-    go into the header. Any safetensors reader can read the file.
+    The header and then each tensor's bytes are streamed one tensor at a time
+    straight from memory into ``fileobj`` (a local temp file of
+    :func:`ddpstate.storage.atomic_write`, an fsspec upload, a buffer), so no
+    second copy of the state dict is built; the bytes are those
+    ``safetensors.torch.save_file`` writes, plus ddpstate's header entries.
+    Tied tensors are written once and recorded as aliases, with a warning;
+    ``_metadata`` and ``metadata`` go into the header. Any safetensors reader can read the file.
 
     Args:
         fileobj: A writable binary file (e.g. from :func:`ddpstate.storage.atomic_write`).
@@ -364,16 +315,7 @@ def write_safetensors(
         >>> read_safetensors(buf.getvalue())["w"]
         tensor([0., 1., 2.])
     """
-    local = _local_file_of(fileobj)
-    if local is None:
-        header, order, aliases = safetensors_header_for(state_dict, metadata, name=name)
-    else:
-        _validate(state_dict, name)
-        meta = _metadata_entries(state_dict, metadata, name)
-        overlapping: set[str] = set()
-        aliases = _find_ties(state_dict, name, overlapping)
-        if aliases:
-            meta[ALIASES_KEY] = json.dumps(aliases, separators=(",", ":"))
+    header, order, aliases = safetensors_header_for(state_dict, metadata, name=name)
     if aliases and _first_report_of_ties(state_dict, aliases):
         shown = ", ".join(f"{a} -> {c}" for a, c in list(aliases.items())[:_SHOW])
         warn(
@@ -382,13 +324,6 @@ def write_safetensors(
             f"ddpstate.load restores them as shared, while other safetensors readers see only "
             f"the canonical keys",
         )
-    if local is not None:
-        # save_file writes a temp file of its own and renames it onto the path;
-        # it and _storable make an object or two per tensor (see gc_paused).
-        with gc_paused(), storage.write_by_name(fileobj) as path:
-            tensors = _storable(state_dict, aliases, overlapping)
-            safetensors.torch.save_file(tensors, path, metadata=meta or None)
-        return aliases
     _write_all(fileobj, memoryview(header))
     for _, tensor in order:
         if tensor.numel() == 0:
@@ -399,6 +334,54 @@ def write_safetensors(
         t = t.resolve_conj().resolve_neg().contiguous()
         _write_all(fileobj, t.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
     return aliases
+
+
+def save_sharded(
+    state: Any,
+    target: str,
+    max_shard_size: Union[int, str],
+    metadata: Optional[Mapping[str, str]] = None,
+) -> dict[str, str]:
+    """Save a state dict in the Hugging Face sharded layout (what ``save(max_shard_size=)`` does).
+
+    Tied entries (the same tensor under two keys) share a shard and are
+    stored once there, as :func:`write_safetensors` records them.
+
+    Args:
+        state: Names to tensors.
+        target: The folder.
+        max_shard_size: See :func:`ddpstate._streaming.hf_write.parse_size`.
+        metadata: str -> str entries for every shard's header.
+
+    Returns:
+        The weight map written.
+
+    Raises:
+        CheckpointFormatError: ``state`` is not a flat map of names to tensors.
+        CheckpointExistsError: ``target`` holds other files.
+    """
+    if not isinstance(state, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise CheckpointFormatError(
+            f"{target}: max_shard_size writes safetensors shards, which hold a flat map of "
+            f"names to tensors only; save a state dict (or use save_model_state)"
+        )
+    limit = parse_size(max_shard_size)
+    keys = list(state)
+    # Tied keys go with the key whose tensor they share; write_safetensors warns of overlaps.
+    owner, _ = find_aliases(_view(k, t) for k, t in state.items())
+    nbytes = {k: t.numel() * t.element_size() for k, t in state.items() if k not in owner}
+    entries = dict(metadata or {})
+    entries.setdefault("format", "pt")
+
+    def write_shard(f: IO[bytes], shard_keys: list[str], name: str) -> int:
+        part = {k: state[k] for k in shard_keys}
+        write_safetensors(f, part, entries, name=os.path.join(target, name))
+        return sum(nbytes.get(k, 0) for k in shard_keys)
+
+    shards = plan_shards(keys, nbytes, owner, limit)
+    return write_sharded(target, shards, write_shard, order=keys, overwrite=True)
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -438,18 +421,14 @@ def read_safetensors_header(source: Source) -> SafetensorsHeader:
         ((2, 3), {'step': '7'})
     """
     name = _source_name(source)
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        view = memoryview(source)
-        parsed = parse_header(lambda at, n: bytes(view[at : at + n]), len(view), name)
-    elif isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as f:
-            parsed = parse_header(_reader_of(f), os.fstat(f.fileno()).st_size, name)
-    else:
+    with contextlib.ExitStack() as stack:
+        if isinstance(source, (str, os.PathLike)):
+            source = stack.enter_context(open(source, "rb"))
+        elif isinstance(source, (bytes, bytearray, memoryview)):
+            source = io.BytesIO(source)
         start = source.tell()
-        try:
-            parsed = parse_header(_reader_of(source), source.seek(0, os.SEEK_END), name)
-        finally:
-            source.seek(start)
+        stack.callback(source.seek, start)
+        parsed = parse_header(_reader_of(source), source.seek(0, os.SEEK_END), name)
     if parsed.problems:
         raise _corrupt(name, parsed.problems[0])
     tensors = {}
@@ -495,11 +474,6 @@ def _damage(path: str, name: str, exc: BaseException) -> BaseException:
 
 def _load_local(path: str, device: str, mmap: bool, name: str) -> Any:
     """Read a local file with the safetensors library: mapped, or read into fresh memory."""
-    with gc_paused():
-        return _load_local_unpaused(path, device, mmap, name)
-
-
-def _load_local_unpaused(path: str, device: str, mmap: bool, name: str) -> Any:
     options = {} if mmap else {"backend": "pread"}
     try:
         try:
@@ -508,7 +482,7 @@ def _load_local_unpaused(path: str, device: str, mmap: bool, name: str) -> Any:
             if not options:
                 raise
             opened, options = safetensors.safe_open(path, framework="pt", device=device), {}
-        with opened as f:
+        with opened as f, gc_paused():
             metadata = f.metadata() or {}
             get_all = getattr(f, "get_tensors", None)  # safetensors >= 0.7: one call
             tensors = (

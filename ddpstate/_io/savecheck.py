@@ -118,6 +118,8 @@ _ALLOWED_COUNTS: dict[Any, int] = {}
 
 def _remove_safe_globals(remove: list[Any]) -> None:
     """Take ``remove`` out of torch's weights_only list, leaving every other entry."""
+    # torch has no public remover: its private one where it exists, else the list is
+    # rebuilt through the public get/clear/add.
     from torch import _weights_only_unpickler as unpickler
 
     remover = getattr(unpickler, "_remove_safe_globals", None)
@@ -341,7 +343,8 @@ _GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
 def _pickle_module(extra: Sequence[Any]) -> Any:
     from torch import _weights_only_unpickler as wou
 
-    # torch's built-in allowlist has no public getter; what users added has one.
+    # torch's built-in allowlist has no public getter (tests/test_safe_globals.py pins
+    # the private one); what users added has one.
     allowed = {id(v) for v in wou._get_allowed_globals().values()}
     for item in torch.serialization.get_safe_globals():
         allowed.add(id(item[0] if isinstance(item, tuple) else item))

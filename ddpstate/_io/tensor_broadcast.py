@@ -102,7 +102,7 @@ def broadcast_with_tensors(
         skeleton, local_tensors = _split(obj, locations)
     else:
         skeleton, local_tensors = None, []
-    skeleton = broadcast_object(skeleton, src=src_rank, timeout=timeout)
+    skeleton = broadcast_object(skeleton, src_rank=src_rank, timeout=timeout)
     device = _comm_device()
     placed: dict[int, torch.Tensor] = {}
     for ref in _refs(skeleton):

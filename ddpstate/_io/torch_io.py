@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import pickle
 import pickletools
@@ -14,10 +15,10 @@ from typing import IO, Any, Optional, Union
 
 import torch
 
+from ddpstate import storage
 from ddpstate._io.savecheck import loading_allowed
 from ddpstate.errors import (
     CheckpointCorruptError,
-    CheckpointFormatError,
     CheckpointNotFoundError,
     DDPStateError,
     DeviceMapError,
@@ -26,6 +27,7 @@ from ddpstate.errors import (
 from ddpstate.formats import LEGACY, TORCH_ZIP
 
 __all__ = [
+    "DESCRIPTIONS",
     "check_dcp_metadata",
     "dcp_read_errors",
     "load_dcp",
@@ -36,7 +38,8 @@ __all__ = [
 
 Source = Union[str, IO[bytes]]
 
-_DESCRIBE = {TORCH_ZIP: "torch.save file", LEGACY: "legacy (pre-1.6) torch.save file"}
+#: How messages name the two torch.save formats.
+DESCRIPTIONS = {TORCH_ZIP: "torch.save file", LEGACY: "legacy (pre-1.6) torch.save file"}
 _SHOW = 10
 # Exceptions torch.load raises on damaged bytes (zip reader, unpickler, storage reads).
 _DAMAGE = (
@@ -64,8 +67,8 @@ def _first_line(exc: BaseException) -> str:
 
 def _corrupt(name: str, kind: str, exc: BaseException) -> CheckpointCorruptError:
     return CheckpointCorruptError(
-        f"{name}: damaged {_DESCRIBE.get(kind, kind)} ({type(exc).__name__}: {_first_line(exc)}); "
-        f"it is probably truncated or overwritten: re-save or re-download it"
+        f"{name}: damaged {DESCRIPTIONS.get(kind, kind)} ({type(exc).__name__}: "
+        f"{_first_line(exc)}); it is probably truncated or overwritten: re-save or re-download it"
     )
 
 
@@ -85,7 +88,9 @@ def _rewound(source: Source) -> Iterator[Source]:
 
 
 def _allowed_globals() -> set[str]:
-    # torch keeps its weights_only allowlist private; without it every global is listed.
+    # For legacy files only (zip files go through the public get_unsafe_globals_in_checkpoint):
+    # torch has no public getter for its built-in weights_only allowlist, so the private one
+    # is used (tests/test_safe_globals.py pins it); without it every global is listed.
     try:
         from torch import _weights_only_unpickler as wou
 
@@ -180,15 +185,9 @@ def _resolve_loaded(qualname: str) -> Any:
     """The object a global names, if its module is already imported (nothing is imported)."""
     parts = qualname.split(".")
     for cut in range(len(parts) - 1, 0, -1):
-        module = sys.modules.get(".".join(parts[:cut]))
-        if module is None:
-            continue
-        obj: Any = module
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                return None
-        return obj
+        module: Any = sys.modules.get(".".join(parts[:cut]))
+        if module is not None:
+            return functools.reduce(lambda obj, attr: getattr(obj, attr, None), parts[cut:], module)
     return None
 
 
@@ -306,28 +305,6 @@ def load_torch_file(
         ...                 weights_only=True, mmap=False)
         {'w': tensor([1.])}
     """
-    if isinstance(source, str) and source.endswith(".safetensors"):
-        # torch.load (2.13+) picks its safetensors reader from this suffix, whatever the
-        # bytes say; a file object makes it read the bytes ddpstate detected.
-        if mmap:
-            raise CheckpointFormatError(
-                f"{name}: named .safetensors but holds a {_DESCRIBE.get(kind, kind)}; it cannot "
-                f"be memory-mapped under this name: load it with mmap=False, or rename it to .pt"
-            )
-        try:
-            opened = open(source, "rb")  # noqa: SIM115 - closed below
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
-        with opened:
-            return load_torch_file(
-                opened,
-                kind=kind,
-                name=name,
-                map_location=map_location,
-                weights_only=weights_only,
-                mmap=False,
-                safe_globals=safe_globals,
-            )
     allowed = loading_allowed(safe_globals) if weights_only else contextlib.nullcontext()
     try:
         with allowed, _rewound(source) as src:
@@ -523,7 +500,6 @@ def load_dcp(
     Raises:
         UnsafeCheckpointError: Something in the folder needs arbitrary unpickling.
         CheckpointCorruptError: The folder's files are damaged or missing.
-        CheckpointFormatError: This torch cannot read DCP folders without a process group.
 
     Example:
         >>> import tempfile, torch, warnings
@@ -536,17 +512,11 @@ def load_dcp(
         >>> load_dcp(folder, name=folder, weights_only=True)
         {'w': tensor([1., 1.])}
     """
-    try:
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    except ImportError as exc:  # pragma: no cover - every torch >= 2.5 has them
-        raise CheckpointFormatError(
-            f"{name}: this torch ({torch.__version__}) cannot read a "
-            f"torch.distributed.checkpoint folder without a process group; convert it with "
-            f"torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
-        ) from exc
-    from ddpstate import storage
+    # Imported here: torch.distributed.checkpoint is large, and only DCP reads need it.
+    # Its private planner and loader read a folder without a process group (no public way).
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     if weights_only:
         with storage.open_read(
@@ -572,15 +542,29 @@ def load_dcp(
             super().load_bytes(read_item, value)
 
     if remote:
-        try:  # the public name, where torch exports one
-            from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined,unused-ignore]
-        except ImportError:  # torch 2.13 has none: its private module, deprecated later
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        reader: Any = FsspecReader(path, **(storage_options or {}))
+        reader: Any = fsspec_reader(path, storage_options)
     else:
         reader = FileSystemReader(path)
     state: dict[str, Any] = {}
     with dcp_read_errors(name):
         _load_state_dict(state, storage_reader=reader, planner=_Planner(), no_dist=True)  # type: ignore[no-untyped-call]
     return state
+
+
+def fsspec_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
+    """torch's ``FsspecReader`` for a DCP folder at an fsspec URL.
+
+    Args:
+        path: The folder's URL.
+        storage_options: fsspec options.
+
+    Returns:
+        A ``torch.distributed.checkpoint`` storage reader.
+    """
+    try:  # the public module (newer torch deprecates the private one)
+        from torch.distributed.checkpoint.fsspec_filesystem import (  # type: ignore[import-not-found,unused-ignore]
+            FsspecReader,
+        )
+    except ImportError:  # torch 2.13 has only its private module
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    return FsspecReader(path, **(storage_options or {}))

@@ -41,6 +41,17 @@ DTYPES: dict[str, tuple[str, int]] = {
     "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
     "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
 }  # fmt: skip
+# The safetensors library lays data out by its Dtype enum's order, last first, then by
+# name. No public name gives that order, so it is kept here; tests/test_safetensors_lib.py
+# checks it against the installed library.
+_LIBRARY_ORDER = {
+    code: rank
+    for rank, code in enumerate(
+        ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16",
+         "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"),
+        1,
+    )
+}  # fmt: skip
 #: torch dtype name -> safetensors dtype code.
 CODES: dict[str, str] = {name: code for code, (name, _) in DTYPES.items()}
 
@@ -249,16 +260,12 @@ class View(NamedTuple):
     stop: int
 
 
-def find_aliases(
-    views: Iterable[Optional[View]], *, overlapping: Optional[set[str]] = None
-) -> tuple[dict[str, str], list[str]]:
+def find_aliases(views: Iterable[Optional[View]]) -> tuple[dict[str, str], list[str]]:
     """Tell tied tensors (identical views: written once) from other overlaps (written twice).
 
     Args:
         views: One :class:`View` per tensor in state-dict order; None for an
             empty tensor (nothing to tie).
-        overlapping: When given, the later key of each overlapping pair is
-            added to it (a writer that refuses shared memory copies those).
 
     Returns:
         ``({alias: canonical}, ["'b' overlaps 'a'", ...])``.
@@ -288,8 +295,6 @@ def find_aliases(
         for start, stop, key in entries[1:]:
             if start < reach:
                 overlaps.append(f"{key!r} overlaps {reacher!r}")
-                if overlapping is not None:
-                    overlapping.add(key)
             if stop > reach:
                 reach, reacher = stop, key
     return aliases, overlaps
@@ -315,9 +320,9 @@ def build_header(
 ) -> tuple[bytes, list[str], int]:
     """Lay out a safetensors file: the header bytes and the order of the data.
 
-    Data is ordered by decreasing element size, as the reference writer does,
-    so every tensor starts aligned; header keys keep the given order; the
-    header is padded with spaces to a multiple of 8 bytes.
+    Data is ordered as the reference writer orders it (its dtype order, larger
+    elements first, then by key), so every tensor starts aligned; header keys
+    keep the given order; the header is padded with spaces to a multiple of 8 bytes.
 
     Args:
         tensors: ``(key, dtype code, shape, nbytes)`` of each tensor written
@@ -336,7 +341,7 @@ def build_header(
     meta = dict(metadata)
     if aliases:
         meta[ALIASES_KEY] = json.dumps(dict(aliases), separators=(",", ":"))
-    order = sorted(tensors, key=lambda t: -DTYPES[t[1]][1])
+    order = sorted(tensors, key=lambda t: (-_LIBRARY_ORDER[t[1]], t[0]))
     offsets: dict[str, tuple[int, int]] = {}
     cursor = 0
     for key, _, _, nbytes in order:

@@ -10,7 +10,7 @@ agree on a step. Rank 0 decides each node's verdict from them exactly as one
 process checking the folder would (same problems, in the same order, same
 warning text) and answers every rank at once: the steps the nodes hold, or
 which nodes check again. No other rank reads another's findings, so a rank
-costs five store operations a round and reads an answer the size of the node
+costs three store operations a round and reads an answer the size of the node
 count, however many ranks the job has.
 
 Rounds: one when every node's newest step is sound and ``LOCAL_WORLD_SIZE``
@@ -187,7 +187,7 @@ class _Agreement:
     once with what is small: the steps each node holds (when all are known),
     the nodes that check again (with the step and their ranks), and each
     failed node's problems for its ranks to warn with. No rank reads another
-    rank's findings but rank 0 (five store operations each).
+    rank's findings but rank 0 (three store operations each).
     """
 
     def __init__(self) -> None:

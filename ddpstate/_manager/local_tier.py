@@ -417,7 +417,7 @@ class LocalTier:
                     raw_manifest = f.read()
             except OSError as exc:
                 raw_manifest = _checksum.error_text(exc)
-        raw_manifest = broadcast_object(raw_manifest, src=src, timeout=self.timeout)
+        raw_manifest = broadcast_object(raw_manifest, src_rank=src, timeout=self.timeout)
         if not isinstance(raw_manifest, bytes):  # the sender lost its copy: every rank gives up
             return f"rank {src} could not read its local step {step}: {raw_manifest}"
         files: dict[str, Any] = json.loads(raw_manifest.decode())["files"]

@@ -412,7 +412,7 @@ def restore(
             _verify_split.follow(writer.storage_options, timeout)
         if found is None:
             share_outcome(choose_error, name="CheckpointManager.restore", timeout=timeout)
-            choice = broadcast_object(choice, src=0, timeout=timeout)
+            choice = broadcast_object(choice, src_rank=0, timeout=timeout)
             if choice is None and split and not _fs.is_remote(writer.directory):
                 _check_none_elsewhere(writer, timeout)
         if choice is None:

@@ -93,7 +93,7 @@ def verify(
     check = _manifest.FolderCheck(manifest, _manifest.manifest_problems(manifest, step), [])
     listing = _manifest.FolderCheck(manifest, [], [])
     _manifest.check_listing(folder, manifest["files"], listing, opts)
-    broadcast_object((folder, manifest), src=0, timeout=timeout)
+    broadcast_object((folder, manifest), src_rank=0, timeout=timeout)
     shares: list[list[_checksum.Finding]] = []
     seen: list[Optional[int]] = []
 
@@ -115,7 +115,7 @@ def verify(
 def follow(opts: Optional[dict[str, Any]], timeout: Timeout) -> None:
     """Ranks other than 0: check a share of each step rank 0 proposes, until it is done."""
     while True:
-        proposal = broadcast_object(None, src=0, timeout=timeout)
+        proposal = broadcast_object(None, src_rank=0, timeout=timeout)
         if proposal is None:
             return
         folder, manifest = proposal
@@ -125,4 +125,4 @@ def follow(opts: Optional[dict[str, Any]], timeout: Timeout) -> None:
 
 def finish(timeout: Timeout) -> None:
     """Rank 0: tell the followers no more steps are proposed (also after a failure)."""
-    broadcast_object(None, src=0, timeout=timeout)
+    broadcast_object(None, src_rank=0, timeout=timeout)

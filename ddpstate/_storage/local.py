@@ -220,8 +220,8 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
                 # Keep a restrictive mode the user gave the previous checkpoint.
                 os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
         fileobj = os.fdopen(fd, "wb", buffering=_WRITE_BUFFER)
-        # Named like a file opened by path (no second open), so that writers that
-        # take a path (safetensors' save_file) can write the temp file.
+        # Named like a file opened by path (no second open): write_by_name and
+        # messages find the temp file by it.
         setattr(getattr(fileobj, "raw", fileobj), "name", temp)  # noqa: B010
     except BaseException as exc:
         cleanup_after(exc, temp, lambda: os.close(fd), lambda: _unlink_missing_ok(temp))
@@ -268,26 +268,22 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
 def write_by_name(fileobj: IO[bytes]) -> Iterator[str]:
     """A path for a library that writes files by name, committed through ``fileobj``.
 
-    Some writers (``safetensors.torch.save_file``) take a path, write a temp
-    file of their own next to it and rename it there, without an fsync. This
-    yields a path inside a hidden, locked folder named like ddpstate's temp
-    files (so a writer killed mid-write leaves nothing that is listed as a
-    checkpoint, and the next save of the target deletes it); afterwards the
-    file written there replaces the temp file of ``fileobj`` and ``fileobj``
-    is re-bound to it (descriptor, lock and mode), so the fsync and rename
-    that :func:`atomic_write` does next commit what the library wrote.
+    Some writers take a path, not a file object, and write a temp file of their
+    own there. This yields a path inside a hidden, locked folder named like
+    ddpstate's temp files (so a writer killed mid-write leaves nothing that is
+    listed as a checkpoint, and the next save of the target deletes it);
+    afterwards what was written there is copied into ``fileobj``, so the fsync
+    and rename that :func:`atomic_write` does next commit it.
 
     Args:
-        fileobj: The file object from :func:`atomic_write` for a local path,
-            with nothing written through it.
+        fileobj: The file object from :func:`atomic_write` for a local path.
 
     Returns:
         A context manager yielding the path to write.
 
     Raises:
-        CheckpointWriteError: The staging folder cannot be made, or what was
-            written there vanished (e.g. another save took it for a dead
-            writer's); the target is untouched.
+        CheckpointWriteError: The staging folder cannot be made, or nothing
+            was written at the path; the target is untouched.
 
     Example:
         >>> import os, tempfile
@@ -307,45 +303,12 @@ def write_by_name(fileobj: IO[bytes]) -> Iterator[str]:
         written = os.path.join(stage, base)
         yield written
         try:
-            os.replace(written, temp)
-        except OSError as exc:
+            with open(written, "rb") as src:
+                shutil.copyfileobj(src, fileobj, _WRITE_BUFFER)
+        except FileNotFoundError as exc:
             raise CheckpointWriteError(
-                f"the file written at {written} cannot replace {temp} ({type(exc).__name__}: "
-                f"{exc}); nothing was replaced; save again"
+                f"nothing was written at {written} ({exc}); nothing was replaced; save again"
             ) from exc
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         os.close(fd)
-    _adopt_renamed_file(fileobj)
-
-
-def _adopt_renamed_file(fileobj: IO[bytes]) -> None:
-    """Point an :func:`atomic_write` file object at the file now at its temp path."""
-    name = str(fileobj.name)
-    held = os.fstat(fileobj.fileno())
-    try:
-        # Read-only is enough for fsync, flock and fchmod, and nothing is written after.
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    except OSError as exc:
-        raise CheckpointWriteError(
-            f"the file written at {name} is gone ({type(exc).__name__}: {exc}); nothing was "
-            f"replaced; save again"
-        ) from exc
-    try:
-        now = os.fstat(fd)
-        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
-            return
-        # The same lock as the temp file had, so later saves never take it for stale.
-        _flock(fd, wait=True)
-        if not os.fstat(fd).st_nlink:
-            raise CheckpointWriteError(
-                f"the file written at {name} was deleted by another save before it was "
-                f"committed; nothing was replaced; save again"
-            )
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, stat.S_IMODE(held.st_mode))  # the mode atomic_write chose, not 0600
-        fileobj.flush()
-        os.dup2(fd, fileobj.fileno(), inheritable=False)
-    finally:
-        os.close(fd)
-    fileobj.seek(0, os.SEEK_END)

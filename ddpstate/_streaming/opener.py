@@ -1,7 +1,7 @@
 """Opening whatever a streaming command is given: one checkpoint file, or a sharded folder.
 
 The single-file reader (:mod:`ddpstate._streaming.reader`) sits below the
-Hugging Face sharded reader (:mod:`ddpstate._hf.read`), which merges one
+Hugging Face sharded reader (:mod:`ddpstate._streaming.hf_read`), which merges one
 :class:`~ddpstate._streaming.reader.Checkpoint` per shard; this module sits
 above both and picks one, so neither has to import the other back.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ddpstate import formats, storage
-from ddpstate._hf.index import is_index_name
-from ddpstate._hf.read import open_sharded
+from ddpstate._layout.hf_index import is_index_name
+from ddpstate._streaming.hf_read import open_sharded
 from ddpstate._streaming.reader import Checkpoint, read_file
 from ddpstate.errors import CheckpointFormatError
 

@@ -4,7 +4,8 @@ The layout (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
 next to ``model-00001-of-00003.safetensors``...) is ``{"metadata": {"total_size":
 N}, "weight_map": {key: shard file name}}``. This module knows the index alone, so
 format detection (:mod:`ddpstate.formats`) and the writers can use it without the
-shard readers; it imports nothing of ddpstate but ``_fs``, ``storage`` and ``errors``.
+shard readers; it imports nothing of ddpstate but ``_fs``, ``storage`` and ``errors``
+(both below the layouts).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from ddpstate import _fs
+from ddpstate import _fs, storage
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
 
 #: How the index files of the layout end (transformers writes these two).
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
-#: The index name ``transformers`` and :mod:`ddpstate._hf.write` give safetensors shards.
+#: The index name ``transformers`` and :mod:`ddpstate._streaming.hf_write` give safetensors shards.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # An index is a few MB at most even for 100,000 keys; a larger one is not an index.
 _MAX_INDEX_BYTES = 256 << 20
@@ -48,13 +49,14 @@ class ShardIndex:
 
     def shard_path(self, shard: str) -> str:
         """The full path or URL of one shard."""
-        return _join(self.folder, shard)
+        return storage.join(self.folder, shard)
 
-
-def _join(folder: str, name: str) -> str:
-    from ddpstate import storage
-
-    return storage.join(folder, name)
+    def missing(self, shard: str) -> CheckpointNotFoundError:
+        """The error for a shard the index names that is not there."""
+        return CheckpointNotFoundError(
+            f"{self.shard_path(shard)}: shard named by {self.path} is missing; download every "
+            f"shard the index lists ({len(self.shards)} in all)"
+        )
 
 
 def folder_of(index: str) -> str:
@@ -84,8 +86,6 @@ def find_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> O
         CheckpointFormatError: The folder holds more than one index, so which
             checkpoint is meant is unclear.
     """
-    from ddpstate import storage
-
     if not storage.isdir(path, storage_options=storage_options):
         return path if is_index_name(path) else None
     try:
@@ -98,9 +98,22 @@ def find_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> O
         raise CheckpointFormatError(
             f"{path}: holds {len(names)} sharded-checkpoint indexes ({', '.join(names)}), so "
             f"which checkpoint to read is unclear; pass the index file itself, e.g. "
-            f"{_join(path, names[0])}"
+            f"{storage.join(path, names[0])}"
         )
-    return _join(path, names[0]) if names else None
+    return storage.join(path, names[0]) if names else None
+
+
+def open_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> ShardIndex:
+    """Find and read the index of the sharded checkpoint at ``path`` (the index or its folder).
+
+    Raises:
+        CheckpointFormatError: ``path`` holds no index, or more than one.
+        CheckpointNotFoundError, CheckpointCorruptError: As for :func:`read_index`.
+    """
+    index_path = find_index(path, storage_options)
+    if index_path is None:
+        raise CheckpointFormatError(f"{path}: no *.safetensors.index.json or *.bin.index.json")
+    return read_index(index_path, storage_options)
 
 
 def _bad_index(path: str, detail: str) -> CheckpointCorruptError:
@@ -135,8 +148,6 @@ def read_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> S
         CheckpointCorruptError: Not JSON, or not shaped like an index (the
             message says what is wrong).
     """
-    from ddpstate import storage
-
     try:
         with storage.open_read(path, storage_options=storage_options) as f:
             raw = f.read(_MAX_INDEX_BYTES + 1)

@@ -17,20 +17,11 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Any, Optional, Union
+from typing import IO, Union
 
-from ddpstate import _fs
-from ddpstate._hf.index import SAFETENSORS_INDEX, find_index, read_index
-from ddpstate._keys.wrappers import is_tensor
-from ddpstate.errors import (
-    CheckpointExistsError,
-    CheckpointFormatError,
-    DDPStateError,
-    InvalidArgumentError,
-)
-
-if TYPE_CHECKING:
-    import torch
+from ddpstate import _fs, storage
+from ddpstate._layout.hf_index import SAFETENSORS_INDEX, find_index, read_index
+from ddpstate.errors import CheckpointExistsError, DDPStateError, InvalidArgumentError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
 # "GB" is 10**9 bytes and "GiB" 2**30, as transformers' max_shard_size reads them.
@@ -155,8 +146,6 @@ def staged_folder(target: str, *, overwrite: bool) -> Iterator[str]:
         InvalidArgumentError: ``target`` is a URL (the layout is written locally).
         CheckpointExistsError: ``target`` holds something else (see ``overwrite``).
     """
-    from ddpstate import storage
-
     if _fs.is_remote(target):
         raise InvalidArgumentError(
             f"{target}: sharded checkpoints are written to local folders; write locally and "
@@ -177,8 +166,6 @@ def staged_folder(target: str, *, overwrite: bool) -> Iterator[str]:
 
 def write_index(folder: str, weight_map: Mapping[str, str], total_size: int) -> None:
     """Write ``model.safetensors.index.json`` (fsynced) into ``folder``."""
-    from ddpstate import storage
-
     text = json.dumps(
         {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}, indent=2
     )
@@ -210,8 +197,6 @@ def write_sharded(
     Returns:
         The weight map written (key -> shard file name).
     """
-    from ddpstate import storage
-
     weight_map: dict[str, str] = {}
     total = 0
     with staged_folder(target, overwrite=overwrite) as staging:
@@ -224,83 +209,3 @@ def write_sharded(
         weight_map = {k: weight_map[k] for k in order}
         write_index(staging, weight_map, total)
     return weight_map
-
-
-def save_sharded(
-    state: Any,
-    target: str,
-    max_shard_size: Union[int, str],
-    metadata: Optional[Mapping[str, str]] = None,
-) -> dict[str, str]:
-    """Save a state dict of torch tensors in the layout (what ``save(max_shard_size=)`` does).
-
-    Tied entries (the same tensor under two keys) share a shard and are
-    stored once there, as :func:`ddpstate._io.safetensors_io.write_safetensors` records them.
-
-    Args:
-        state: Names to tensors.
-        target: The folder.
-        max_shard_size: See :func:`parse_size`.
-        metadata: str -> str entries for every shard's header.
-
-    Returns:
-        The weight map written.
-
-    Raises:
-        CheckpointFormatError: ``state`` is not a flat map of names to tensors.
-        CheckpointExistsError: ``target`` holds other files.
-    """
-    from ddpstate._io.safetensors_io import write_safetensors
-
-    if not isinstance(state, Mapping) or not all(
-        isinstance(k, str) and is_tensor(v) for k, v in state.items()
-    ):
-        raise CheckpointFormatError(
-            f"{target}: max_shard_size writes safetensors shards, which hold a flat map of "
-            f"names to tensors only; save a state dict (or use save_model_state)"
-        )
-    limit = parse_size(max_shard_size)
-    keys = [str(k) for k in state]
-    nbytes: dict[str, int] = {}
-    owner: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for key, tensor in state.items():
-        identity = _identity(tensor)
-        if identity is not None and identity in seen:
-            owner[key] = seen[identity]
-            continue
-        if identity is not None:
-            seen[identity] = key
-        nbytes[key] = _nbytes(tensor)
-    shards = plan_shards(keys, nbytes, owner, limit)
-
-    def write_shard(f: IO[bytes], shard_keys: list[str], name: str) -> int:
-        part = {k: state[k] for k in shard_keys}
-        entries = dict(metadata or {})
-        entries.setdefault("format", "pt")
-        write_safetensors(f, part, entries, name=os.path.join(target, name))
-        return sum(nbytes[k] for k in shard_keys if k in nbytes)
-
-    return write_sharded(target, shards, write_shard, order=keys, overwrite=True)
-
-
-def _identity(tensor: Any) -> Optional[tuple[Any, ...]]:
-    import torch
-
-    if not isinstance(tensor, torch.Tensor) or not tensor.numel():
-        return None
-    return (
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.dtype,
-    )
-
-
-def _nbytes(tensor: torch.Tensor | Any) -> int:
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
-        return 0
-    return int(tensor.numel() * tensor.element_size())

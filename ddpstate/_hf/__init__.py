@@ -1,1 +1,0 @@
-"""Hugging Face sharded checkpoints (an index JSON plus shard files): reading and writing."""
