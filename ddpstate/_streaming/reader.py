@@ -37,7 +37,7 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
     scan_pickle,
 )
-from ddpstate._streaming.stream import ReadWindow, Source
+from ddpstate._streaming.stream import Source
 from ddpstate._streaming.torch_tables import TORCH_VERSION
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -327,17 +327,34 @@ def _zip_records(
     return records, problems, prefix
 
 
+# Local headers closer together than this are read in one piece.
+_HEADER_GAP = 1 << 20
+
+
 def _local_headers(source: Source, entries: list[CentralEntry]) -> list[bytes]:
-    """Each entry's local header and name, read in file order through one read-ahead window.
+    """Each entry's local header and name; neighbours within 1 MiB read in one piece.
 
     A checkpoint with 100,000 small tensors has 100,000 local headers a few KiB
-    apart: one read per MiB instead of one per header.
+    apart: one read per MiB instead of one per header (and, unlike a read-ahead
+    window, nothing read across the data of large records). A header the piece
+    does not hold whole (a truncated file) is read on its own, failing as before.
     """
-    window = ReadWindow(source)
+    spans = sorted(
+        (e.header_offset, LOCAL.size + len(e.raw_name), i) for i, e in enumerate(entries)
+    )
     headers = [b""] * len(entries)
-    for i in sorted(range(len(entries)), key=lambda i: entries[i].header_offset):
-        entry = entries[i]
-        headers[i] = window.read(entry.header_offset, LOCAL.size + len(entry.raw_name))
+    start = 0
+    while start < len(spans):
+        first, stop = spans[start][0], start
+        while stop < len(spans) and spans[stop][0] - first <= _HEADER_GAP:
+            stop += 1
+        end = max(offset + length for offset, length, _ in spans[start:stop])
+        piece = source.read_upto(first, end - first) if first >= 0 else b""
+        for offset, length, i in spans[start:stop]:
+            header = piece[offset - first : offset - first + length]
+            whole = first >= 0 and len(header) == length
+            headers[i] = header if whole else source.read_at(offset, length)
+        start = stop
     return headers
 
 

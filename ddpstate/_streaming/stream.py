@@ -17,8 +17,8 @@ from ddpstate.errors import CheckpointCorruptError
 _CHUNK = 4 << 20
 # copy_file_range in slices this size, so the progress bar moves.
 _KERNEL_SLICE = 16 << 20
-# Copies up to this size go through user space (see Sink.copy_from), and reads up to
-# this size are gathered with their neighbours (see ReadWindow).
+# Copies up to this size go through user space (see Sink.copy_from), and records up
+# to this size are gathered with their neighbours (see ReadWindow).
 _SMALL = 64 << 10
 # The read-ahead block of a ReadWindow.
 _BLOCK = 1 << 20
@@ -160,8 +160,7 @@ class ReadWindow:
             # Never past the end of the file holding offset (a shard of a sharded source).
             ahead = min(_BLOCK, self._source.segment_end(offset) - offset)
             # read_at raises on a source that ends before ``end``.
-            # A negative offset (damage) fails on the bytes asked for, not the block.
-            self._data = self._source.read_at(offset, max(length, ahead) if offset >= 0 else length)
+            self._data = self._source.read_at(offset, max(length, ahead))
             self._start = offset
         return self._data[offset - self._start : end - self._start]
 
