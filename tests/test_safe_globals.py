@@ -1,8 +1,9 @@
 """The scanner's tables are torch's own, name for name; a newer torch's types are named as such.
 
 ``ddpstate inspect``/``convert``/``verify`` never import torch, so the scanner
-reads tables generated from torch (:mod:`ddpstate._streaming.torch_tables`,
-written by ``python -m ddpstate._streaming.gen_tables``): the globals
+reads tables generated from torch (``torch_tables.json``, read by
+:mod:`ddpstate._streaming.torch_tables`, written by
+``python -m ddpstate._streaming.gen_tables``): the globals
 ``torch.load(weights_only=True)`` accepts by default, each dtype's element size
 and each storage class's dtype. A copy drifts when torch changes; these tests
 read the installed torch and name every difference, so the two only ever
@@ -62,9 +63,9 @@ def test_storage_classes_match_torchs() -> None:
 
 
 def test_checked_in_tables_are_what_the_installed_torch_generates() -> None:
-    checked_in = Path(torch_tables.__file__).read_text()
+    checked_in = Path(torch_tables.PATH).read_text()
     assert checked_in == gen_tables.render(), (
-        f"ddpstate/_streaming/torch_tables.py is not what torch {torch.__version__} gives: "
+        f"ddpstate/_streaming/torch_tables.json is not what torch {torch.__version__} gives: "
         f"run `python -m ddpstate._streaming.gen_tables` and review the diff"
     )
 

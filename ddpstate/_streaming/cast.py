@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddpstate._streaming.pickle_scan import StorageRecord, TensorRecord
-from ddpstate._streaming.reader import contiguous_strides, storage_type_for
+from ddpstate._streaming.reader import contiguous_tensor
 from ddpstate.errors import CheckpointFormatError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -23,15 +23,9 @@ if TYPE_CHECKING:
 
     from ddpstate._streaming.stream import Sink
 
-#: ``convert --dtype`` names, and the dtype each stands for (torch's own names work too).
-DTYPE_NAMES: dict[str, str] = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "float16": "float16",
-    "float32": "float32",
-}
+# ``convert --dtype``'s short names, and the dtype each stands for (torch's own names
+# work too).
+_SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # The dtypes that count as floating; what torch.is_floating_point says of them.
 _FLOATING = frozenset(
     {
@@ -47,8 +41,8 @@ def target_dtype(name: str) -> str:
     Raises:
         InvalidArgumentError: An unknown name (also a ``ValueError``).
     """
-    found = DTYPE_NAMES.get(str(name).lower())
-    if found is None:
+    found = _SHORT_NAMES.get(str(name).lower(), str(name).lower())
+    if found not in _SHORT_NAMES.values():
         raise InvalidArgumentError(
             f"dtype must be one of bf16, fp16, fp32 (or bfloat16, float16, float32), got {name!r}"
         )
@@ -80,7 +74,6 @@ class Casts:
         self.replace: dict[int, TensorRecord] = {}
         self._origin: dict[int, TensorRecord] = {}
         shared: dict[tuple[Any, ...], StorageRecord] = {}
-        type_name, storage_dtype = storage_type_for(dtype)
         for rec in tensors:
             if not isinstance(rec, TensorRecord) or id(rec) in self.replace:
                 continue
@@ -92,15 +85,10 @@ class Casts:
                     f"in torch before casting"
                 )
             identity = (id(rec.storage), rec.offset, rec.shape, rec.stride, rec.dtype)
+            fresh = contiguous_tensor(f"cast-{len(self._origin)}", dtype, rec.shape)
             storage = shared.get(identity) if rec.numel else None
             if storage is None:
-                storage = StorageRecord(
-                    key=f"cast-{len(self._origin)}",
-                    type_name=type_name,
-                    dtype=storage_dtype,
-                    location="cpu",
-                    numel=rec.numel,
-                )
+                storage = fresh.storage
                 self._origin[id(storage)] = rec
                 if rec.numel:
                     shared[identity] = storage
@@ -108,9 +96,9 @@ class Casts:
                 rec,
                 storage=storage,
                 offset=0,
-                stride=contiguous_strides(rec.shape),
+                stride=fresh.stride,
                 dtype=dtype,
-                rebuild="v2" if type_name != "UntypedStorage" else "v3",
+                rebuild=fresh.rebuild,
             )
 
     @property

@@ -1,25 +1,19 @@
-"""Writes `torch_tables.py` from the installed torch: `python -m ddpstate._streaming.gen_tables`.
+"""Writes `torch_tables.json` from the installed torch: `python -m ddpstate._streaming.gen_tables`.
 
 The streaming scanner must not import torch (``ddpstate inspect``/``convert``
-run in the memory and time of a copy), so it reads checked-in tables; this
-script is where they come from, and ``tests/test_safe_globals.py`` fails as
-soon as the installed torch would write different ones.
+run in the memory and time of a copy), so it reads checked-in tables
+(:mod:`ddpstate._streaming.torch_tables`); this script is where they come from,
+and ``tests/test_safe_globals.py`` fails as soon as the installed torch would
+write different ones.
 """
 
 from __future__ import annotations
 
 import json
-import pathlib
 import warnings
 from typing import Any
 
-_HEADER = '''"""torch's own tables, for the torch-free scanner. GENERATED: do not edit.
-
-Regenerate with ``python -m ddpstate._streaming.gen_tables`` after a torch
-upgrade; ``tests/test_safe_globals.py`` fails while they differ from the
-installed torch's.
-"""
-'''
+from ddpstate._streaming import torch_tables
 
 
 def tables() -> dict[str, Any]:
@@ -66,40 +60,23 @@ def tables() -> dict[str, Any]:
 
 
 def render() -> str:
-    """The text of ``torch_tables.py`` for the installed torch.
+    """The text of ``torch_tables.json`` for the installed torch.
 
     Returns:
-        Python source, formatted as ``ruff format`` leaves it (strings quoted by
-        ``json.dumps``: the names are plain ASCII, so JSON and Python agree).
+        The tables as JSON, one item a line (a torch upgrade reads as a short diff).
 
     Example:
         >>> "SAFE_GLOBALS" in render()
         True
     """
-    lines = [_HEADER]
-    for name, value in tables().items():
-        if isinstance(value, str):
-            lines.append(f"{name} = {json.dumps(value)}")
-            continue
-        kind = "dict[str, int]" if name == "DTYPE_ITEMSIZE" else "dict[str, str]"
-        if isinstance(value, list):
-            lines.append(f"{name}: frozenset[str] = frozenset(")
-            lines.append("    {")
-            lines += [f"        {json.dumps(item)}," for item in value]
-            lines.append("    }")
-            lines.append(")")
-            continue
-        lines.append(f"{name}: {kind} = {{")
-        lines += [f"    {json.dumps(key)}: {json.dumps(item)}," for key, item in value.items()]
-        lines.append("}")
-    return "\n".join(lines) + "\n"
+    return json.dumps(tables(), indent=1) + "\n"
 
 
 def main() -> None:
-    """Write ``torch_tables.py`` next to this module."""
-    target = pathlib.Path(__file__).with_name("torch_tables.py")
-    target.write_text(render())
-    print(f"wrote {target}")
+    """Write ``torch_tables.json`` next to this module."""
+    with open(torch_tables.PATH, "w", encoding="utf-8") as file:
+        file.write(render())
+    print(f"wrote {torch_tables.PATH}")
 
 
 if __name__ == "__main__":

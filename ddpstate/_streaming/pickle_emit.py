@@ -70,19 +70,19 @@ _SINGLETON_TYPES: dict[type, Any] = {
 }
 
 
-def _put(index: int) -> bytes:
+def put_op(index: int) -> bytes:
     if index < 256:
         return _PUTS[index]
     return pickle.LONG_BINPUT + _U32.pack(index)
 
 
-def _get(index: int) -> bytes:
+def get_op(index: int) -> bytes:
     if index < 256:
         return _GETS[index]
     return pickle.LONG_BINGET + _U32.pack(index)
 
 
-def _int_op(value: int) -> bytes:
+def int_op(value: int) -> bytes:
     """The opcode writing ``value``: BININT1/BININT2/BININT, else LONG1/LONG4."""
     if 0 <= value <= 0xFF:
         return _SMALL_INTS[value]
@@ -180,20 +180,19 @@ class _Emitter:
         # Slot of each placeholder global written, by qualname.
         self.global_slots: dict[str, int] = {}
         # Exact types with a writer of their own; anything else takes _save_other.
-        self._writers: dict[type, Callable[[Any], None]] = {
-            int: self._save_int,
-            float: self._save_float,
-            bool: self._save_bool,
-            type(None): self._save_none,
+        write = self.write
+        self._writers: dict[type, Callable[[Any], object]] = {
+            int: lambda obj: write(_SMALL_INTS[obj] if 0 <= obj <= 0xFF else int_op(obj)),
+            float: lambda obj: write(pickle.BINFLOAT + _F64.pack(obj)),
+            bool: lambda obj: write(pickle.NEWTRUE if obj else pickle.NEWFALSE),
+            type(None): lambda obj: write(pickle.NONE),
             str: self._save_str,
             tuple: self._save_tuple,
             list: self._save_list,
             dict: self._save_dict,
             TensorRecord: self._save_tensor,
             StorageRecord: self._save_storage,
-            GlobalRef: self._save_ref,
-            DtypeRef: self._save_ref,
-            StorageTypeRef: self._save_ref,
+            **dict.fromkeys((GlobalRef, DtypeRef, StorageTypeRef), self._save_ref),
         }
 
     def getvalue(self) -> bytes:
@@ -205,7 +204,7 @@ class _Emitter:
     def _memoize(self, obj: Any) -> None:
         index = self.next_slot
         self.next_slot = index + 1
-        self.write(_put(index))
+        self.write(put_op(index))
         self.memo[id(obj)] = (index, obj)
 
     def _fresh_slot(self) -> None:
@@ -216,13 +215,20 @@ class _Emitter:
         """
         index = self.next_slot
         self.next_slot = index + 1
-        self.write(_put(index))
+        self.write(put_op(index))
+
+    def _fetched(self, obj: Any) -> bool:
+        """Write a GET and return True when ``obj`` is in the memo already."""
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            self.write(get_op(hit[0]))
+        return hit is not None
 
     def _after_reduce(self, obj: Any) -> None:
         hit = self.memo.get(id(obj))
         if hit is not None:
             # Built again inside its own arguments: drop this copy, use the first.
-            self.write(pickle.POP + _get(hit[0]))
+            self.write(pickle.POP + get_op(hit[0]))
         else:
             self._memoize(obj)
 
@@ -237,47 +243,34 @@ class _Emitter:
             self._save_other(obj)
 
     def _save_other(self, obj: Any) -> None:
+        kind = type(obj)
         if isinstance(obj, GlobalRef):
             self._save_ref(obj)
-            return
-        if isinstance(obj, StandIn) or (isinstance(obj, type) and issubclass(obj, Opaque)):
+        elif isinstance(obj, StandIn) or (isinstance(obj, type) and issubclass(obj, Opaque)):
             self._save_ref(obj.ref)
-            return
-        if isinstance(obj, StorageRecord):
+        elif isinstance(obj, StorageRecord):
             self._save_storage(obj)
-            return
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(_get(hit[0]))
-            return
-        if isinstance(obj, TensorRecord):
+        elif self._fetched(obj):
+            pass  # in the memo already: a GET is written
+        elif isinstance(obj, TensorRecord):
             self._write_tensor(obj)
-            return
-        if isinstance(obj, Opaque):
+        elif isinstance(obj, Opaque):
             self._save_reduce(*_opaque_reduce(obj), obj=obj)
-            return
-        kind = type(obj)
-        if kind is bytes:
-            if obj:
-                self._save_reduce(codecs.encode, (str(obj, "latin1"), "latin1"), obj=obj)
-            else:
-                self._save_reduce(bytes, (), obj=obj)
-            return
-        if kind is bytearray:
+        elif kind is bytes:
+            args = (str(obj, "latin1"), "latin1") if obj else ()
+            self._save_reduce(codecs.encode if obj else bytes, args, obj=obj)
+        elif kind is bytearray:
             self._save_reduce(bytearray, (bytes(obj),) if obj else (), obj=obj)
-            return
-        if kind is set or kind is frozenset:
+        elif kind is set or kind is frozenset:
             self._save_reduce(kind, (list(obj),), obj=obj)
-            return
-        if kind is types.FunctionType:
+        elif kind is types.FunctionType:
             self._save_global(obj)
-            return
-        if kind is type:
+        elif kind is type:
             self._save_type(obj)
-            return
-        if kind is pickle.PickleBuffer:
+        elif kind is pickle.PickleBuffer:
             raise pickle.PicklingError("PickleBuffer can only be pickled with protocol >= 5")
-        self._save_reduced(obj, kind)
+        else:
+            self._save_reduced(obj, kind)
 
     def _save_reduced(self, obj: Any, kind: type) -> None:
         reducer = copyreg.dispatch_table.get(kind)
@@ -302,38 +295,20 @@ class _Emitter:
             raise pickle.PicklingError(f"the reduction of {kind.__name__} is not a 2 to 6-tuple")
         self._save_reduce(*rv, obj=obj)
 
-    # -- scalars and strings ------------------------------------------------
-
-    def _save_int(self, obj: int) -> None:
-        self.write(_SMALL_INTS[obj] if 0 <= obj <= 0xFF else _int_op(obj))
-
-    def _save_float(self, obj: float) -> None:
-        self.write(pickle.BINFLOAT + _F64.pack(obj))
-
-    def _save_bool(self, obj: bool) -> None:
-        self.write(pickle.NEWTRUE if obj else pickle.NEWFALSE)
-
-    def _save_none(self, obj: None) -> None:
-        self.write(pickle.NONE)
+    # -- strings and containers ---------------------------------------------
 
     def _save_str(self, obj: str) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(_get(hit[0]))
+        if self._fetched(obj):
             return
         encoded = obj.encode("utf-8", "surrogatepass")
         self.write(pickle.BINUNICODE + _U32.pack(len(encoded)) + encoded)
         self._memoize(obj)
 
-    # -- containers ---------------------------------------------------------
-
     def _save_tuple(self, obj: tuple[Any, ...]) -> None:
         if not obj:
             self.write(pickle.EMPTY_TUPLE)  # the one empty tuple; never memoized
             return
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(_get(hit[0]))
+        if self._fetched(obj):
             return
         size = len(obj)
         if size > 3:
@@ -346,65 +321,42 @@ class _Emitter:
             # The tuple holds itself (through a list or dict): its items were
             # written for nothing; drop them and use the copy already made.
             drop = pickle.POP_MARK if size > 3 else pickle.POP * size
-            self.write(drop + _get(hit[0]))
+            self.write(drop + get_op(hit[0]))
             return
         self.write(_SHORT_TUPLES[size] if size <= 3 else pickle.TUPLE)
         self._memoize(obj)
 
     def _save_list(self, obj: list[Any]) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(_get(hit[0]))
+        if self._fetched(obj):
             return
         self.write(pickle.EMPTY_LIST)
         self._memoize(obj)
-        self._append_items(obj)
+        self._batches(obj, self.save, pickle.APPEND, pickle.APPENDS)
 
     def _save_dict(self, obj: dict[Any, Any]) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(_get(hit[0]))
+        if self._fetched(obj):
             return
         self.write(pickle.EMPTY_DICT)
         self._memoize(obj)
-        self._set_items(obj.items())
+        self._batches(obj.items(), self._save_pair, pickle.SETITEM, pickle.SETITEMS)
 
-    def _append_items(self, items: Iterable[Any]) -> None:
-        # APPENDS in batches of 1,000; a batch of one is a single APPEND.
-        save = self.save
-        write = self.write
+    def _save_pair(self, pair: tuple[Any, Any]) -> None:
+        self.save(pair[0])
+        self.save(pair[1])
+
+    def _batches(
+        self, items: Iterable[Any], save: Callable[[Any], None], one: bytes, many: bytes
+    ) -> None:
+        # ``many`` after a MARK in batches of 1,000 items; a batch of one is ``one``.
         values = iter(items)
         while True:
             batch = list(itertools.islice(values, _BATCH))
-            if len(batch) == 1:
-                save(batch[0])
-                write(pickle.APPEND)
-            elif batch:
-                write(pickle.MARK)
-                for value in batch:
-                    save(value)
-                write(pickle.APPENDS)
-            if len(batch) < _BATCH:
-                return
-
-    def _set_items(self, items: Iterable[Any]) -> None:
-        # SETITEMS in batches of 1,000; a batch of one is a single SETITEM.
-        save = self.save
-        write = self.write
-        pairs = iter(items)
-        while True:
-            batch = list(itertools.islice(pairs, _BATCH))
-            if len(batch) == 1:
-                key, value = batch[0]
-                save(key)
+            if len(batch) > 1:
+                self.write(pickle.MARK)
+            for value in batch:
                 save(value)
-                write(pickle.SETITEM)
-            elif batch:
-                write(pickle.MARK)
-                for key, value in batch:
-                    save(key)
-                    save(value)
-                write(pickle.SETITEMS)
+            if batch:
+                self.write(one if len(batch) == 1 else many)
             if len(batch) < _BATCH:
                 return
 
@@ -413,7 +365,7 @@ class _Emitter:
     def _save_ref(self, ref: GlobalRef) -> None:
         index = self.global_slots.get(ref.qualname)
         if index is not None:
-            self.write(_get(index))
+            self.write(get_op(index))
             return
         if not (_NAME.match(ref.module) and _NAME.match(ref.name)):
             # A newline in a name would let it smuggle opcodes into the output.
@@ -425,9 +377,7 @@ class _Emitter:
         self.global_slots[ref.qualname] = self.next_slot - 1
 
     def _save_global(self, obj: Any) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(_get(hit[0]))
+        if self._fetched(obj):
             return
         found = _global_op(obj)
         if found is None:
@@ -485,9 +435,9 @@ class _Emitter:
         if obj is not None:
             self._after_reduce(obj)
         if listitems is not None:
-            self._append_items(listitems)
+            self._batches(listitems, self.save, pickle.APPEND, pickle.APPENDS)
         if dictitems is not None:
-            self._set_items(dictitems)
+            self._batches(dictitems, self._save_pair, pickle.SETITEM, pickle.SETITEMS)
         if state is not None:
             if state_setter is None:
                 save(state)
@@ -528,10 +478,7 @@ class _Emitter:
         self.write(pickle.BINPERSID)
 
     def _save_tensor(self, obj: TensorRecord) -> None:
-        hit = self.memo.get(id(obj))
-        if hit is not None:
-            self.write(_get(hit[0]))
-        else:
+        if not self._fetched(obj):
             self._write_tensor(obj)
 
     def _write_tensor(self, obj: TensorRecord) -> None:

@@ -7,7 +7,7 @@ import pickle
 import pickletools
 from typing import IO
 
-__all__ = ["check_memo_indexes"]
+__all__ = ["check_memo_indexes", "opcode_end"]
 
 # The opcodes the walk looks at, as the byte values it compares (data[pos] is an int).
 _STOP = pickle.STOP[0]
@@ -16,18 +16,30 @@ _LONG_BINPUT = pickle.LONG_BINPUT[0]
 _GLOBAL = pickle.GLOBAL[0]
 _INST = pickle.INST[0]
 
-_OPCODE_ARGS: dict[int, int] = {}
+# opcode byte -> pickletools' argument size code (n >= 0: fixed; < 0: variable).
+_OPCODE_ARGS = {ord(op.code): op.arg.n if op.arg is not None else 0 for op in pickletools.opcodes}
 # Memo slots allowed beyond a PUT's byte position: at most 16 MiB of memo table.
 _MEMO_SLACK = 1 << 20
 _LENGTH_WIDTH = {-2: 1, -3: 4, -4: 4, -5: 8}  # pickletools codes of length-prefixed args
 
 
-def _opcode_args() -> dict[int, int]:
-    # opcode byte -> pickletools' argument size code (n >= 0: fixed; < 0: variable).
-    if not _OPCODE_ARGS:
-        for op in pickletools.opcodes:
-            _OPCODE_ARGS[ord(op.code)] = op.arg.n if op.arg is not None else 0
-    return _OPCODE_ARGS
+def opcode_end(data: bytes, pos: int) -> int:
+    """Where the opcode at ``pos`` of a well-formed pickle ends, its argument included.
+
+    Example:
+        >>> opcode_end(pickle.dumps("ab", protocol=2), 2)
+        9
+    """
+    code = data[pos]
+    n = _OPCODE_ARGS[code]
+    if n >= 0:
+        return pos + 1 + n
+    if n == -1:  # up to a newline (two lines for GLOBAL and INST)
+        end = data.find(b"\n", pos + 1)
+        return (data.find(b"\n", end + 1) if code in (_GLOBAL, _INST) else end) + 1
+    width = _LENGTH_WIDTH[n]
+    length = int.from_bytes(data[pos + 1 : pos + 1 + width], "little", signed=n == -3)
+    return pos + 1 + width + length
 
 
 def _memo_error(name: str, at: int, index: int) -> pickle.UnpicklingError:
@@ -48,7 +60,7 @@ def _walk_memo(data: bytes, pos: int, available: int) -> tuple[bool, int]:
     more bytes than the ``available`` ones the file still holds (the unpickler would
     ask the file for all of them at once).
     """
-    args = _opcode_args()
+    args = _OPCODE_ARGS
     widths = _LENGTH_WIDTH
     size = len(data)
     limit = _MEMO_SLACK

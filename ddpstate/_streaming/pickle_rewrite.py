@@ -22,8 +22,10 @@ import collections
 import dataclasses
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from ddpstate._streaming.pickle_emit import dump_within, get_op, int_op, put_op
+from ddpstate._streaming.pickle_memo import opcode_end
 from ddpstate._streaming.pickle_scan import STORAGE_DTYPE
 
 _PROTO_2 = pickle.PROTO + b"\x02"
@@ -32,37 +34,25 @@ _PUT_1 = pickle.BINPUT[0]
 _PUT_4 = pickle.LONG_BINPUT[0]
 _GET_1 = pickle.BINGET[0]
 _GET_4 = pickle.LONG_BINGET[0]
-_STRING = pickle.BINUNICODE[0]
-_GLOBAL = pickle.GLOBAL[0]
-_REDUCE = pickle.REDUCE[0]
-_EMPTY_TUPLE = pickle.EMPTY_TUPLE[0]
-_EMPTY_DICT = pickle.EMPTY_DICT[0]
-_EMPTY_LIST = pickle.EMPTY_LIST[0]
 _INT_1 = pickle.BININT1[0]
 _INT_2 = pickle.BININT2[0]
-_INT_4 = pickle.BININT[0]
 _LONG_1 = pickle.LONG1[0]
-
-# Opcodes CPython's pickler writes at protocol 2 for dicts, lists, tuples, str,
-# int, float, bool, None, tensors and storages: (size of the fixed argument, change
-# in the number of stack items since the last MARK). Opcodes it writes for nothing
-# a state dict holds (text forms, bytes, POP/DUP of recursive tuples, NEWOBJ,
-# extensions) are left out: a pickle using them takes the re-emitting path. MARK,
-# the memo, strings, globals, LONG1 and the opcodes that pop to a MARK are handled
-# on their own.
-_SIMPLE: dict[int, tuple[int, int]] = {
-    pickle.EMPTY_TUPLE[0]: (0, 1), pickle.EMPTY_LIST[0]: (0, 1), pickle.EMPTY_DICT[0]: (0, 1),
-    pickle.NONE[0]: (0, 1), pickle.NEWTRUE[0]: (0, 1), pickle.NEWFALSE[0]: (0, 1),
-    pickle.TUPLE1[0]: (0, 0), pickle.TUPLE2[0]: (0, -1), pickle.TUPLE3[0]: (0, -2),
-    pickle.SETITEM[0]: (0, -2), pickle.APPEND[0]: (0, -1), pickle.REDUCE[0]: (0, -1),
-    pickle.BUILD[0]: (0, -1), pickle.BINPERSID[0]: (0, 0),
-    pickle.BININT1[0]: (1, 1), pickle.BININT2[0]: (2, 1), pickle.BININT[0]: (4, 1),
-    pickle.BINFLOAT[0]: (8, 1),
-}  # fmt: skip
-_MARK = pickle.MARK[0]
-_TUPLE = pickle.TUPLE[0]
+_FLOAT = pickle.BINFLOAT[0]
+_EMPTY_TUPLE = pickle.EMPTY_TUPLE[0]
 _SETITEMS = pickle.SETITEMS[0]
-_APPENDS = pickle.APPENDS[0]
+_REDUCE = pickle.REDUCE[0]
+# Opcodes CPython's pickler writes at protocol 2 for dicts, lists, tuples, str, int,
+# float, bool, None, tensors and storages, and no argument: the change in the number
+# of stack items since the last MARK. Opcodes it writes for nothing a state dict
+# holds (text forms, bytes, POP/DUP of recursive tuples, NEWOBJ, extensions) are left
+# out: a pickle using them takes the re-emitting path.
+_PUSHES: dict[int, int] = {
+    pickle.EMPTY_TUPLE[0]: 1, pickle.EMPTY_LIST[0]: 1, pickle.EMPTY_DICT[0]: 1,
+    pickle.NONE[0]: 1, pickle.NEWTRUE[0]: 1, pickle.NEWFALSE[0]: 1,
+    pickle.TUPLE1[0]: 0, pickle.TUPLE2[0]: -1, pickle.TUPLE3[0]: -2,
+    pickle.SETITEM[0]: -2, pickle.APPEND[0]: -1, pickle.REDUCE[0]: -1,
+    pickle.BUILD[0]: -1, pickle.BINPERSID[0]: 0,
+}  # fmt: skip
 # Opcodes whose result the pickler memoizes right away (a PUT must follow, and
 # only these are followed by one).
 _MEMOIZED = frozenset(
@@ -72,6 +62,8 @@ _MEMOIZED = frozenset(
         pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3,
     )
 )  # fmt: skip
+# Empty containers: a memo slot of one fetched again means a shared container.
+_CONTAINERS = frozenset((pickle.EMPTY_DICT[0], pickle.EMPTY_LIST[0]))
 
 # The globals ``pickle_emit`` writes back under the very name it read.
 _GLOBALS = frozenset(
@@ -112,6 +104,139 @@ class PickleLayout:
         return zip(self.positions, self.slots, strict=True)
 
 
+@dataclasses.dataclass(slots=True)
+class _Walk:
+    """What one :func:`walk` has seen so far, and a handler per family of opcodes with an argument.
+
+    Each handler reads the opcode at ``pos`` and returns where it ends, or -1 when
+    the pickle is not in torch.save's shape.
+    """
+
+    data: bytes
+    positions: array.array[int] = dataclasses.field(default_factory=lambda: array.array("q"))
+    slots: array.array[int] = dataclasses.field(default_factory=lambda: array.array("q"))
+    edits: list[tuple[int, int, bytes]] = dataclasses.field(default_factory=list)
+    shared: set[int] = dataclasses.field(default_factory=set)
+    # Memo slots of dicts, lists and OrderedDict()s.
+    containers: set[int] = dataclasses.field(default_factory=set)
+    short: set[bytes] = dataclasses.field(default_factory=set)  # strings of at most one char
+    globals: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+    # (position of the MARK, items before it) of each open MARK.
+    marks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    items: int = 0  # stack items since the last MARK
+    memo: int = 0  # the next memo slot
+    pending: bool = False  # the last opcode's result must be memoized now
+
+    def number(self, code: int, pos: int) -> int:
+        self.items += 1
+        if code == _INT_1:
+            return pos + 2
+        if code == _FLOAT:
+            return pos + 9
+        data = self.data
+        start = pos + 2 if code == _LONG_1 else pos + 1
+        end = start + (data[pos + 1] if code == _LONG_1 else 2 if code == _INT_2 else 4)
+        value = int.from_bytes(data[start:end], "little", signed=code != _INT_2)
+        # Only the shortest form, the one the pickler chooses, writes these bytes back.
+        return end if int_op(value) == data[pos:end] else -1
+
+    def fetch(self, code: int, pos: int) -> int:
+        data = self.data
+        if code == _GET_1:
+            index, end = (data[pos + 1] if pos + 1 < len(data) else self.memo), pos + 2
+        else:
+            index, end = int.from_bytes(data[pos + 1 : pos + 5], "little"), pos + 5
+            if index < 256:
+                return -1
+        if index >= self.memo:
+            return -1
+        self.shared.add(index)
+        self.items += 1
+        return end
+
+    def string(self, code: int, pos: int) -> int:
+        data = self.data
+        length = int.from_bytes(data[pos + 1 : pos + 5], "little")
+        end = pos + 5 + length
+        if end > len(data):
+            return -1
+        if length <= 2:
+            # The unpickler shares every string of at most one character, which the
+            # pickler then memoizes: each may be written once only.
+            text = data[pos + 5 : end]
+            try:
+                chars = len(text.decode("utf-8", "surrogatepass"))
+            except UnicodeDecodeError:
+                return -1  # damaged: the scan says so
+            if chars <= 1:
+                if text in self.short:
+                    return -1
+                self.short.add(text)
+        self.positions.append(pos)
+        self.slots.append(self.memo)
+        self.pending = True
+        self.items += 1
+        return end
+
+    def mark(self, code: int, pos: int) -> int:
+        self.marks.append((pos, self.items))
+        self.items = 0
+        return pos + 1
+
+    def batch(self, code: int, pos: int) -> int:
+        """SETITEMS or APPENDS: an empty batch dropped, a batch of one item made SETITEM/APPEND."""
+        if not self.marks:
+            return -1
+        mark, before = self.marks.pop()
+        single = 2 if code == _SETITEMS else 1
+        if self.items == 0:
+            self.edits += [(mark, 1, b""), (pos, 1, b"")]
+        elif self.items == single:
+            one = pickle.SETITEM if code == _SETITEMS else pickle.APPEND
+            self.edits += [(mark, 1, b""), (pos, 1, one)]
+        self.items = before
+        return pos + 1
+
+    def mark_tuple(self, code: int, pos: int) -> int:
+        if not self.marks or self.items <= 3:  # shorter ones have opcodes of their own
+            return -1
+        self.items = self.marks.pop()[1] + 1
+        self.pending = True
+        return pos + 1
+
+    def global_name(self, code: int, pos: int) -> int:
+        data = self.data
+        end = data.find(b"\n", data.find(b"\n", pos + 1) + 1)
+        if end < 0:
+            return -1
+        qualname = data[pos + 1 : end].replace(b"\n", b".").decode("utf-8", "replace")
+        if qualname not in _GLOBALS or any(name == qualname for _, name, _ in self.globals):
+            return -1
+        self.globals.append((pos, qualname, self.memo))
+        self.pending = True
+        self.items += 1
+        return end + 1
+
+    def layout(self) -> Optional[PickleLayout]:
+        """The layout, once STOP is reached; None if a MARK is open or a container shared."""
+        if self.marks or self.shared & self.containers:
+            return None
+        return PickleLayout(
+            self.positions, self.slots, frozenset(self.shared), self.edits, self.globals
+        )
+
+
+_HANDLERS: dict[int, Callable[[_Walk, int, int], int]] = {
+    **dict.fromkeys((_INT_1, _INT_2, pickle.BININT[0], _LONG_1, _FLOAT), _Walk.number),
+    **dict.fromkeys((_GET_1, _GET_4), _Walk.fetch),
+    pickle.BINUNICODE[0]: _Walk.string,
+    pickle.MARK[0]: _Walk.mark,
+    **dict.fromkeys((_SETITEMS, pickle.APPENDS[0]), _Walk.batch),
+    pickle.TUPLE[0]: _Walk.mark_tuple,
+    pickle.GLOBAL[0]: _Walk.global_name,
+}
+
+
 def walk(data: bytes) -> Optional[PickleLayout]:
     """Check that ``data`` is a pickle as torch.save writes it, and note where its strings are.
 
@@ -140,140 +265,42 @@ def walk(data: bytes) -> Optional[PickleLayout]:
     """
     if not data.startswith(_PROTO_2):
         return None
+    state = _Walk(data)
+    handlers, pushes, memoized, containers = _HANDLERS, _PUSHES, _MEMOIZED, _CONTAINERS
     size = len(data)
-    simple = _SIMPLE
-    memoized = _MEMOIZED
-    positions = array.array("q")
-    slots = array.array("q")
-    edits: list[tuple[int, int, bytes]] = []
-    shared: set[int] = set()
-    containers: set[int] = set()
-    short: set[bytes] = set()
-    globals_seen: set[bytes] = set()
-    global_slots: list[tuple[int, str, int]] = []
-    marks: list[tuple[int, int]] = []  # (position of the MARK, items before it)
-    items = 0  # stack items since the last MARK
-    memo = 0
-    pending = False  # the previous opcode's result must be memoized now
-    previous = -1
     pos = 2
-    while pos < size:
+    previous = -1
+    # `while True`, not `while pos < size`: CPython 3.11 starts specializing a
+    # running loop's bytecode on unconditional backward jumps only, and walk runs
+    # once per file (about 20 % slower unspecialized).
+    while True:
+        if pos >= size:
+            return None
         code = data[pos]
-        info = simple.get(code)
-        if info is not None:
-            n, effect = info
-            items += effect
-            if n:
-                if code == _INT_4:
-                    value = int.from_bytes(data[pos + 1 : pos + 5], "little", signed=True)
-                    if 0 <= value <= 0xFFFF:
-                        return None
-                elif code == _INT_2 and pos + 2 < size and data[pos + 2] == 0:
-                    return None
-            elif code in memoized:
-                pending = True
-                if code in (_EMPTY_DICT, _EMPTY_LIST):
-                    containers.add(memo)
-                elif code == _REDUCE and previous == _EMPTY_TUPLE:
-                    containers.add(memo)  # OrderedDict(): a container
-            pos += 1 + n
-        elif code in (_GET_1, _GET_4):
-            if code == _GET_1:
-                index = data[pos + 1] if pos + 1 < size else memo
-                pos += 2
-            else:
-                index = int.from_bytes(data[pos + 1 : pos + 5], "little")
-                if index < 256:
-                    return None
-                pos += 5
-            if index >= memo:
-                return None
-            shared.add(index)
-            items += 1
-        elif code == _STRING:
-            length = int.from_bytes(data[pos + 1 : pos + 5], "little")
-            end = pos + 5 + length
-            if end > size:
-                return None
-            if length <= 2:
-                text = data[pos + 5 : end]
-                try:
-                    chars = len(text.decode("utf-8", "surrogatepass"))
-                except UnicodeDecodeError:
-                    return None  # damaged: the scan says so
-                if chars <= 1:
-                    if text in short:
-                        return None
-                    short.add(text)
-            positions.append(pos)
-            slots.append(memo)
-            pending = True
-            items += 1
-            pos = end
-        elif code == _MARK:
-            marks.append((pos, items))
-            items = 0
+        effect = pushes.get(code)
+        if effect is not None:  # no argument: only the stack and the memo change
+            state.items += effect
             pos += 1
-        elif code in (_SETITEMS, _APPENDS):
-            if not marks:
-                return None
-            mark, before = marks.pop()
-            single = 2 if code == _SETITEMS else 1
-            if items == 0:
-                edits.append((mark, 1, b""))
-                edits.append((pos, 1, b""))
-            elif items == single:
-                edits.append((mark, 1, b""))
-                edits.append((pos, 1, pickle.SETITEM if code == _SETITEMS else pickle.APPEND))
-            items = before
-            pos += 1
-        elif code == _TUPLE:
-            if not marks or items <= 3:
-                return None
-            items = marks.pop()[1] + 1
-            pending = True
-            pos += 1
-        elif code == _GLOBAL:
-            end = data.find(b"\n", data.find(b"\n", pos + 1) + 1)
-            if end < 0:
-                return None
-            name = data[pos + 1 : end]
-            qualname = name.replace(b"\n", b".").decode("utf-8", "replace")
-            if qualname not in _GLOBALS or name in globals_seen:
-                return None
-            globals_seen.add(name)
-            global_slots.append((pos, qualname, memo))
-            pending = True
-            items += 1
-            pos = end + 1
-        elif code == _LONG_1:
-            length = data[pos + 1] if pos + 1 < size else 0
-            value = int.from_bytes(data[pos + 2 : pos + 2 + length], "little", signed=True)
-            if -0x80000000 <= value <= 0x7FFFFFFF:
-                return None
-            items += 1
-            pos += 2 + length
+            if code in memoized:
+                state.pending = True
+                if code in containers or (code == _REDUCE and previous == _EMPTY_TUPLE):
+                    state.containers.add(state.memo)  # OrderedDict() is a container too
         elif code == _STOP:
-            if pos + 1 != size or marks or shared & containers:
-                return None
-            return PickleLayout(
-                positions=positions,
-                slots=slots,
-                shared=frozenset(shared),
-                edits=edits,
-                globals=global_slots,
-            )
+            return state.layout() if pos + 1 == size else None
         else:
-            return None  # a PUT here memoizes nothing the pickler would
+            handler = handlers.get(code)
+            if handler is None:
+                return None  # a PUT here memoizes nothing the pickler would
+            pos = handler(state, code, pos)
+            if pos < 0:
+                return None
         previous = code
-        if not pending:
-            # A `continue`, not the loop's own end: CPython 3.11 starts specializing
-            # a running loop's bytecode on unconditional backward jumps only, and
-            # walk runs once per file (about 20 % slower unspecialized).
+        if not state.pending:
             continue
         # The PUT the pickler writes right after each object it memoizes, to the
         # next slot: one byte below 256, four from there. Read here rather than as
-        # an opcode of its own: it is a third of all opcodes.
+        # an opcode of its own: a third of all opcodes.
+        memo = state.memo
         if memo < 256:
             if pos + 1 >= size or data[pos] != _PUT_1 or data[pos + 1] != memo:
                 return None
@@ -284,9 +311,8 @@ def walk(data: bytes) -> Optional[PickleLayout]:
             if int.from_bytes(data[pos + 1 : pos + 5], "little") != memo:
                 return None
             pos += 5
-        memo += 1
-        pending = False
-    return None
+        state.memo = memo + 1
+        state.pending = False
 
 
 def _encode(text: str) -> bytes:
@@ -296,34 +322,6 @@ def _encode(text: str) -> bytes:
 def _string_at(data: bytes, pos: int) -> bytes:
     length = int.from_bytes(data[pos + 1 : pos + 5], "little")
     return data[pos + 5 : pos + 5 + length]
-
-
-def _memo_op(code: bytes, index: int) -> bytes:
-    # The opcode CPython's picklers choose for a memo slot: one byte below 256.
-    if index < 256:
-        return code + bytes((index,))
-    return (pickle.LONG_BINPUT if code == pickle.BINPUT else pickle.LONG_BINGET) + index.to_bytes(
-        4, "little"
-    )
-
-
-def _opcode_end(data: bytes, pos: int) -> int:
-    """Where the opcode at ``pos`` of a pickle :func:`walk` accepted ends."""
-    code = data[pos]
-    info = _SIMPLE.get(code)
-    if info is not None:
-        return pos + 1 + info[0]
-    if code in (_PUT_1, _GET_1):
-        return pos + 2
-    if code in (_PUT_4, _GET_4):
-        return pos + 5
-    if code == _STRING:
-        return pos + 5 + int.from_bytes(data[pos + 1 : pos + 5], "little")
-    if code == _GLOBAL:
-        return data.find(b"\n", data.find(b"\n", pos + 1) + 1) + 1
-    if code == _LONG_1:
-        return pos + 2 + data[pos + 1]
-    return pos + 1  # MARK, TUPLE, SETITEMS, APPENDS, STOP
 
 
 def _strings_in(obj: Any, out: set[str], depth: int = 0) -> bool:
@@ -355,8 +353,6 @@ def _splice_state(
     (checked against the bytes there), replaced by the new one, and every memo
     slot after it renumbered. None when any of that cannot be shown.
     """
-    from ddpstate._streaming.pickle_emit import dump_within
-
     found = [
         (pos, index) for pos, index in layout.strings() if _string_at(data, pos) == b"_metadata"
     ]
@@ -364,8 +360,8 @@ def _splice_state(
         return None
     name_pos, name_slot = found[0]
     first = name_slot - 1  # the state dict's own slot, just before its key
-    start = name_pos - len(_memo_op(pickle.BINPUT, first)) - 1
-    if start < 0 or data[start:name_pos] != pickle.EMPTY_DICT + _memo_op(pickle.BINPUT, first):
+    start = name_pos - len(put_op(first)) - 1
+    if start < 0 or data[start:name_pos] != pickle.EMPTY_DICT + put_op(first):
         return None
     texts: set[str] = set()
     if not (_strings_in(old_state, texts) and _strings_in(new_state, texts)):
@@ -398,14 +394,14 @@ def _splice_state(
     size = len(data)
     while pos < size:
         code = data[pos]
-        stop = _opcode_end(data, pos)
+        stop = opcode_end(data, pos)
         if code in (_PUT_1, _PUT_4, _GET_1, _GET_4):
             index = int.from_bytes(data[pos + 1 : stop], "little")
             if first <= index < after:
                 return None  # an object of the old state used again later
             if index >= after and delta:
-                kind = pickle.BINPUT if code in (_PUT_1, _PUT_4) else pickle.BINGET
-                edits.append((pos, stop - pos, _memo_op(kind, index + delta)))
+                renumbered = (put_op if code in (_PUT_1, _PUT_4) else get_op)(index + delta)
+                edits.append((pos, stop - pos, renumbered))
         pos = stop
     return edits
 
@@ -440,20 +436,22 @@ def rename_keys(
         >>> pickle.loads(new)
         {'w1': 1}
     """
-    wanted: Mapping[bytes, bytes] = {_encode(old): _encode(new) for old, new in renames}
+    # Each old key's text -> the new key's length prefix and text.
+    wanted: Mapping[bytes, bytes] = {
+        _encode(old): len(_encode(new)).to_bytes(4, "little") + _encode(new) for old, new in renames
+    }
     if len(wanted) != len(renames):
         return None
     if any(len(old) <= 1 or len(new) <= 1 for old, new in renames):
         return None
-    edits = [(pos, removed, replacement, False) for pos, removed, replacement in layout.edits]
+    edits = list(layout.edits)
     if state is not None:
         spliced = _splice_state(data, layout, *state)
         if spliced is None:
             return None
         start, removed, _ = spliced[0]
         # The re-emitted state writes its own batches.
-        edits = [e for e in edits if not start <= e[0] < start + removed]
-        edits += [(pos, removed, replacement, False) for pos, removed, replacement in spliced]
+        edits = [e for e in edits if not start <= e[0] < start + removed] + spliced
     if wanted:
         found: set[bytes] = set()
         shared = layout.shared
@@ -464,8 +462,7 @@ def rename_keys(
                 if text in found or index in shared:
                     return None
                 found.add(text)
-                # The length prefix and the text; the new text is not copied here.
-                edits.append((pos + 1, 4 + len(text), new, True))
+                edits.append((pos + 1, 4 + len(text), new))  # the length prefix and the text
         if len(found) != len(wanted):
             return None
     if not edits:
@@ -474,12 +471,10 @@ def rename_keys(
     out = bytearray()
     view = memoryview(data)
     start = 0
-    for pos, removed, replacement, counted in edits:
+    for pos, removed, replacement in edits:
         if pos < start:
             return None  # overlapping edits: a key inside the replaced state
         out += view[start:pos]
-        if counted:  # a string: its 4-byte length first
-            out += len(replacement).to_bytes(4, "little")
         out += replacement
         start = pos + removed
     out += view[start:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import pickle
 from collections.abc import Iterator, Mapping
 from typing import IO, Any, Callable, ClassVar, Optional, cast
@@ -209,10 +210,7 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -284,11 +282,10 @@ class Opaque:
     def append(self, item: Any) -> None:
         self.listitems.append(item)
 
+    add = append  # a set's items (ADDITEMS)
+
     def extend(self, items: Any) -> None:
         self.listitems.extend(items)
-
-    def add(self, item: Any) -> None:
-        self.listitems.append(item)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.dictitems.append((key, value))
@@ -395,36 +392,21 @@ def _as_shape(value: Any, what: str) -> tuple[int, ...]:
     raise pickle.UnpicklingError(f"a tensor's {what} is {value!r}, not a tuple of ints >= 0")
 
 
-def _as_offset(value: Any) -> int:
-    if type(value) is int and value >= 0:
-        return value
-    raise pickle.UnpicklingError(f"a tensor's storage offset is {value!r}, not an int >= 0")
-
-
-def _as_storage(value: Any) -> tuple[StorageRecord, int]:
-    if isinstance(value, StorageView):
-        return value.root, value.offset
-    if isinstance(value, StorageRecord):
-        return value, 0
-    raise pickle.UnpicklingError(f"a tensor refers to {value!r} instead of a storage")
-
-
-def _as_view(size: Any, stride: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Optional[str]) -> TensorRecord:
+    """A tensor record, each argument checked in whatever form the pickle gives it."""
+    if isinstance(storage, StorageView):
+        record, base = storage.root, storage.offset
+    elif isinstance(storage, StorageRecord):
+        record, base = storage, 0
+    else:
+        raise pickle.UnpicklingError(f"a tensor refers to {storage!r} instead of a storage")
     shape, strides = _as_shape(size, "size"), _as_shape(stride, "stride")
     if len(shape) != len(strides):
         raise pickle.UnpicklingError(f"a tensor has size {shape} but stride {strides}")
-    return shape, strides
-
-
-def _view(storage: Any, offset: int, size: Any, stride: Any, dtype: Optional[str]) -> TensorRecord:
-    record, base = _as_storage(storage)
-    shape, strides = _as_view(size, stride)
+    if type(offset) is not int or offset < 0:
+        raise pickle.UnpicklingError(f"a tensor's storage offset is {offset!r}, not an int >= 0")
     return TensorRecord(
-        storage=record,
-        offset=base + _as_offset(offset),
-        shape=shape,
-        stride=strides,
-        dtype=record.dtype if dtype is None else dtype,
+        record, base + offset, shape, strides, record.dtype if dtype is None else dtype
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
+import math
 import pickle
 import struct
 import zipfile
@@ -26,7 +27,6 @@ from ddpstate._streaming.pickle_scan import (
     DTYPE_ITEMSIZE,
     DTYPE_STORAGE,
     STORAGE_DTYPE,
-    Opaque,
     StorageRecord,
     StorageTypeRef,
     StorageView,
@@ -144,12 +144,10 @@ def _no_persistent(pid: Any) -> Any:
 
 
 def _text(value: Any) -> str:
-    if type(value) is str:
+    if isinstance(value, str):
         return value
     if isinstance(value, bytes):
         return value.decode("ascii")
-    if isinstance(value, str):
-        return value
     raise pickle.UnpicklingError(f"expected a string in a storage id, got {value!r}")
 
 
@@ -246,6 +244,46 @@ def _unsafe_message(ckpt: Checkpoint) -> str:
 
 
 def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoint:
+    records, problems, prefix = _zip_records(source, path, detected)
+    pkl_bytes = zip_entry_bytes(source, records[prefix + "data.pkl"], path)
+    byteorder = "little"
+    if prefix + "byteorder" in records:
+        byteorder = zip_entry_bytes(source, records[prefix + "byteorder"], path).decode(
+            "ascii", "replace"
+        )
+        if byteorder not in ("little", "big"):
+            raise _corrupt(path, f"its byteorder record says {byteorder!r}")
+    storages = _ZipStorages(records, prefix, path, problems)
+    # One walk over the opcodes: it checks the memo indexes (so the scan skips its
+    # own walk) and, when the pickle has torch.save's shape, lets convert copy it
+    # through instead of re-emitting it.
+    layout = walk(pkl_bytes)
+    result = _scan(
+        io.BytesIO(pkl_bytes), storages, path, "data.pkl", memo_checked=layout is not None
+    )
+    return Checkpoint(
+        path=path,
+        format=formats.TORCH_ZIP,
+        size=source.size,
+        obj=result.obj,
+        storages=list(storages.found.values()),
+        globals_used=result.globals_used,
+        unsafe_globals=result.unsafe_globals,
+        byteorder=byteorder,
+        problems=problems,
+        source=source,
+        zip_records=records,
+        zip_prefix=prefix,
+        pickle_bytes=pkl_bytes,
+        pickle_layout=layout,
+    )
+
+
+def _zip_records(
+    source: Source, path: str, detected: formats.Detected
+) -> tuple[dict[str, ZipRecord], list[str], str]:
+    """The zip's entries by name, checked against their local headers: ``(records, problems,
+    archive folder)``."""
     end = detected.zip_end
     assert end is not None  # classify_file read it, as it does for every zip
     try:
@@ -255,9 +293,7 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
         raise _corrupt(path, "the zip directory cannot be read", exc) from exc
     records: dict[str, ZipRecord] = {}
     problems: list[str] = []
-    spans = [(entry.header_offset, LOCAL.size + len(entry.raw_name)) for entry in entries]
-    headers = _local_headers(source, spans)
-    for entry, header in zip(entries, headers, strict=True):
+    for entry, header in zip(entries, _local_headers(source, entries), strict=True):
         # The local header and, right after it, the name.
         fields = LOCAL.unpack(header[: LOCAL.size])
         if fields[0] != LOCAL_SIGNATURE:
@@ -288,20 +324,59 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
         raise CheckpointFormatError(f"{path}: a zip archive without data.pkl")
     prefix = pickles[0][: -len("data.pkl")]
     problems.extend(_zip_header_problems(end, detected.zip_directory, entries, prefix))
-    # Not needed past here: 100,000 entries are memory the scan can use.
-    del entries, spans, headers
-    pkl_bytes = zip_entry_bytes(source, records[pickles[0]], path)
-    byteorder = "little"
-    if prefix + "byteorder" in records:
-        byteorder = zip_entry_bytes(source, records[prefix + "byteorder"], path).decode(
-            "ascii", "replace"
-        )
-        if byteorder not in ("little", "big"):
-            raise _corrupt(path, f"its byteorder record says {byteorder!r}")
+    return records, problems, prefix
 
-    storages: dict[str, StorageRecord] = {}
 
-    def persistent_load(pid: Any) -> Any:
+# Local headers closer together than this are read in one piece.
+_HEADER_GAP = 1 << 20
+
+
+def _local_headers(source: Source, entries: list[CentralEntry]) -> list[bytes]:
+    """Each entry's local header and name; neighbours within 1 MiB read in one piece.
+
+    A checkpoint with 100,000 small tensors has 100,000 local headers a few KiB
+    apart: one read per MiB instead of one per header (and, unlike a read-ahead
+    window, nothing read across the data of large records). A header the piece
+    does not hold whole (a truncated file) is read on its own, failing as before.
+    """
+    spans = sorted(
+        (e.header_offset, LOCAL.size + len(e.raw_name), i) for i, e in enumerate(entries)
+    )
+    headers = [b""] * len(entries)
+    start = 0
+    while start < len(spans):
+        first, stop = spans[start][0], start
+        while stop < len(spans) and spans[stop][0] - first <= _HEADER_GAP:
+            stop += 1
+        end = max(offset + length for offset, length, _ in spans[start:stop])
+        piece = source.read_upto(first, end - first) if first >= 0 else b""
+        for offset, length, i in spans[start:stop]:
+            header = piece[offset - first : offset - first + length]
+            whole = first >= 0 and len(header) == length
+            headers[i] = header if whole else source.read_at(offset, length)
+        start = stop
+    return headers
+
+
+@dataclasses.dataclass
+class _ZipStorages:
+    """The ``persistent_load`` of a zip's ``data.pkl``: one storage record per key.
+
+    Attributes:
+        records: The zip's entries by name.
+        prefix: The archive folder.
+        path: The file, for messages.
+        problems: Where a missing or mis-sized data record is noted.
+        found: The storages, by key, in first-use order.
+    """
+
+    records: dict[str, ZipRecord]
+    prefix: str
+    path: str
+    problems: list[str]
+    found: dict[str, StorageRecord] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, pid: Any) -> StorageRecord:
         # Once per storage (100,000 calls for as many tensors): the checks of _text,
         # _count and _storage_type inlined for the types torch.save writes, those
         # helpers called (to convert or refuse) for any other.
@@ -311,23 +386,23 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
         if tag != "storage" and _text(tag) != "storage":
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
         if type(storage_type) is not StorageTypeRef:
-            storage_type = _storage_type(storage_type, path)
+            storage_type = _storage_type(storage_type, self.path)
         if type(key) is not str:
             key = _text(key)
-        found = storages.get(key)
+        found = self.found.get(key)
         if found is not None:
             return found
         if type(location) is not str:
             location = _text(location)
         if type(numel) is not int or numel < 0:
             numel = _count(numel)
-        name = f"{prefix}data/{key}"
-        entry = records.get(name)
+        name = f"{self.prefix}data/{key}"
+        entry = self.records.get(name)
         if entry is None:
             record = StorageRecord(
                 key, storage_type.name, storage_type.dtype, location, numel, record_name=name
             )
-            problems.append(f"tensor data record data/{key} is missing")
+            self.problems.append(f"tensor data record data/{key} is missing")
         else:
             # Positional, in field order; the zip entry's own name object: one string,
             # not two, per storage.
@@ -344,75 +419,12 @@ def _read_zip(source: Source, path: str, detected: formats.Detected) -> Checkpoi
                 entry.name,
             )
             if entry.size != record.nbytes:
-                problems.append(
+                self.problems.append(
                     f"tensor data record data/{key} holds {entry.size} bytes, "
                     f"its storage needs {record.nbytes}"
                 )
-        storages[key] = record
+        self.found[key] = record
         return record
-
-    # One walk over the opcodes: it checks the memo indexes (so the scan skips its
-    # own walk) and, when the pickle has torch.save's shape, lets convert copy it
-    # through instead of re-emitting it.
-    layout = walk(pkl_bytes)
-    result = _scan(
-        io.BytesIO(pkl_bytes), persistent_load, path, "data.pkl", memo_checked=layout is not None
-    )
-    return Checkpoint(
-        path=path,
-        format=formats.TORCH_ZIP,
-        size=source.size,
-        obj=result.obj,
-        storages=list(storages.values()),
-        globals_used=result.globals_used,
-        unsafe_globals=result.unsafe_globals,
-        byteorder=byteorder,
-        problems=problems,
-        source=source,
-        zip_records=records,
-        zip_prefix=prefix,
-        pickle_bytes=pkl_bytes,
-        pickle_layout=layout,
-    )
-
-
-# Local headers closer together than this are read in one piece.
-_HEADER_GAP = 1 << 20
-
-
-def _local_headers(source: Source, spans: list[tuple[int, int]]) -> list[bytes]:
-    """The bytes of each ``(offset, length)`` span, neighbours read together.
-
-    A checkpoint with 100,000 small tensors has 100,000 local headers a few KiB
-    apart: one read per MiB instead of one per header. A group that cannot be read
-    whole is read span by span, so a truncated file fails exactly as before.
-    """
-    out: list[bytes] = [b""] * len(spans)
-    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
-    group: list[int] = []
-
-    def flush() -> None:
-        first = spans[group[0]][0]
-        end = max(spans[i][0] + spans[i][1] for i in group)
-        try:
-            chunk = source.read_at(first, end - first) if first >= 0 else None
-        except CheckpointCorruptError:
-            chunk = None
-        for i in group:
-            offset, length = spans[i]
-            if chunk is None:
-                out[i] = source.read_at(offset, length)
-            else:
-                out[i] = chunk[offset - first : offset - first + length]
-
-    for i in order:
-        if group and spans[i][0] - spans[group[0]][0] > _HEADER_GAP:
-            flush()
-            group = []
-        group.append(i)
-    if group:
-        flush()
-    return out
 
 
 def _zip_header_problems(
@@ -470,26 +482,21 @@ def zip_entry_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
     """
     if record.method == zipfile.ZIP_STORED:
         return source.read_at(record.data_offset, record.size)
-    if record.method == zipfile.ZIP_DEFLATED:
+    try:
+        if record.method != zipfile.ZIP_DEFLATED:
+            with zipfile.ZipFile(source.file) as archive:
+                return archive.read(record.name)
         # Inflated from the offset the directory walk found: no second ZipFile
         # (and its directory parse) per entry.
-        try:
-            inflater = zlib.decompressobj(-zlib.MAX_WBITS)
-            data = inflater.decompress(source.read_at(record.data_offset, record.compressed_size))
-            data += inflater.flush()
-        except zlib.error as exc:
-            raise _corrupt(path, f"zip entry {record.name} cannot be read", exc) from exc
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        data = inflater.decompress(source.read_at(record.data_offset, record.compressed_size))
+        data += inflater.flush()
         # The messages zipfile gives for the same damage.
         if not inflater.eof:
-            cut = EOFError("Compressed file ended before the end-of-stream marker was reached")
-            raise _corrupt(path, f"zip entry {record.name} cannot be read", cut)
+            raise EOFError("Compressed file ended before the end-of-stream marker was reached")
         if len(data) != record.size or zlib.crc32(data) != record.crc32:
-            bad = zipfile.BadZipFile(f"Bad CRC-32 for file {record.name!r}")
-            raise _corrupt(path, f"zip entry {record.name} cannot be read", bad)
+            raise zipfile.BadZipFile(f"Bad CRC-32 for file {record.name!r}")
         return data
-    try:
-        with zipfile.ZipFile(source.file) as archive:
-            return archive.read(record.name)
     except (
         zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, zlib.error
     ) as exc:  # fmt: skip
@@ -501,6 +508,29 @@ def zip_entry_bytes(source: Source, record: ZipRecord, path: str) -> bytes:
 
 def _read_legacy(source: Source, path: str) -> Checkpoint:
     file = source.file
+    little = _legacy_header(file, path)
+    storages = _LegacyStorages(path)
+    result = _scan(file, storages, path, "the pickled object")
+    keys = _scan(file, _no_persistent, path, "the storage list").obj
+    if not isinstance(keys, list):
+        raise _corrupt(path, "the storage list is not a list")
+    ordered, problems = _legacy_data(source, file.tell(), keys, storages.found, little)
+    return Checkpoint(
+        path=path,
+        format=formats.LEGACY,
+        size=source.size,
+        obj=result.obj,
+        storages=ordered,
+        globals_used=result.globals_used,
+        unsafe_globals=result.unsafe_globals,
+        byteorder="little" if little else "big",
+        problems=problems,
+        source=source,
+    )
+
+
+def _legacy_header(file: IO[bytes], path: str) -> bool:
+    """Read the magic number, protocol version and system info; True for little-endian data."""
     file.seek(0)
     magic = _scan(file, _no_persistent, path, "the magic number").obj
     version = _scan(file, _no_persistent, path, "the protocol version").obj
@@ -510,10 +540,17 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
             f"{version!r}; it is not a format ddpstate reads"
         )
     sys_info = _scan(file, _no_persistent, path, "the system info").obj
-    little = not isinstance(sys_info, dict) or bool(sys_info.get("little_endian", True))
-    storages: dict[str, StorageRecord] = {}
+    return not isinstance(sys_info, dict) or bool(sys_info.get("little_endian", True))
 
-    def persistent_load(pid: Any) -> Any:
+
+@dataclasses.dataclass
+class _LegacyStorages:
+    """The ``persistent_load`` of a legacy pickle: storages (or views of them) and modules."""
+
+    path: str  # the file, for messages
+    found: dict[str, StorageRecord] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, pid: Any) -> Any:
         if not isinstance(pid, tuple) or not pid:
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
         kind = _text(pid[0])
@@ -521,9 +558,9 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
             return pid[1]  # the pickled module's class placeholder
         if kind != "storage" or len(pid) != 6:
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        storage_type = _storage_type(pid[1], path)
+        storage_type = _storage_type(pid[1], self.path)
         key = _text(pid[2])
-        record = storages.get(key)
+        record = self.found.get(key)
         if record is None:
             record = StorageRecord(
                 key=key,
@@ -532,7 +569,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
                 location=_text(pid[3]),
                 numel=_count(pid[4]),
             )
-            storages[key] = record
+            self.found[key] = record
         view = pid[5]
         if view is not None:
             if not isinstance(view, tuple) or len(view) != 3:
@@ -540,12 +577,13 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
             return StorageView(record, _count(view[1]), _count(view[2]))
         return record
 
-    result = _scan(file, persistent_load, path, "the pickled object")
-    keys = _scan(file, _no_persistent, path, "the storage list").obj
-    if not isinstance(keys, list):
-        raise _corrupt(path, "the storage list is not a list")
+
+def _legacy_data(
+    source: Source, offset: int, keys: list[Any], storages: dict[str, StorageRecord], little: bool
+) -> tuple[list[StorageRecord], list[str]]:
+    """Place each storage's data, which follows the pickles as (element count, bytes) in
+    ``keys`` order: ``(storages in file order, problems)``."""
     problems: list[str] = []
-    offset = file.tell()
     ordered: list[StorageRecord] = []
     for raw_key in keys:
         key = _text(raw_key)
@@ -576,18 +614,7 @@ def _read_legacy(source: Source, path: str) -> Checkpoint:
     if not problems and offset < source.size:
         problems.append(f"{source.size - offset} unexpected bytes after the last storage")
     ordered.extend(r for r in storages.values() if r.data_offset < 0)
-    return Checkpoint(
-        path=path,
-        format=formats.LEGACY,
-        size=source.size,
-        obj=result.obj,
-        storages=ordered,
-        globals_used=result.globals_used,
-        unsafe_globals=result.unsafe_globals,
-        byteorder="little" if little else "big",
-        problems=problems,
-        source=source,
-    )
+    return ordered, problems
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -599,30 +626,9 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
     state_dict: collections.OrderedDict[str, Any] = collections.OrderedDict()
     storages: list[StorageRecord] = []
     for key, entry in header.entries.items():
-        dtype = entry.dtype
-        numel = 1
-        for n in entry.shape:
-            numel *= n
-        typed = dtype in DTYPE_STORAGE
-        type_name, storage_dtype = storage_type_for(dtype)
-        record = StorageRecord(
-            key=key,
-            type_name=type_name,
-            dtype=storage_dtype,
-            location="cpu",
-            numel=numel if typed else numel * DTYPE_ITEMSIZE[dtype],
-            data_offset=header.data_start + entry.begin,
-            stored_size=max(entry.end - entry.begin, 0),
-        )
-        storages.append(record)
-        state_dict[key] = TensorRecord(
-            storage=record,
-            offset=0,
-            shape=entry.shape,
-            stride=contiguous_strides(entry.shape),
-            dtype=dtype,
-            rebuild="v2" if typed else "v3",
-        )
+        start, stored = header.data_start + entry.begin, max(entry.end - entry.begin, 0)
+        state_dict[key] = contiguous_tensor(key, entry.dtype, entry.shape, start, stored)
+        storages.append(state_dict[key].storage)
     problems += restore_extras(state_dict, header.metadata)
     return Checkpoint(
         path=path,
@@ -649,18 +655,29 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def storage_type_for(dtype: str) -> tuple[str, str]:
-    """``(storage class name, storage dtype)`` torch.save uses for tensors of ``dtype``."""
-    if dtype in DTYPE_STORAGE:
-        return DTYPE_STORAGE[dtype], dtype
-    return "UntypedStorage", STORAGE_DTYPE["UntypedStorage"]
+def contiguous_tensor(
+    key: str, dtype: str, shape: tuple[int, ...], data_offset: int = -1, stored_size: int = -1
+) -> TensorRecord:
+    """A C-contiguous tensor filling a storage of its own (``key``), as torch.save writes one.
+
+    Example:
+        >>> tensor = contiguous_tensor("0", "bfloat16", (2, 3))
+        >>> tensor.stride, tensor.storage.type_name
+        ((3, 1), 'BFloat16Storage')
+    """
+    typed = dtype in DTYPE_STORAGE  # else an untyped storage, counting bytes
+    type_name = DTYPE_STORAGE[dtype] if typed else "UntypedStorage"
+    storage_dtype = dtype if typed else STORAGE_DTYPE["UntypedStorage"]
+    numel = math.prod(shape) * (1 if typed else DTYPE_ITEMSIZE[dtype])
+    storage = StorageRecord(key, type_name, storage_dtype, "cpu", numel, data_offset, stored_size)
+    strides = contiguous_strides(shape)
+    return TensorRecord(storage, 0, shape, strides, dtype, rebuild="v2" if typed else "v3")
 
 
 __all__ = [
     "Checkpoint",
-    "Opaque",
     "ZipRecord",
+    "contiguous_tensor",
     "read_file",
-    "storage_type_for",
     "zip_entry_bytes",
 ]

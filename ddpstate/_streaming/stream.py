@@ -6,7 +6,8 @@ import errno
 import io
 import os
 import zlib
-from typing import IO, Any, Optional
+from collections.abc import Iterator
+from typing import IO, Any, ClassVar, Optional
 
 from ddpstate import _fs, storage
 from ddpstate._streaming.progress import Progress
@@ -16,8 +17,11 @@ from ddpstate.errors import CheckpointCorruptError
 _CHUNK = 4 << 20
 # copy_file_range in slices this size, so the progress bar moves.
 _KERNEL_SLICE = 16 << 20
-# Copies up to this size go through user space (see Sink.copy_from).
+# Copies up to this size go through user space (see Sink.copy_from), and records up
+# to this size are gathered with their neighbours (see ReadWindow).
 _SMALL = 64 << 10
+# The read-ahead block of a ReadWindow.
+_BLOCK = 1 << 20
 # Start the disk write-back of every this many bytes written (see Sink._write_back).
 _WRITE_BACK = 16 << 20
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
@@ -83,17 +87,17 @@ class Source:
                 f"{self.name}: a header points to {length} bytes at byte {offset}, outside the "
                 f"file; the file is damaged: re-save or re-download it"
             )
-        if self.fd is not None:
-            data = os.pread(self.fd, length, offset)
-        else:
-            self.file.seek(offset)
-            data = self.file.read(length)
+        data = self.read_upto(offset, length)
         if len(data) != length:
-            raise CheckpointCorruptError(
-                f"{self.name}: ends at byte {self.size} but data runs to byte {offset + length}; "
-                f"the file is truncated: re-save or re-download it"
-            )
+            raise self.truncated(offset + length)
         return data
+
+    def truncated(self, end: int) -> CheckpointCorruptError:
+        """The error for data said to run to byte ``end``, past the end of the file."""
+        return CheckpointCorruptError(
+            f"{self.name}: ends at byte {self.size} but data runs to byte {end}; "
+            f"the file is truncated: re-save or re-download it"
+        )
 
     def read_upto(self, offset: int, length: int) -> bytes:
         """Up to ``length`` bytes at ``offset``: fewer where the file ends first (no error)."""
@@ -109,23 +113,56 @@ class Source:
         self.file.seek(offset)
         return self.file.readinto(view)  # type: ignore[attr-defined, no-any-return]
 
+    def chunks(self, offset: int, length: int) -> Iterator[memoryview]:
+        """``length`` bytes from ``offset``, as views of one reused buffer of up to 4 MiB.
+
+        Raises:
+            CheckpointCorruptError: The file ends first.
+        """
+        buffer = memoryview(bytearray(min(_CHUNK, max(length, 1))))
+        end = offset + length
+        while offset < end:
+            got = self.readinto_at(offset, buffer[: min(end - offset, len(buffer))])
+            if got <= 0:
+                raise self.truncated(end)
+            yield buffer[:got]
+            offset += got
+
     def crc32(self, offset: int, length: int, progress: Optional[Progress] = None) -> int:
         """CRC-32 of ``length`` bytes from ``offset``, read in chunks."""
-        buffer = memoryview(bytearray(min(_CHUNK, max(length, 1))))
         crc = 0
-        while length > 0:
-            got = self.readinto_at(offset, buffer[: min(length, len(buffer))])
-            if got <= 0:
-                raise CheckpointCorruptError(
-                    f"{self.name}: ends at byte {self.size} before the data it promises; "
-                    f"the file is truncated: re-save or re-download it"
-                )
-            crc = zlib.crc32(buffer[:got], crc)
-            offset += got
-            length -= got
+        for chunk in self.chunks(offset, length):
+            crc = zlib.crc32(chunk, crc)
             if progress is not None:
-                progress.update(got)
+                progress.update(len(chunk))
         return crc
+
+
+class ReadWindow:
+    """Reads of a source served from one read-ahead block while they fall inside it.
+
+    For gathering many small stretches of a source that lie close together in
+    order (a checkpoint's small tensor records): one read per :attr:`BLOCK`
+    bytes instead of one per stretch. Stretches under :attr:`SMALL` bytes pay off.
+    """
+
+    SMALL: ClassVar[int] = _SMALL
+    BLOCK: ClassVar[int] = _BLOCK
+
+    def __init__(self, source: Source) -> None:
+        self._source = source
+        self._start = 0
+        self._data = b""
+
+    def read(self, offset: int, length: int) -> bytes:
+        end = offset + length
+        if offset < self._start or end > self._start + len(self._data):
+            # Never past the end of the file holding offset (a shard of a sharded source).
+            ahead = min(_BLOCK, self._source.segment_end(offset) - offset)
+            # read_at raises on a source that ends before ``end``.
+            self._data = self._source.read_at(offset, max(length, ahead))
+            self._start = offset
+        return self._data[offset - self._start : end - self._start]
 
 
 class Sink:
@@ -151,7 +188,7 @@ class Sink:
             self.position = file.tell()
         except (OSError, ValueError):
             self.position = 0
-        self._fd: Optional[int] = None
+        self._fd: Optional[int]
         try:
             self._fd = file.fileno()
         except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
@@ -167,7 +204,7 @@ class Sink:
         self.file.write(data)
         self.position += len(data)
 
-    def write_copied(self, data: bytes | bytearray, copied: int) -> None:
+    def write_copied(self, data: bytes | bytearray | memoryview, copied: int) -> None:
         """Append ``data``, which carries ``copied`` bytes read from a source.
 
         Like :meth:`copy_from` for the progress bar and the disk write-back, for
@@ -199,10 +236,7 @@ class Sink:
             # A checkpoint with 100,000 tensors has mostly small records: one pread
             # into the buffered file beats a flush, a copy_file_range and a seek each.
             data = source.read_at(offset, length)
-            self.write(data)
-            self._write_back()
-            if self.progress is not None:
-                self.progress.update(length)
+            self.write_copied(data, length)
             return zlib.crc32(data) if crc else 0
         kernel = not crc and self._kernel_copy and source.fd is not None
         if kernel and self._copy_in_kernel(source, offset, length):
@@ -242,10 +276,7 @@ class Sink:
                     start + done,
                 )
                 if count == 0:
-                    raise CheckpointCorruptError(
-                        f"{source.name}: ends at byte {source.size} but data runs to byte "
-                        f"{offset + length}; the file is truncated: re-save or re-download it"
-                    )
+                    raise source.truncated(offset + length)
                 done += count
                 self.position = start + done
                 self._write_back()
@@ -265,22 +296,9 @@ class Sink:
         return True
 
     def _copy_through_buffer(self, source: Source, offset: int, length: int, crc: bool) -> int:
-        buffer = memoryview(bytearray(min(_CHUNK, length)))
         value = 0
-        while length > 0:
-            got = source.readinto_at(offset, buffer[: min(length, len(buffer))])
-            if got <= 0:
-                raise CheckpointCorruptError(
-                    f"{source.name}: ends at byte {source.size} but data runs to byte "
-                    f"{offset + length}; the file is truncated: re-save or re-download it"
-                )
-            chunk = buffer[:got]
+        for chunk in source.chunks(offset, length):
             if crc:
                 value = zlib.crc32(chunk, value)
-            self.write(chunk)
-            self._write_back()
-            offset += got
-            length -= got
-            if self.progress is not None:
-                self.progress.update(got)
+            self.write_copied(chunk, len(chunk))
         return value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterable
-from typing import Callable, ClassVar, NamedTuple
+from typing import Callable, NamedTuple
 
 from ddpstate._layout.zip import (
     CENTRAL,
@@ -25,6 +25,7 @@ from ddpstate._layout.zip import (
     U32_MAX,
     ZIP64_EXTRA_ID,
 )
+from ddpstate._streaming.stream import ReadWindow as ReadWindow
 from ddpstate._streaming.stream import Sink, Source
 
 # torch.save (through miniz) writes every record stored (uncompressed), aligns
@@ -32,60 +33,40 @@ from ddpstate._streaming.stream import Sink, Source
 # leaves CRC and sizes out of the local header and appends a data descriptor.
 # torch.load's offset shortcut (config.load.calculate_storage_offsets) and
 # torch.load(mmap=True) depend on that layout, so it is reproduced exactly.
+# zipfile's own writer cannot: on a seekable file it rewrites each local header
+# instead of writing a data descriptor, and puts its zip64 field after the others.
 _ALIGNMENT = 64
 _FLAGS = 0x0808  # bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names
-# Records smaller than this are gathered (see ZipWriter.add_copies): read from the
-# source with their neighbours and written out in blocks of about _BLOCK bytes.
-_SMALL = 64 << 10
-_BLOCK = 1 << 20
 
 
 # The "FB" extra field padding data to the next multiple of 64, by padding length.
 _PADDING = tuple(b"FB" + struct.pack("<H", n) + b"Z" * n for n in range(_ALIGNMENT))
 
 
-def _local_header(encoded: bytes, offset: int, size: int) -> bytes:
-    """The local header, name and extra field of a record written at ``offset``."""
-    if size < U32_MAX and offset < U32_MAX:
-        # The common case, in one pack (100,000 records are common).
-        padding = -(offset + LOCAL.size + len(encoded) + 4) % _ALIGNMENT
-        return (
-            LOCAL.pack(LOCAL_SIGNATURE, 20, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), 4 + padding)
-            + encoded
-            + _PADDING[padding]
-        )
-    zip64_size = size >= U32_MAX
-    zip64_offset = offset >= U32_MAX
-    extra = b""
-    if zip64_size or zip64_offset:
-        fields = (struct.pack("<QQ", size, size) if zip64_size else b"") + (
-            struct.pack("<Q", offset) if zip64_offset else b""
-        )
-        extra = struct.pack("<HH", ZIP64_EXTRA_ID, len(fields)) + fields
-    start = offset + LOCAL.size + len(encoded) + len(extra) + 4
-    padding = -start % _ALIGNMENT
-    extra += b"FB" + struct.pack("<H", padding) + b"Z" * padding
-    header = LOCAL.pack(
-        LOCAL_SIGNATURE,
-        45 if extra.startswith(b"\x01\x00") else 20,
-        _FLAGS,
-        0,  # stored
-        0,  # time: left zero, like torch, so identical input gives identical output
-        0,  # date
-        0,
-        U32_MAX if zip64_size else 0,
-        U32_MAX if zip64_size else 0,
-        len(encoded),
-        len(extra),
+def _zip64_extra(size: int, offset: int) -> bytes:
+    """The zip64 extra field of a record whose size or offset passes 32 bits; else empty."""
+    fields = (struct.pack("<QQ", size, size) if size >= U32_MAX else b"") + (
+        struct.pack("<Q", offset) if offset >= U32_MAX else b""
     )
-    return header + encoded + extra
+    return struct.pack("<HH", ZIP64_EXTRA_ID, len(fields)) + fields if fields else b""
+
+
+def _local_header(encoded: bytes, offset: int, size: int) -> bytes:
+    """The local header, name and extra fields of a record written at ``offset``."""
+    zip64 = _zip64_extra(size, offset) if size >= U32_MAX or offset >= U32_MAX else b""
+    padding = -(offset + LOCAL.size + len(encoded) + len(zip64) + 4) % _ALIGNMENT
+    sizes = U32_MAX if size >= U32_MAX else 0  # else in the data descriptor only
+    # Method 0 (stored); time and date left zero, like torch, so identical input
+    # gives identical output.
+    header = LOCAL.pack(LOCAL_SIGNATURE, 45 if zip64 else 20, _FLAGS, 0, 0, 0, 0, sizes, sizes,
+                        len(encoded), len(zip64) + 4 + padding)  # fmt: skip
+    return header + encoded + zip64 + _PADDING[padding]
 
 
 def _descriptor(offset: int, size: int, crc: int) -> bytes:
     """The data descriptor that follows the data of a record written at ``offset``."""
-    if size >= U32_MAX or offset >= U32_MAX:
-        return DESCRIPTOR64.pack(DESCRIPTOR_SIGNATURE, crc, size, size)
-    return DESCRIPTOR.pack(DESCRIPTOR_SIGNATURE, crc, size, size)
+    zip64 = size >= U32_MAX or offset >= U32_MAX
+    return (DESCRIPTOR64 if zip64 else DESCRIPTOR).pack(DESCRIPTOR_SIGNATURE, crc, size, size)
 
 
 class CopyCandidate(NamedTuple):
@@ -108,41 +89,11 @@ class CopyCandidate(NamedTuple):
     write_data: Callable[[Sink], int]
 
 
-class ReadWindow:
-    """Reads of a source served from one read-ahead block while they fall inside it.
-
-    For gathering many small stretches of a source that lie close together in
-    order (a checkpoint's small tensor records): one read per :attr:`BLOCK`
-    bytes instead of one per stretch. Stretches under :attr:`SMALL` bytes pay off.
-    """
-
-    SMALL: ClassVar[int] = _SMALL
-    BLOCK: ClassVar[int] = _BLOCK
-
-    def __init__(self, source: Source) -> None:
-        self._source = source
-        self._start = 0
-        self._data = b""
-
-    def read(self, offset: int, length: int) -> bytes:
-        end = offset + length
-        if offset < self._start or end > self._start + len(self._data):
-            # Never past the end of the file holding offset (a shard of a sharded source).
-            ahead = min(_BLOCK, self._source.segment_end(offset) - offset)
-            # read_at raises on a source that ends before ``end``.
-            self._data = self._source.read_at(offset, max(length, ahead))
-            self._start = offset
-        return self._data[offset - self._start : end - self._start]
-
-
-class _Entry:
-    __slots__ = ("crc", "name", "offset", "size")
-
-    def __init__(self, name: bytes, offset: int, size: int, crc: int) -> None:
-        self.name = name
-        self.offset = offset
-        self.size = size
-        self.crc = crc
+class _Entry(NamedTuple):
+    name: bytes
+    offset: int
+    size: int
+    crc: int
 
 
 class ZipWriter:
@@ -246,10 +197,9 @@ class ZipWriter:
         position = sink.position
         for record in records:
             size = record.size
-            if record.data_offset < 0 or size >= _SMALL:
-                if block:
-                    sink.write_copied(block, copied)
-                    block, copied = bytearray(), 0
+            if record.data_offset < 0 or size >= ReadWindow.SMALL:
+                sink.write_copied(block, copied)  # what was gathered first
+                block, copied = bytearray(), 0
                 crcs.append(self.add_record(record.name, size, record.write_data))
                 position = sink.position
                 continue
@@ -264,11 +214,10 @@ class ZipWriter:
             entries.append(_Entry(encoded, position, size, crc))
             crcs.append(crc)
             position += len(header) + size + len(descriptor)
-            if len(block) >= _BLOCK:
+            if len(block) >= ReadWindow.BLOCK:
                 sink.write_copied(block, copied)
                 block, copied = bytearray(), 0
-        if block:
-            sink.write_copied(block, copied)
+        sink.write_copied(block, copied)
         return crcs
 
     def close(self) -> None:
@@ -277,36 +226,16 @@ class ZipWriter:
             return
         self._closed = True
         cd_start = self._sink.position
-        for entry in self._entries:
-            big_size = entry.size >= U32_MAX
-            big_offset = entry.offset >= U32_MAX
-            fields = (struct.pack("<QQ", entry.size, entry.size) if big_size else b"") + (
-                struct.pack("<Q", entry.offset) if big_offset else b""
-            )
-            extra = struct.pack("<HH", ZIP64_EXTRA_ID, len(fields)) + fields if fields else b""
+        for name, offset, size, crc in self._entries:
+            extra = _zip64_extra(size, offset)
+            version = 45 if extra else 20
+            size32 = min(size, U32_MAX)
             self._sink.write(
-                CENTRAL.pack(
-                    CENTRAL_SIGNATURE,
-                    45 if fields else 20,
-                    45 if fields else 20,
-                    _FLAGS,
-                    0,
-                    0,
-                    0,
-                    entry.crc,
-                    U32_MAX if big_size else entry.size,
-                    U32_MAX if big_size else entry.size,
-                    len(entry.name),
-                    len(extra),
-                    0,
-                    0,
-                    0,
-                    0,
-                    U32_MAX if big_offset else entry.offset,
-                )
-                + entry.name
+                CENTRAL.pack(CENTRAL_SIGNATURE, version, version, _FLAGS, 0, 0, 0, crc, size32,
+                             size32, len(name), len(extra), 0, 0, 0, 0, min(offset, U32_MAX))
+                + name
                 + extra
-            )
+            )  # fmt: skip
         cd_end = self._sink.position
         cd_size = cd_end - cd_start
         count = len(self._entries)
