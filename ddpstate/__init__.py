@@ -129,6 +129,8 @@ if TYPE_CHECKING:
     from ddpstate.location import MapLocation as MapLocation
     from ddpstate.location import resolve_map_location as resolve_map_location
     from ddpstate.manager import CheckpointManager
+    from ddpstate.manager import KeepBest as KeepBest
+    from ddpstate.manager import NodeLocal as NodeLocal
     from ddpstate.rng import capture_rng_state, restore_rng_state
     from ddpstate.sampler import ResumableDistributedSampler
     from ddpstate.storage import atomic_write as atomic_write
@@ -149,7 +151,7 @@ _HOMES: dict[str, str] = {
     "add_prefix detect_prefixes find_state_dict match_keys normalize_keys replace_state_dict "
     "strip_prefix unwrap_model",
     "ddpstate.location": "MapLocation resolve_map_location",
-    "ddpstate.manager": "CheckpointManager",
+    "ddpstate.manager": "CheckpointManager KeepBest NodeLocal",
     # Torch-free (ddpstate.manager re-exports all three).
     "ddpstate._manifest": "CheckpointVerification verify_checkpoint",
     "ddpstate._manager.local_tier": "RestoreSource",

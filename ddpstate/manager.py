@@ -21,18 +21,19 @@ the metrics, the world size, the ddpstate and torch versions and the time, and
 its own CRC-32; :func:`verify_checkpoint` (``ddpstate verify``) checks all of it.
 
 Rotation runs only after the new checkpoint is committed: it keeps the
-``keep_last`` highest steps plus the ``keep_best`` best by ``metric``, and
-deletes the rest. Saving a step that already exists replaces it: the new copy
-is written into a temporary folder beside the old one and swapped in once
-committed, so until then the old copy stays committed, and a crash midway never
-leaves a mix (the next save deletes the unfinished copy, or puts the old one
-back if the crash fell between the two renames of the swap). On object stores
-(fsspec URLs), which cannot swap folders, the old copy is uncommitted and
-deleted first. Saving a step lower than existing ones is a rollback when
-:meth:`CheckpointManager.restore` loaded that step or a lower one, or with
-``save(..., rollback=True)`` (refused otherwise: the higher steps may be an
-earlier run's): once it is committed it becomes ``latest`` and the higher steps
-are deleted, so ``restore``, ``steps()`` and ``ddpstate verify`` agree.
+``keep_last`` highest steps plus the best ones by a metric
+(``best=KeepBest(count, metric)``), and deletes the rest. Saving a step that
+already exists replaces it: the new copy is written into a temporary folder
+beside the old one and swapped in once committed, so until then the old copy
+stays committed, and a crash midway never leaves a mix (the next save deletes
+the unfinished copy, or puts the old one back if the crash fell between the two
+renames of the swap). On object stores (fsspec URLs), which cannot swap
+folders, the old copy is uncommitted and deleted first. Saving a step lower
+than existing ones is a rollback when :meth:`CheckpointManager.restore` loaded
+that step or a lower one, or with ``save(..., rollback=True)`` (refused
+otherwise: the higher steps may be an earlier run's): once it is committed it
+becomes ``latest`` and the higher steps are deleted, so ``restore``,
+``steps()`` and ``ddpstate verify`` agree.
 
 ``restore`` verifies the newest checkpoint's files against its manifest on rank
 0 (sizes and CRC-32, as :func:`verify_checkpoint`), falls back to older ones
@@ -62,7 +63,13 @@ from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._manager import restore as _restore
 from ddpstate._manager import save as _save
-from ddpstate._manager.config import check_same_on_every_rank, make_config
+from ddpstate._manager.config import (
+    KeepBest,
+    NodeLocal,
+    check_same_on_every_rank,
+    fold_legacy,
+    make_config,
+)
 from ddpstate._manager.entries import check_state, check_step
 from ddpstate._manager.local_tier import LocalTier, RestoreSource
 from ddpstate._manager.signals import StopSignals
@@ -79,7 +86,14 @@ from ddpstate.dist import Timeout as Timeout
 from ddpstate.dist import barrier, is_distributed
 from ddpstate.errors import InvalidArgumentError
 
-__all__ = ["CheckpointManager", "CheckpointVerification", "RestoreSource", "verify_checkpoint"]
+__all__ = [
+    "CheckpointManager",
+    "CheckpointVerification",
+    "KeepBest",
+    "NodeLocal",
+    "RestoreSource",
+    "verify_checkpoint",
+]
 
 
 class CheckpointManager:
@@ -124,10 +138,9 @@ class CheckpointManager:
             several nodes it must be shared storage that every rank can read.
         keep_last: Keep this many checkpoints with the highest steps (>= 1),
             or None to keep all.
-        keep_best: Also keep this many with the best ``metric``.
-        metric: Name of the metric (from ``save(metrics=...)``) ranking
-            checkpoints for ``keep_best``.
-        mode: ``"min"`` or ``"max"``: which ``metric`` values are best.
+        best: Also keep the best checkpoints by a metric:
+            ``KeepBest(count, metric, mode="min")`` (:class:`KeepBest`); None
+            (default) keeps only the ``keep_last`` newest.
         async_save: Write in a background thread after a snapshot.
         format: ``"pt"`` (torch.save files) or ``"safetensors"`` (models as
             safetensors, the other entries as torch.save files).
@@ -143,22 +156,26 @@ class CheckpointManager:
             Needed only beyond the everyday ones: numpy scalars and numeric
             arrays, ``pathlib`` paths, ``datetime`` values, ``argparse.Namespace``,
             ``OrderedDict`` and ``defaultdict``. Pass the same list on every rank.
-        local_dir: A node-local folder (``/dev/shm/ddpstate-<job id>``) for the
-            fast tier written by :meth:`save_local`; None (default) turns it
-            off. Name it per job: restore takes the newest step of any tier.
-            It may differ between nodes (not between the ranks of one node).
-        local_every: :meth:`save_local` writes the steps divisible by this.
-        local_keep: Local steps kept on each node (the newest ones).
+        local: The node-local tier written by :meth:`save_local`:
+            ``NodeLocal(directory, every=1, keep=2)`` (:class:`NodeLocal`, a
+            folder such as ``/dev/shm/ddpstate-<job id>``); None (default) turns
+            it off.
         writers: ``"rank0"`` (default): rank 0 writes replicated (DDP) models
             and optimizers; ``"all"``: every rank writes a part of them through
             ``torch.distributed.checkpoint`` (its planner splits the tensors by
             size). On one node it ties or loses to ``"rank0"`` (the ranks share
             CPUs and disk; see docs/benchmarks.md's DCP table); it can pay off where each
             rank has its own write bandwidth. Sharded state always uses every rank.
+        **legacy: The old flat keywords, each with a ``DeprecationWarning``:
+            ``keep_best=``, ``metric=``, ``mode=`` (now ``best=KeepBest(...)``),
+            ``local_dir=``, ``local_every=``, ``local_keep=`` (now
+            ``local=NodeLocal(...)``).
 
     Raises:
         DDPStateError: An argument is invalid, the ranks passed different
-            arguments, or ``handle_signals=True`` outside the main thread.
+            arguments, an option is passed in both its old and its new spelling,
+            or ``handle_signals=True`` outside the main thread.
+        TypeError: An unknown keyword argument (also a ``DDPStateError``).
 
     Example:
         >>> import tempfile, torch, ddpstate
@@ -177,26 +194,23 @@ class CheckpointManager:
         directory: PathLike,
         *,
         keep_last: Optional[int] = 3,
-        keep_best: int = 0,
-        metric: Optional[str] = None,
-        mode: str = "min",
+        best: Optional[KeepBest] = None,
         async_save: bool = False,
         format: str = "pt",
         storage_options: Optional[dict[str, Any]] = None,
         handle_signals: bool = False,
         timeout: Timeout = None,
         safe_globals: Sequence[Any] = (),
-        local_dir: Optional[PathLike] = None,
-        local_every: int = 1,
-        local_keep: int = 2,
+        local: Optional[NodeLocal] = None,
         writers: str = "rank0",
+        **legacy: Any,
     ) -> None:
+        best, local = fold_legacy(best, local, legacy)
         # Checked once, before any collective; the parts read this one frozen object.
         c = make_config(
-            directory, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode,
-            async_save=async_save, format=format, storage_options=storage_options,
-            timeout=timeout, safe_globals=safe_globals, local_dir=local_dir,
-            local_every=local_every, local_keep=local_keep, writers=writers,
+            directory, keep_last=keep_last, best=best, async_save=async_save, format=format,
+            storage_options=storage_options, timeout=timeout, safe_globals=safe_globals,
+            local=local, writers=writers,
         )  # fmt: skip
         # The attributes users read (manager.directory, manager.format...), as before.
         self.directory, self.keep_last, self.keep_best = c.directory, c.keep_last, c.keep_best
@@ -293,8 +307,8 @@ class CheckpointManager:
         Args:
             step: The training step (an int >= 0; names the folder).
             state: Entry name -> object with ``state_dict()`` or plain value.
-            metrics: Name -> number, stored in the manifest; ``metric`` must be
-                among them when ``keep_best`` is used.
+            metrics: Name -> number, stored in the manifest; the ``KeepBest``
+                metric must be among them when ``best=`` is used.
             rollback: Allow deleting committed steps higher than ``step``
                 without having restored ``step`` or a lower one.
 
@@ -330,15 +344,15 @@ class CheckpointManager:
         )  # fmt: skip
 
     def save_local(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Save ``state`` to the node-local tier when ``step`` is a multiple of ``local_every``.
+        """Save ``state`` to the node-local tier when ``step`` is a multiple of ``local.every``.
 
         Meant to be called every step: other steps return at once, with no
         collective. On a due step it is a collective of one round (the ranks'
         RNG states travel through the store to each node's writer, which tells
         its node whether the write started): each node's local rank 0 copies the state
-        into CPU memory kept between saves and writes it to ``local_dir`` in a
+        into CPU memory kept between saves and writes it to ``local.directory`` in a
         background thread (manifest last, as durable steps), keeping the
-        newest ``local_keep`` steps. It never raises for a failed local write
+        newest ``local.keep`` steps. It never raises for a failed local write
         (out of space, a folder that cannot be made, any write error): it
         warns once, skips that step on that node, and training goes on; the
         durable checkpoints are never touched. :meth:`save` stays the durable
@@ -353,12 +367,13 @@ class CheckpointManager:
             (the same on every rank of the node).
 
         Raises:
-            DDPStateError: The manager has no ``local_dir``, or invalid arguments.
+            DDPStateError: The manager has no node-local tier, or invalid arguments.
 
         Example:
             >>> import tempfile, torch, ddpstate
+            >>> from ddpstate.manager import NodeLocal
             >>> manager = ddpstate.CheckpointManager(
-            ...     tempfile.mkdtemp(), local_dir=tempfile.mkdtemp(), local_every=2
+            ...     tempfile.mkdtemp(), local=NodeLocal(tempfile.mkdtemp(), every=2)
             ... )
             >>> model = torch.nn.Linear(2, 2)
             >>> [manager.save_local(s, {"model": model}) for s in (1, 2)]
@@ -369,8 +384,9 @@ class CheckpointManager:
         _check_open(self, "save_local")
         if self._local is None:
             raise InvalidArgumentError(
-                "CheckpointManager.save_local: this manager has no node-local tier; pass "
-                "local_dir='/dev/shm/ddpstate-<job id>' (and local_every=K) to CheckpointManager"
+                "CheckpointManager.save_local: this manager has no node-local tier (no "
+                "local_dir); pass local=NodeLocal('/dev/shm/ddpstate-<job id>', every=K) "
+                "to CheckpointManager"
             )
         check_state(state, "save_local")
         return self._local.save(check_step(step), state)
@@ -389,15 +405,16 @@ class CheckpointManager:
         """Delete the node-local tier's folder on every node (for a fresh start).
 
         A collective: waits for the local write in flight, lets each node's
-        local rank 0 delete ``local_dir``, then meets the other ranks. The
+        local rank 0 delete the tier's folder, then meets the other ranks. The
         durable checkpoints are untouched. :meth:`close` leaves the local tier
         in place for a restart; this is how it goes away. A no-op without a
-        ``local_dir``.
+        node-local tier.
 
         Example:
             >>> import os, tempfile, torch, ddpstate
             >>> local = os.path.join(tempfile.mkdtemp(), "shm")
-            >>> manager = ddpstate.CheckpointManager(tempfile.mkdtemp(), local_dir=local)
+            >>> from ddpstate.manager import NodeLocal
+            >>> manager = ddpstate.CheckpointManager(tempfile.mkdtemp(), local=NodeLocal(local))
             >>> manager.save_local(1, {"w": torch.ones(2)})
             True
             >>> manager.clear_local(); os.path.exists(local)
@@ -461,7 +478,7 @@ class CheckpointManager:
         a dtype change is refused unless ``allow_dtype_change``. Every entry is
         checked before any is loaded: a refusal leaves them all untouched.
 
-        With a ``local_dir`` and no ``step``, the node-local tier answers first:
+        With a node-local tier and no ``step``, the tier answers first:
         each node's local rank 0 verifies its newest local step, and the ranks
         restore the newest local step any node holds (a node that lacks it
         receives it from one that has it, over the process group), unless the

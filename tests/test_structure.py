@@ -84,6 +84,8 @@ STILL_IMPORTABLE = {
     # checkpoint, manager
     "IncompatibleKeys",
     "CheckpointVerification",
+    "KeepBest",
+    "NodeLocal",
     # keys
     "KNOWN_PREFIXES",
     "STATE_DICT_NAMES",
@@ -157,6 +159,8 @@ PUBLIC_HOMES = {
     "manager": [
         "CheckpointManager",
         "CheckpointVerification",
+        "KeepBest",
+        "NodeLocal",
         "RestoreSource",
         "verify_checkpoint",
     ],
