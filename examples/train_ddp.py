@@ -59,6 +59,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddpstate
+from ddpstate.manager import NodeLocal
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -252,18 +253,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     scaler = torch.amp.GradScaler(device.type, enabled=amp)
 
-    local_dir = None
+    local = None
     if args.local_every > 0:
         # One folder per job: restore takes the newest step of either tier.
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         local_dir = args.local_dir or f"/dev/shm/ddpstate-{run_id}-{Path(args.out_dir).name}"
+        local = NodeLocal(local_dir, every=args.local_every)
     manager = ddpstate.CheckpointManager(
         args.out_dir,
         keep_last=args.keep_last,
         async_save=args.async_save,
         handle_signals=True,  # SIGTERM / SIGUSR1: save at an agreed step, then exit 0
-        local_dir=local_dir,
-        local_every=max(args.local_every, 1),
+        local=local,
     )
     state = {
         "model": model,
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"exported {export}")
         log(f"final validation accuracy: {100 * val_acc:.2f}%")
     manager.wait()  # the last durable checkpoint is committed (or its error raised here)
-    if local_dir is not None and not args.keep_local:
+    if local is not None and not args.keep_local:
         # The node-local tier lives in RAM (/dev/shm) and a later launch gets a new run id,
         # so a finished run removes it; a crash never gets here and leaves it for the restart.
         manager.clear_local()
