@@ -167,9 +167,8 @@ class CheckpointManager:
             CPUs and disk; see docs/benchmarks.md's DCP table); it can pay off where each
             rank has its own write bandwidth. Sharded state always uses every rank.
         **legacy: The old flat keywords, each with a ``DeprecationWarning``:
-            ``keep_best=``, ``metric=``, ``mode=`` (now ``best=KeepBest(...)``),
-            ``local_dir=``, ``local_every=``, ``local_keep=`` (now
-            ``local=NodeLocal(...)``).
+            ``keep_best``, ``metric``, ``mode`` (now ``best=``), ``local_dir``,
+            ``local_every``, ``local_keep`` (now ``local=``).
 
     Raises:
         DDPStateError: An argument is invalid, the ranks passed different
@@ -371,10 +370,8 @@ class CheckpointManager:
 
         Example:
             >>> import tempfile, torch, ddpstate
-            >>> from ddpstate.manager import NodeLocal
-            >>> manager = ddpstate.CheckpointManager(
-            ...     tempfile.mkdtemp(), local=NodeLocal(tempfile.mkdtemp(), every=2)
-            ... )
+            >>> local = ddpstate.manager.NodeLocal(tempfile.mkdtemp(), every=2)
+            >>> manager = ddpstate.CheckpointManager(tempfile.mkdtemp(), local=local)
             >>> model = torch.nn.Linear(2, 2)
             >>> [manager.save_local(s, {"model": model}) for s in (1, 2)]
             [False, True]
@@ -384,9 +381,8 @@ class CheckpointManager:
         _check_open(self, "save_local")
         if self._local is None:
             raise InvalidArgumentError(
-                "CheckpointManager.save_local: this manager has no node-local tier (no "
-                "local_dir); pass local=NodeLocal('/dev/shm/ddpstate-<job id>', every=K) "
-                "to CheckpointManager"
+                "CheckpointManager.save_local: this manager has no node-local tier (no local_dir); "
+                "pass local=NodeLocal('/dev/shm/ddpstate-<job id>', every=K) to CheckpointManager"
             )
         check_state(state, "save_local")
         return self._local.save(check_step(step), state)
@@ -412,12 +408,11 @@ class CheckpointManager:
 
         Example:
             >>> import os, tempfile, torch, ddpstate
-            >>> local = os.path.join(tempfile.mkdtemp(), "shm")
-            >>> from ddpstate.manager import NodeLocal
-            >>> manager = ddpstate.CheckpointManager(tempfile.mkdtemp(), local=NodeLocal(local))
+            >>> tier = ddpstate.manager.NodeLocal(os.path.join(tempfile.mkdtemp(), "shm"))
+            >>> manager = ddpstate.CheckpointManager(tempfile.mkdtemp(), local=tier)
             >>> manager.save_local(1, {"w": torch.ones(2)})
             True
-            >>> manager.clear_local(); os.path.exists(local)
+            >>> manager.clear_local(); os.path.exists(tier.directory)
             False
         """
         _check_open(self, "clear_local")
