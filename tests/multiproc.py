@@ -3,6 +3,15 @@
 The parent process hosts the rendezvous TCPStore (on a free port chosen by the
 OS, so no port races), so a rank that dies or never arrives leaves the store up
 and the other ranks see a proper timeout, as they would under torchrun's agent.
+
+Ranks are forked from one long-lived server process per pytest session that has
+imported torch once (multiprocessing's forkserver with a preload list): a rank
+starts in milliseconds instead of the seconds a fresh interpreter needs to import
+torch, and it is still a fresh process per call, so nothing one test changes
+(environment, torch settings, ddpstate's module state, signal handlers, a rank
+that exits or is killed) reaches the next one. ``fresh=True`` spawns a new
+interpreter instead, for a test whose environment must be set before torch is
+imported.
 """
 
 from __future__ import annotations
@@ -11,19 +20,57 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-_CTX = mp.get_context("spawn")
+_SPAWN = mp.get_context("spawn")
+_FORKSERVER = mp.get_context("forkserver")
+# Imported once in the fork server, shared by every rank forked from it. Only
+# torch and test tooling: ddpstate and the test modules are imported in each rank,
+# as in a fresh process. A name that fails to import is skipped by multiprocessing.
+_FORKSERVER.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "torch.distributed.checkpoint",
+        "torch.nn.parallel",
+        "numpy",
+        "pytest",
+        "tests.multiproc",
+    ]
+)
+
+# Environment variables that torch reads while it is imported: a rank that needs
+# one of them must start a fresh interpreter.
+_READ_AT_IMPORT = ("TORCH_", "OMP_", "MKL_", "CUDA_", "PYTORCH_", "NCCL_", "GLOO_")
 
 
 class RankFailed(AssertionError):
     """A child rank raised, died or hung; carries the child's traceback."""
+
+
+class _InheritedFd:
+    """The parent's file descriptor, handed to a forked rank as a spawned one inherits it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Called while the forkserver Popen pickles the process: DupFd sends the
+        # descriptor along with the fork request.
+        return (_attach_fd, (reduction.DupFd(self.fd),))
+
+
+def _attach_fd(dup: Any) -> int:
+    return int(dup.detach())
 
 
 def _child(
@@ -35,7 +82,22 @@ def _child(
     env: Mapping[str, str],
     results: Any,
     init_pg: bool,
+    parent_env: Mapping[str, str] | None = None,
+    std_fds: tuple[int, int] | None = None,
 ) -> None:
+    if std_fds is not None:
+        # A forked rank writes where the parent's output goes now (pytest's capture
+        # of this test), not where it went when the fork server started.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), std_fds):
+            os.dup2(fd, target)
+            os.close(fd)
+    if parent_env is not None:
+        # A forked rank starts with the fork server's environment; give it the
+        # parent's of this call, as a spawned process would inherit it.
+        os.environ.clear()
+        os.environ.update(parent_env)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -70,6 +132,8 @@ def _child(
     finally:
         if init_pg and dist.is_initialized():
             dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def run_ranks(
@@ -81,16 +145,21 @@ def run_ranks(
     timeout: float = 90.0,
     init_pg: bool = True,
     expect_failure: bool = False,
+    fresh: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
     ``fn`` must be a module-level function. Returns each rank's return value
     (``None`` for a rank that exited without reporting). A child's exception is
     re-raised here as :class:`RankFailed` with its traceback; ranks still alive
     after ``timeout`` seconds are killed and reported as hung.
     With ``expect_failure=True`` child exceptions are returned (as their
-    traceback strings) instead of raised.
+    traceback strings) instead of raised. Each rank is a new process forked from
+    the session's fork server; ``fresh=True`` (implied by an ``env`` variable
+    that torch reads at import) spawns a new interpreter per rank instead.
     """
+    env = dict(env or {})
+    fresh = fresh or any(name.startswith(_READ_AT_IMPORT) for name in env)
     store = dist.TCPStore(
         "127.0.0.1",
         0,
@@ -100,11 +169,21 @@ def run_ranks(
         timeout=timedelta(seconds=60),
     )
     port = store.port
-    results = _CTX.Queue()
+    ctx = _SPAWN if fresh else _FORKSERVER
+    results = ctx.Queue()
+    inherited: dict[str, Any] = (
+        {}
+        if fresh
+        else {
+            "parent_env": dict(os.environ),
+            "std_fds": (_InheritedFd(1), _InheritedFd(2)),
+        }
+    )
     procs = [
-        _CTX.Process(
+        ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, args, dict(env or {}), results, init_pg),
+            args=(fn, rank, world_size, port, args, env, results, init_pg),
+            kwargs=inherited,
             daemon=True,
         )
         for rank in range(world_size)
@@ -112,8 +191,6 @@ def run_ranks(
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     while len(outcomes) < world_size and time.monotonic() < deadline:
         try:
