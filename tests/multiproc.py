@@ -93,6 +93,12 @@ def _child(
         for target, fd in zip((1, 2), std_fds):
             os.dup2(fd, target)
             os.close(fd)
+    if std_fds is not None:
+        # A fresh interpreter seeds torch's and numpy's generators from the OS; a
+        # forked rank would otherwise share the fork server's stream with every rank.
+        torch.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
     if parent_env is not None:
         # A forked rank starts with the fork server's environment; give it the
         # parent's of this call, as a spawned process would inherit it.
