@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import reduction
 from typing import Any
@@ -73,6 +74,32 @@ def _attach_fd(dup: Any) -> int:
     return int(dup.detach())
 
 
+@dataclass(frozen=True)
+class _Parent:
+    """What a spawned process inherits from the parent at start and a forked rank must be given."""
+
+    environ: dict[str, str]
+    stdout: int | _InheritedFd
+    stderr: int | _InheritedFd
+
+
+def _take_after(parent: _Parent) -> None:
+    """Make a rank forked from the fork server look like one spawned by ``parent`` now."""
+    # Output goes where the parent's goes now (pytest's capture of this test), not
+    # where it went when the fork server started.
+    for target, fd in ((1, parent.stdout), (2, parent.stderr)):
+        assert isinstance(fd, int)
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(parent.environ)
+    # A fresh interpreter seeds torch's and numpy's generators from the OS; a forked
+    # rank would otherwise share the fork server's stream with every other rank.
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
 def _child(
     fn: Callable[..., Any],
     rank: int,
@@ -82,28 +109,10 @@ def _child(
     env: Mapping[str, str],
     results: Any,
     init_pg: bool,
-    parent_env: Mapping[str, str] | None = None,
-    std_fds: tuple[int, int] | None = None,
+    parent: _Parent | None,
 ) -> None:
-    if std_fds is not None:
-        # A forked rank writes where the parent's output goes now (pytest's capture
-        # of this test), not where it went when the fork server started.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for target, fd in zip((1, 2), std_fds):
-            os.dup2(fd, target)
-            os.close(fd)
-    if std_fds is not None:
-        # A fresh interpreter seeds torch's and numpy's generators from the OS; a
-        # forked rank would otherwise share the fork server's stream with every rank.
-        torch.seed()
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
-    if parent_env is not None:
-        # A forked rank starts with the fork server's environment; give it the
-        # parent's of this call, as a spawned process would inherit it.
-        os.environ.clear()
-        os.environ.update(parent_env)
+    if parent is not None:
+        _take_after(parent)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -177,19 +186,11 @@ def run_ranks(
     port = store.port
     ctx = _SPAWN if fresh else _FORKSERVER
     results = ctx.Queue()
-    inherited: dict[str, Any] = (
-        {}
-        if fresh
-        else {
-            "parent_env": dict(os.environ),
-            "std_fds": (_InheritedFd(1), _InheritedFd(2)),
-        }
-    )
+    parent = None if fresh else _Parent(dict(os.environ), _InheritedFd(1), _InheritedFd(2))
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, args, env, results, init_pg),
-            kwargs=inherited,
+            args=(fn, rank, world_size, port, args, env, results, init_pg, parent),
             daemon=True,
         )
         for rank in range(world_size)
@@ -212,8 +213,8 @@ def run_ranks(
                 except queue.Empty:
                     break
     hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in outcomes]
-    for p in procs:
-        p.join(timeout=10)
+    for r, p in enumerate(procs):
+        p.join(timeout=0 if r in hung else 10)
         if p.is_alive():
             p.kill()
             p.join(timeout=10)

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 import ddpstate
-
 from tests.multiproc import RankFailed, run_ranks
 
 _LEAKED: list[int] = []
@@ -38,7 +37,7 @@ def _leak_state(rank: int, world: int, folder: str) -> int:
     torch.serialization.add_safe_globals([_Leaked])
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.chdir(folder)
-    setattr(ddpstate, "_pool_leak", rank)
+    vars(ddpstate)["_pool_leak"] = rank
     return os.getpid()
 
 
@@ -91,9 +90,7 @@ def test_the_parents_environment_and_folder_reach_the_ranks(
     monkeypatch.setenv("DDPSTATE_POOL_PARENT", "set by the test")
     monkeypatch.chdir(tmp_path)
     results = run_ranks(_environment, 3, env={"DDPSTATE_POOL_CALL": "given"})
-    assert results == [
-        ("set by the test", "given", str(rank), str(tmp_path)) for rank in range(3)
-    ]
+    assert results == [("set by the test", "given", str(rank), str(tmp_path)) for rank in range(3)]
 
 
 def _parent_pid(rank: int, world: int) -> int:
@@ -132,7 +129,7 @@ def test_exits_and_failures_are_reported_and_the_next_call_runs() -> None:
     results = run_ranks(_exit_or_fail, 3, init_pg=False, expect_failure=True)
     assert results[0] == "done" and results[1] is None
     assert "ValueError: rank 2 broke on purpose" in results[2]
-    with pytest.raises(RankFailed, match="rank 2 failed:(.|\n)*rank 2 broke on purpose"):
+    with pytest.raises(RankFailed, match=r"(?s)rank 2 failed:.*rank 2 broke on purpose"):
         run_ranks(_exit_or_fail, 3, init_pg=False)
     assert [seen["env"] for seen in run_ranks(_observe_state, 3)] == [None] * 3
 
