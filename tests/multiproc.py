@@ -50,8 +50,19 @@ _FORKSERVER.set_forkserver_preload(
 )
 
 # Environment variables that torch reads while it is imported: a rank that needs
-# one of them must start a fresh interpreter.
+# one of them other than the fork server had must start a fresh interpreter.
 _READ_AT_IMPORT = ("TORCH_", "OMP_", "MKL_", "CUDA_", "PYTORCH_", "NCCL_", "GLOO_")
+_server_environ: dict[str, str] | None = None
+
+
+def _needs_fresh_interpreter(env: Mapping[str, str]) -> bool:
+    """Whether the ranks need a variable torch reads at import that the fork server lacks."""
+    global _server_environ
+    wanted = {k: v for k, v in {**os.environ, **env}.items() if k.startswith(_READ_AT_IMPORT)}
+    if _server_environ is None:
+        # The fork server starts with the next forked rank, in this environment.
+        _server_environ = {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_IMPORT)}
+    return wanted != _server_environ
 
 
 class RankFailed(AssertionError):
@@ -170,11 +181,12 @@ def run_ranks(
     after ``timeout`` seconds are killed and reported as hung.
     With ``expect_failure=True`` child exceptions are returned (as their
     traceback strings) instead of raised. Each rank is a new process forked from
-    the session's fork server; ``fresh=True`` (implied by an ``env`` variable
-    that torch reads at import) spawns a new interpreter per rank instead.
+    the session's fork server; ``fresh=True`` (implied by a variable torch reads
+    at import, in ``env`` or ``os.environ``, that the fork server did not start
+    with) spawns a new interpreter per rank instead.
     """
     env = dict(env or {})
-    fresh = fresh or any(name.startswith(_READ_AT_IMPORT) for name in env)
+    fresh = fresh or _needs_fresh_interpreter(env)
     store = dist.TCPStore(
         "127.0.0.1",
         0,

@@ -97,10 +97,17 @@ def _parent_pid(rank: int, world: int) -> int:
     return os.getppid()
 
 
-def test_fresh_and_import_time_variables_spawn_a_new_interpreter() -> None:
-    assert run_ranks(_parent_pid, 2) != [os.getpid()] * 2
-    assert run_ranks(_parent_pid, 2, fresh=True) == [os.getpid()] * 2
-    assert run_ranks(_parent_pid, 2, env={"TORCH_CPP_LOG_LEVEL": "ERROR"}) == [os.getpid()] * 2
+def test_fresh_and_import_time_variables_spawn_a_new_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spawned = [os.getpid()] * 2
+    assert run_ranks(_parent_pid, 2) != spawned
+    assert run_ranks(_parent_pid, 2, fresh=True) == spawned
+    assert run_ranks(_parent_pid, 2, env={"TORCH_CPP_LOG_LEVEL": "ERROR"}) == spawned
+    monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")
+    assert run_ranks(_parent_pid, 2) == spawned
+    monkeypatch.delenv("TORCH_SERIALIZATION_DEBUG")
+    assert run_ranks(_parent_pid, 2) != spawned
 
 
 def _print(rank: int, world: int) -> None:
