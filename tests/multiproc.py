@@ -147,6 +147,11 @@ def _child(
                 world_size=world_size,
                 timeout=timedelta(seconds=120),
             )
+            # No rank runs fn before every rank has connected: a rank whose fn returns
+            # at once would otherwise close its sockets while a slower peer is still
+            # connecting to it ("Gloo connectFullMesh failed ... closed by peer").
+            store.set(f"connected/{rank}", "1")
+            store.wait([f"connected/{r}" for r in range(world_size)])
         value = fn(rank, world_size, *args)
         # Tensors sent through a Queue travel as shared-memory handles that die with
         # this process; torch.save bytes survive it.
