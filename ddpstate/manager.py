@@ -59,9 +59,9 @@ from types import TracebackType
 from typing import Any, Optional
 
 from ddpstate import storage
-from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
+from ddpstate._manager import dcp_step as _dcp
 from ddpstate._manager import local_tier as _local_tier
 from ddpstate._manager import restore as _restore
 from ddpstate._manager import save as _save

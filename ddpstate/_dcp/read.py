@@ -15,10 +15,12 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from ddpstate import storage
+from ddpstate import _fs, storage
 from ddpstate._io import torch_io as _torch_io
 from ddpstate._io.model_state import IncompatibleKeys, shape_mismatches
+from ddpstate.dist import share_outcome
 from ddpstate.errors import CheckpointCorruptError
+from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
 
 __all__ = [
     "BytesEntry",
@@ -153,8 +155,6 @@ def _plan(
     """Match the folder's keys and shapes with the model's, from the metadata alone."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
-
     metadata = read_metadata(path, name=path, storage_options=storage_options)
     sd_path, saved = find_state_dict(skeleton(metadata), key)
     own = get_model_state_dict(model)
@@ -221,8 +221,6 @@ def load_sharded_model_state(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from ddpstate.dist import share_outcome
-
     plan: Optional[_Plan] = None
     error: Optional[Exception] = None
     try:
@@ -238,7 +236,7 @@ def load_sharded_model_state(
     with _torch_io.dcp_read_errors(
         path, into=f" into {type(model).__name__}'s shards", advice=f"run `ddpstate verify {path}`"
     ):
-        if _is_remote(path):
+        if _fs.is_remote(os.fspath(path)):
             try:  # the public name, where torch exports one
                 from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined,unused-ignore]
             except ImportError:  # torch 2.13 has none: its private module, deprecated later
@@ -286,8 +284,6 @@ def load_full_into_sharded(
         set_model_state_dict,
     )
 
-    from ddpstate.keys import adapt_state_dict, match_keys
-
     own = get_model_state_dict(model)
     adapted = adapt_state_dict(state_dict, own, strict=strict)
     skipped = [
@@ -308,9 +304,3 @@ def load_full_into_sharded(
         [*skipped, *(k for k in match.missing if isinstance(k, str))],
         [k if isinstance(k, str) else repr(k) for k in match.unexpected],
     )
-
-
-def _is_remote(path: str) -> bool:
-    from ddpstate import _fs
-
-    return _fs.is_remote(os.fspath(path))
