@@ -23,25 +23,13 @@ from ddpstate._fs import PathLike
 from ddpstate._storage.local import atomic_write_local
 from ddpstate._storage.local import wait_for_freed as wait_for_freed
 from ddpstate._storage.local import write_by_name as write_by_name
-from ddpstate._storage.remote import (
-    OBJECT_STORE_PROTOCOLS,
-    atomic_write_object_store,
-    atomic_write_rename,
-    protocol_of,
-)
-from ddpstate._storage.temps import (
-    TEMP_MARKER as TEMP_MARKER,
-)
-from ddpstate._storage.temps import (
-    cleanup_after,
-    fsync_dir,
-    is_temp_name,
-    retired_name_for,
-    temp_path_for,
-)
-from ddpstate._storage.temps import (
-    retired_original as retired_original,
-)
+from ddpstate._storage.remote import OBJECT_STORE_PROTOCOLS as OBJECT_STORE_PROTOCOLS
+from ddpstate._storage.remote import atomic_write_object_store, atomic_write_rename, protocol_of
+from ddpstate._storage.temps import TEMP_MARKER as TEMP_MARKER
+from ddpstate._storage.temps import cleanup_after, is_temp_name, retired_name_for
+from ddpstate._storage.temps import fsync_dir as fsync_dir
+from ddpstate._storage.temps import retired_original as retired_original
+from ddpstate._storage.temps import temp_path_for as temp_path_for
 from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
 
 # What users need; the writers' internals (``temp_path_for``, ``retired_original``,
