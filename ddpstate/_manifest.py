@@ -12,6 +12,7 @@ tier, sharded saves) import it.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import posixpath
@@ -20,7 +21,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 from ddpstate import _checksum, _fs, storage
 from ddpstate._checksum import checksum_hex, error_text
@@ -69,16 +70,24 @@ SHARD_SUFFIX = ".distcp"
 FOLDER_FORMAT = DCP
 
 
-class ChecksumWriter:
-    """A write-only file wrapper that counts bytes and computes CRC-32 on the way through."""
+class ChecksumWriter(io.RawIOBase):
+    """A write-only stream that counts bytes and CRC-32s them on their way to ``raw``.
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    Used by ``torch.save`` (a step's files) and DCP's writer (a shard's stream:
+    ``tell`` and ``fileno`` are the file's).
+    """
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
         self._raw = raw
         self.size = 0
         self.crc = 0
         # torch.save's C++ writer replaces an exception from write() with its own
         # "unexpected pos" error; the real cause (disk full...) is kept here.
         self.error: Optional[BaseException] = None
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -92,8 +101,15 @@ class ChecksumWriter:
         self.size += count
         return count
 
+    def tell(self) -> int:
+        return int(self._raw.tell())
+
+    def fileno(self) -> int:
+        return int(self._raw.fileno())
+
     def flush(self) -> None:
-        self._raw.flush()
+        if not self._raw.closed:  # also called when this wrapper is collected
+            self._raw.flush()
 
 
 def write_listed_file(

@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import io
 import os
-import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
@@ -93,35 +91,6 @@ def _checksum(path: str) -> dict[str, Any]:
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
-class _ChecksumStream(io.RawIOBase):
-    """A write stream that CRC-32s what passes through, so no file is read back to checksum it."""
-
-    def __init__(self, raw: Any) -> None:
-        super().__init__()
-        self._raw = raw
-        self.size = 0
-        self.crc = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        written = self._raw.write(data)
-        view = memoryview(data).cast("B")[:written]
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += len(view)
-        return int(written)
-
-    def tell(self) -> int:
-        return int(self._raw.tell())
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return int(self._raw.fileno())
-
-
 def _checksumming_fs(sums: dict[str, dict[str, Any]]) -> Any:
     """DCP's local FileSystem, recording each data file's size and CRC-32 as it is written."""
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -134,7 +103,7 @@ def _checksumming_fs(sums: dict[str, dict[str, Any]]) -> Any:
                 if mode != "wb" or not name.endswith(SHARD_SUFFIX):
                     yield raw
                     return
-                stream = _ChecksumStream(raw)
+                stream = _manifest.ChecksumWriter(raw)
                 yield stream
                 sums[name] = {"size": stream.size, "crc32": f"{stream.crc:08x}"}
 
