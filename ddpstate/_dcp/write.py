@@ -180,11 +180,6 @@ def failure_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def fsync_folder(folder: str) -> None:
-    """Make the folder's entries (the files every rank created) durable."""
-    storage.fsync_dir(_fs.local_path(folder))
-
-
 # ------------------------------------------------------------------------- save() on sharded state
 
 

@@ -285,7 +285,7 @@ def _commit(
         return writer.write_failure(step, target, failures)
     written = {n: {"file": f"{DCP_SUBDIR}/{METADATA_NAME}", "kind": k} for n, k in kinds.items()}
     try:
-        _dcp_write.fsync_folder(os.path.join(staged.path, DCP_SUBDIR))
+        storage.fsync_dir(os.path.join(staged.path, DCP_SUBDIR))
         writer.commit(
             step,
             dict(entries),
