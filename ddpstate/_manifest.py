@@ -193,15 +193,13 @@ class StepFolders:
                 # A re-save crashed between its two renames: put the old copy back.
                 os.rename(path, storage.join(self.directory, original))
                 continue
-            step = None if storage.is_temp_name(name) else parse_step(name)
-            if step is not None and not storage.isdir(path, **kw):
-                continue  # not ours: ddpstate never deletes files it did not write
-            if step is None:
-                if storage.is_temp_name(name):
-                    storage.remove(path, recursive=True, missing_ok=True, **kw)
-            elif not storage.exists(storage.join(path, MANIFEST_NAME), **kw):
+            step = parse_step(name)
+            if storage.is_temp_name(name):
                 storage.remove(path, recursive=True, missing_ok=True, **kw)
-            else:
+            elif step is not None and storage.isdir(path, **kw):
+                if not storage.exists(storage.join(path, MANIFEST_NAME), **kw):
+                    storage.remove(path, recursive=True, missing_ok=True, **kw)  # uncommitted
+                    continue
                 for inner in storage.listdir(path, include_temp=True, **kw):
                     if storage.is_temp_name(inner):
                         storage.remove(storage.join(path, inner), missing_ok=True, **kw)
