@@ -24,7 +24,8 @@ Layouts (the names below are this module's constants):
         __1_0.distcp        # rank 1's part, ...
         manifest.json       # ddpstate's commit marker, {"format": "dcp", "files": {...}}
 
-A :class:`~ddpstate.CheckpointManager` step folder keeps the rank-0 files as
+A :class:`~ddpstate.CheckpointManager` step folder (written by
+``_manager/dcp_step.py`` with :func:`write_shards`) keeps the rank-0 files as
 before and puts the DCP entries (sharded models and optimizers, or every model
 and optimizer with ``writers="all"``) in one DCP checkpoint below ``dcp/``::
 

@@ -1,13 +1,14 @@
 """The durable tier's writes: a step folder written, committed (manifest last), rotated.
 
 :class:`StepWriter` is what rank 0 (the writer) does for a
-:class:`~ddpstate.CheckpointManager`: it prepares a step's folder (cleaning
-up crashed saves, staging a re-save beside the old copy), writes each entry
+:class:`~ddpstate.CheckpointManager`: it stages a step's folder (crashed saves
+cleaned up by :class:`~ddpstate._manifest.StepFolders`, the folder staged beside
+its target by :func:`ddpstate.storage.stage_folder`), writes each entry
 with its size and CRC-32, commits it with the manifest, points ``latest`` at
 it, applies a rollback, and rotates old steps out. It also turns a failure
 into the one error every rank raises. :class:`InFlight` holds the async write
-in flight; sharded saves (``_dcp/write.py``) drive the same writer through its
-public methods.
+in flight; sharded saves (``_manager/dcp_step.py``) drive the same writer
+through its public methods.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class InFlight:
     thread: Optional[threading.Thread] = None
     #: The background write's failure, raised on every rank by :meth:`StepWriter.finish`.
     error: Optional[BaseException] = None
-    #: Background DCP writes' own gloo group (``_dcp/write.async_group``).
+    #: Background DCP writes' own gloo group (``dcp_step.async_group``).
     dcp_group: Any = None
 
     def abandon(self, exc: Optional[BaseException]) -> None:
