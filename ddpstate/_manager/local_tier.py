@@ -36,6 +36,7 @@ from ddpstate import _checksum, _manifest, storage
 from ddpstate._manager import local_check
 from ddpstate._manager.entries import Entry, Timeout
 from ddpstate._manager.snapshot import Snapshot
+from ddpstate._manager.writer import start_thread
 from ddpstate._warn import warn
 from ddpstate.dist import (
     broadcast_object,
@@ -168,14 +169,13 @@ class LocalTier:
                 try:
                     self._thread_error = None
                     self._thread_step = step
-                    thread = threading.Thread(
-                        target=self._write_in_thread,
-                        args=(step, entries, rng_states, events),
-                        name=f"ddpstate-local-tier-step-{step}",
-                        daemon=False,
+                    self._thread = start_thread(
+                        f"ddpstate-local-tier-step-{step}",
+                        events,
+                        lambda: self._write(step, entries, rng_states),
+                        self._failed,
                     )
-                    thread.start()
-                    self._thread, started = thread, True
+                    started = True
                 except Exception as exc:  # no thread to be had: still only a skipped step
                     self._skip(step, exc)
             news = self.skipped[self._reported :]
@@ -195,19 +195,8 @@ class LocalTier:
             self.skipped.extend(news)
         return bool(started)
 
-    def _write_in_thread(
-        self,
-        step: int,
-        entries: dict[str, Entry],
-        rng_states: list[Any],
-        events: list[Any],
-    ) -> None:
-        try:
-            for event in events:
-                event.synchronize()
-            self._write(step, entries, rng_states)
-        except BaseException as exc:
-            self._thread_error = exc
+    def _failed(self, exc: BaseException) -> None:
+        self._thread_error = exc
 
     def _write(self, step: int, entries: dict[str, Entry], rng_states: list[Any]) -> None:
         os.makedirs(self.directory, exist_ok=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -77,6 +77,28 @@ class InFlight:
                 if note is not None:
                     note(f"the async checkpoint write also failed: {self.error!r}")
         self.pending = None
+
+
+def start_thread(
+    name: str, events: list[Any], work: Callable[[], None], failed: Callable[[BaseException], None]
+) -> threading.Thread:
+    """Run ``work`` in a background thread once ``events`` (CUDA copies) are done.
+
+    Its exception, whatever it is, goes to ``failed`` (the next call raises or warns).
+    Not a daemon: an interpreter exiting normally still finishes the write.
+    """
+
+    def run() -> None:
+        try:
+            for event in events:
+                event.synchronize()
+            work()
+        except BaseException as exc:
+            failed(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=False)
+    thread.start()
+    return thread
 
 
 class StepWriter(StepFolders):
@@ -315,30 +337,16 @@ class StepWriter(StepFolders):
     ) -> None:
         """Rank 0: write and commit ``step`` in a background thread (its error: ``flight``)."""
         flight.error = None
-        flight.thread = threading.Thread(
-            target=self._write_in_thread,
-            args=(flight, step, entries, rng_blobs, metrics, events),
-            name=f"ddpstate-checkpoint-writer-step-{step}",
-            # Not a daemon: an interpreter exiting normally still finishes the write.
-            daemon=False,
-        )
-        flight.thread.start()
 
-    def _write_in_thread(
-        self,
-        flight: InFlight,
-        step: int,
-        entries: dict[str, Entry],
-        rng_blobs: list[bytes],
-        metrics: dict[str, float],
-        events: list[Any],
-    ) -> None:
-        try:
-            for event in events:
-                event.synchronize()
-            self.commit(step, entries, rng_states(rng_blobs), metrics)
-        except BaseException as exc:
+        def failed(exc: BaseException) -> None:
             flight.error = exc
+
+        flight.thread = start_thread(
+            f"ddpstate-checkpoint-writer-step-{step}",
+            events,
+            lambda: self.commit(step, entries, rng_states(rng_blobs), metrics),
+            failed,
+        )
 
     def finish(self, flight: InFlight) -> None:
         """Wait for the write in ``flight``; raise its error on every rank (a collective)."""
