@@ -484,6 +484,12 @@ def stage_folder(
     For writers whose commit happens in another call than the staging (rank 0
     stages, every rank writes, rank 0 commits later).
 
+    Args:
+        target, fsync, storage_options, manifest_name: As for :func:`staged_folder`.
+
+    Returns:
+        The :class:`StagedFolder`; call its ``commit`` or, on failure, ``discard``.
+
     Raises:
         CheckpointWriteError: The staging folder cannot be made (or, on fsspec, the
             old copy cannot be removed).
