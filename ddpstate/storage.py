@@ -420,8 +420,9 @@ class StagedFolder:
 
     Made by :func:`stage_folder` (or :func:`staged_folder`). ``path`` is the folder to
     write into: locally a fresh hidden ``.<name>.ddpstate-tmp-<hex>`` folder beside
-    ``target``; on fsspec URLs ``target`` itself, whose old copy was uncommitted
-    (manifest first) and removed, since object stores cannot swap folders.
+    ``target`` (or, with ``in_place``, a ``target`` that does not exist yet); on fsspec
+    URLs ``target`` itself, whose old copy was uncommitted (manifest first) and
+    removed, since object stores cannot swap folders.
     """
 
     def __init__(
@@ -478,6 +479,7 @@ def stage_folder(
     fsync: bool = True,
     storage_options: Optional[dict[str, Any]] = None,
     manifest_name: str = "manifest.json",
+    in_place: bool = False,
 ) -> StagedFolder:
     """Stage a folder that replaces ``target`` when committed (see :func:`staged_folder`).
 
@@ -486,6 +488,9 @@ def stage_folder(
 
     Args:
         target, fsync, storage_options, manifest_name: As for :func:`staged_folder`.
+        in_place: Write a local ``target`` that does not exist yet in place: for
+            folders whose manifest, written last, is what commits them (a folder
+            without one is uncommitted and cleaned up), such as a manager's steps.
 
     Returns:
         The :class:`StagedFolder`; call its ``commit`` or, on failure, ``discard``.
@@ -506,7 +511,7 @@ def stage_folder(
     else:
         text = os.path.abspath(_fs.local_path(text))
         makedirs(os.path.dirname(text))
-        path = temp_path_for(text)
+        path = text if in_place and not os.path.lexists(text) else temp_path_for(text)
         makedirs(path)
     return StagedFolder(text, path, fsync=fsync, storage_options=opts, manifest_name=manifest_name)
 

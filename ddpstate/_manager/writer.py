@@ -2,8 +2,8 @@
 
 :class:`StepWriter` is what rank 0 (the writer) does for a
 :class:`~ddpstate.CheckpointManager`: it stages a step's folder (crashed saves
-cleaned up by :class:`~ddpstate._manifest.StepFolders`, the folder staged beside
-its target by :func:`ddpstate.storage.stage_folder`), writes each entry
+cleaned up by :class:`~ddpstate._manifest.StepFolders`, the folder staged by
+:func:`ddpstate.storage.stage_folder`: in place when new), writes each entry
 with its size and CRC-32, commits it with the manifest, points ``latest`` at
 it, applies a rollback, and rotates old steps out. It also turns a failure
 into the one error every rank raises. :class:`InFlight` holds the async write
@@ -162,8 +162,11 @@ class StepWriter(StepFolders):
                 f"{target} exists and is not a folder, so step {step} cannot be saved there; "
                 f"move that file away (ddpstate never deletes files it did not write)"
             )
-        # Re-saving a step stages beside it, so the old copy stays committed until the new one is.
-        return storage.stage_folder(target, storage_options=opts, manifest_name=MANIFEST_NAME)
+        # A new step is written in place (its manifest commits it); a re-saved one beside
+        # the old copy, which stays committed until the new one is.
+        return storage.stage_folder(
+            target, storage_options=opts, manifest_name=MANIFEST_NAME, in_place=True
+        )
 
     def commit(
         self,
