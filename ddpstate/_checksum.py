@@ -31,6 +31,7 @@ __all__ = [
     "PieceRead",
     "assign",
     "check_files",
+    "check_share",
     "checksum_hex",
     "error_text",
     "file_problem",
@@ -214,6 +215,46 @@ def file_problems(
     return [p for p in problems if p]
 
 
+def _sizes(files: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """Each listed file's size as the manifest says (0 where it says nothing usable)."""
+    return {n: max(0, e["size"]) if isinstance(e.get("size"), int) else 0 for n, e in files.items()}
+
+
+def check_share(
+    folder: str,
+    files: Mapping[str, Mapping[str, Any]],
+    opts: Optional[dict[str, Any]],
+    index: int,
+    count: int,
+    min_piece: int = MIN_PIECE,
+) -> list[Finding]:
+    """Checksum share ``index`` of ``count`` of the listed files' bytes (see :func:`assign`).
+
+    An ``index`` outside ``range(count)`` checks nothing; a piece that cannot be
+    checked is a finding, never an exception (other readers may be waiting).
+
+    Args:
+        folder: The folder (local path or fsspec URL).
+        files: The manifest's entries of the files, in manifest order.
+        opts: fsspec storage options, or None.
+        index: This checker's share.
+        count: How many checkers split the bytes.
+        min_piece: The smallest file that is split.
+
+    Returns:
+        (file, read) per piece of this share; :func:`file_problems` judges them.
+    """
+    pieces = assign(_sizes(files), count, min_piece)[index] if 0 <= index < count else []
+    found: list[Finding] = []
+    for filename, start, stop in pieces:
+        try:
+            read = read_piece(storage.join(folder, filename), filename, start, stop, opts)
+        except Exception as exc:
+            read = PieceRead(start, 0, 0, f"{filename} cannot be checked ({error_text(exc)})")
+        found.append((filename, read))
+    return found
+
+
 def _cpus() -> int:
     """The CPUs this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -259,21 +300,17 @@ def check_files(
         >>> check_files(folder, {"b.pt": {"size": 1, "crc32": "0"}}, None)
         (['b.pt is missing'], 0, 0)
     """
-    sizes = {n: e["size"] if isinstance(e.get("size"), int) else 0 for n, e in files.items()}
-    count = workers if workers is not None else _workers(sum(max(0, s) for s in sizes.values()))
-    shares = assign(sizes, max(1, count), min_piece)
-
-    def run(share: list[Piece]) -> list[Finding]:
-        return [
-            (name, read_piece(storage.join(folder, name), name, start, stop, opts))
-            for name, start, stop in share
-        ]
-
-    if len(shares) == 1:
-        found = [run(shares[0])]
+    sizes = _sizes(files)
+    count = max(1, workers if workers is not None else _workers(sum(sizes.values())))
+    if count == 1:
+        found = [check_share(folder, files, opts, 0, 1, min_piece)]
     else:
-        with ThreadPoolExecutor(len(shares), thread_name_prefix="ddpstate-checksum") as pool:
-            found = list(pool.map(run, shares))
+        with ThreadPoolExecutor(count, thread_name_prefix="ddpstate-checksum") as pool:
+            found = list(
+                pool.map(
+                    lambda i: check_share(folder, files, opts, i, count, min_piece), range(count)
+                )
+            )
     pairs = [pair for share in found for pair in share]
     unread = {name for name, read in pairs if read.problem}
     read_files = {name for name, _ in pairs} - unread

@@ -12,21 +12,27 @@ tier, sharded saves) import it.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import posixpath
 import re
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 from ddpstate import _checksum, _fs, storage
 from ddpstate._checksum import checksum_hex, error_text
 from ddpstate._fs import PathLike
 from ddpstate._version import __version__
-from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError, DDPStateError
+from ddpstate.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    DDPStateError,
+)
 from ddpstate.formats import DCP
 
 __all__ = ["CheckpointVerification", "verify_checkpoint"]
@@ -64,16 +70,24 @@ SHARD_SUFFIX = ".distcp"
 FOLDER_FORMAT = DCP
 
 
-class ChecksumWriter:
-    """A write-only file wrapper that counts bytes and computes CRC-32 on the way through."""
+class ChecksumWriter(io.RawIOBase):
+    """A write-only stream that counts bytes and CRC-32s them on their way to ``raw``.
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    Used by ``torch.save`` (a step's files) and DCP's writer (a shard's stream:
+    ``tell`` and ``fileno`` are the file's).
+    """
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
         self._raw = raw
         self.size = 0
         self.crc = 0
         # torch.save's C++ writer replaces an exception from write() with its own
         # "unexpected pos" error; the real cause (disk full...) is kept here.
         self.error: Optional[BaseException] = None
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -87,8 +101,165 @@ class ChecksumWriter:
         self.size += count
         return count
 
+    def tell(self) -> int:
+        return int(self._raw.tell())
+
+    def fileno(self) -> int:
+        return int(self._raw.fileno())
+
     def flush(self) -> None:
-        self._raw.flush()
+        if not self._raw.closed:  # also called when this wrapper is collected
+            self._raw.flush()
+
+
+def write_listed_file(
+    path: str,
+    write: Callable[[ChecksumWriter], Any],
+    *,
+    fsync: bool = True,
+    storage_options: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Write one file atomically through a :class:`ChecksumWriter`; its manifest entry.
+
+    ``write(writer)`` writes the bytes. torch.save's C++ writer hides a failed
+    ``write`` behind its own error: the real cause (disk full...) is raised instead.
+
+    Returns:
+        ``{"size": ..., "crc32": ...}`` as the manifest lists the file.
+    """
+    with storage.atomic_write(path, storage_options=storage_options, fsync=fsync) as raw:
+        writer = ChecksumWriter(raw)
+        try:
+            write(writer)
+        except Exception as exc:
+            if writer.error is not None and writer.error is not exc:
+                raise writer.error from exc
+            raise
+    return {"size": writer.size, "crc32": checksum_hex(writer.crc)}
+
+
+class StepFolders:
+    """A manager directory's step folders: listing, clean-up after crashes, removal, rotation.
+
+    One implementation for the durable tier (:class:`ddpstate._manager.writer.StepWriter`,
+    any storage) and the node-local tier (a local folder).
+    """
+
+    def __init__(self, directory: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+        self.directory = directory
+        self.storage_options = storage_options
+
+    def checkpoint_path(self, step: int) -> str:
+        """The folder of ``step``'s checkpoint."""
+        return storage.join(self.directory, step_name(step))
+
+    def committed_steps(self) -> list[int]:
+        """The steps whose manifest exists, sorted (empty when the directory does not exist)."""
+        opts = self.storage_options
+        if not storage.isdir(self.directory, storage_options=opts):
+            return []
+        return sorted(
+            s
+            for s in map(parse_step, storage.listdir(self.directory, storage_options=opts))
+            if s is not None
+            and storage.exists(
+                storage.join(self.checkpoint_path(s), MANIFEST_NAME), storage_options=opts
+            )
+        )
+
+    def latest_step(self) -> Optional[int]:
+        """The highest committed step, or None."""
+        found = self.committed_steps()
+        return found[-1] if found else None
+
+    def clean_stale(self) -> list[int]:
+        """Delete what crashed saves left; return the committed steps found.
+
+        Temporary folders and files, and step folders without a manifest, are
+        deleted; a re-saved step whose two renames a crash interrupted is put back.
+        """
+        opts = self.storage_options
+        kw: dict[str, Any] = {"storage_options": opts}
+        found = []
+        for name in storage.listdir(self.directory, include_temp=True, **kw):
+            path = storage.join(self.directory, name)
+            original = storage.retired_original(name)
+            if (
+                original is not None
+                and parse_step(original) is not None
+                and not storage.exists(storage.join(self.directory, original), **kw)
+                and storage.exists(storage.join(path, MANIFEST_NAME), **kw)
+            ):
+                # A re-save crashed between its two renames: put the old copy back.
+                os.rename(path, storage.join(self.directory, original))
+                continue
+            step = parse_step(name)
+            if storage.is_temp_name(name):
+                storage.remove(path, recursive=True, missing_ok=True, **kw)
+            elif step is not None and storage.isdir(path, **kw):
+                if not storage.exists(storage.join(path, MANIFEST_NAME), **kw):
+                    storage.remove(path, recursive=True, missing_ok=True, **kw)  # uncommitted
+                    continue
+                for inner in storage.listdir(path, include_temp=True, **kw):
+                    if storage.is_temp_name(inner):
+                        storage.remove(storage.join(path, inner), missing_ok=True, **kw)
+                found.append(step)
+        return found
+
+    def remove_step(self, step: int, newest: int, *, folder_too: bool = True) -> None:
+        """Uncommit ``step`` (its manifest), then delete its folder (``newest`` is committed).
+
+        Manifest first: a crash midway leaves an uncommitted folder, never a
+        committed one with files missing.
+
+        Raises:
+            CheckpointWriteError: Deleting failed; says ``newest`` is committed.
+        """
+        folder = self.checkpoint_path(step)
+        try:
+            storage.remove(
+                storage.join(folder, MANIFEST_NAME),
+                storage_options=self.storage_options,
+                missing_ok=True,
+            )
+            if folder_too:
+                storage.remove(
+                    folder, storage_options=self.storage_options, recursive=True, missing_ok=True
+                )
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"step {newest} {COMMITTED_BUT} deleting the old checkpoint {folder} "
+                f"failed ({error_text(exc)}); delete it by hand"
+            ) from exc
+
+    def rotate(
+        self,
+        newest: int,
+        keep_last: Optional[int],
+        keep_best: int = 0,
+        score: Optional[Callable[[int], Optional[float]]] = None,
+    ) -> list[int]:
+        """Remove the committed steps that neither ``keep_last`` nor ``keep_best`` keeps.
+
+        Args:
+            newest: The step just committed (always kept).
+            keep_last: How many of the highest steps to keep (None: all).
+            keep_best: How many of the lowest-scoring steps to keep.
+            score: A step's score (lower is better; None: unscored).
+
+        Returns:
+            The steps removed.
+        """
+        committed = self.committed_steps()[::-1]
+        keep = {newest}
+        keep.update(committed if keep_last is None else committed[:keep_last])
+        if keep_best and score is not None:
+            scored = [(v, -s, s) for s in committed if (v := score(s)) is not None]
+            keep.update(s for _, _, s in sorted(scored)[:keep_best])
+        dropped = [s for s in committed if s not in keep]
+        for s in dropped:
+            self.remove_step(s, newest)
+        return dropped
 
 
 def step_name(step: int) -> str:

@@ -59,8 +59,8 @@ from types import TracebackType
 from typing import Any, Optional
 
 from ddpstate import storage
-from ddpstate._dcp import write as _dcp
 from ddpstate._fs import PathLike
+from ddpstate._manager import dcp_step as _dcp
 from ddpstate._manager import restore as _restore
 from ddpstate._manager import save as _save
 from ddpstate._manager.config import (

@@ -20,41 +20,33 @@ from typing import IO, Any, Optional
 
 from ddpstate import _fs
 from ddpstate._fs import PathLike
-from ddpstate._storage.local import atomic_write_local, wait_for_freed, write_by_name
-from ddpstate._storage.remote import (
-    OBJECT_STORE_PROTOCOLS,
-    atomic_write_object_store,
-    atomic_write_rename,
-    protocol_of,
-)
-from ddpstate._storage.temps import (
-    TEMP_MARKER,
-    fsync_dir,
-    is_temp_name,
-    retired_name_for,
-    retired_original,
-    temp_path_for,
-)
+from ddpstate._storage.local import atomic_write_local
+from ddpstate._storage.local import wait_for_freed as wait_for_freed
+from ddpstate._storage.local import write_by_name as write_by_name
+from ddpstate._storage.remote import OBJECT_STORE_PROTOCOLS as OBJECT_STORE_PROTOCOLS
+from ddpstate._storage.remote import atomic_write_object_store, atomic_write_rename, protocol_of
+from ddpstate._storage.temps import TEMP_MARKER as TEMP_MARKER
+from ddpstate._storage.temps import cleanup_after, is_temp_name, retired_name_for
+from ddpstate._storage.temps import fsync_dir as fsync_dir
+from ddpstate._storage.temps import retired_original as retired_original
+from ddpstate._storage.temps import temp_path_for as temp_path_for
 from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
 
+# What users need; the writers' internals (``temp_path_for``, ``retired_original``,
+# ``write_by_name``, ``OBJECT_STORE_PROTOCOLS``, ``TEMP_MARKER``...) still import from here.
 __all__ = [
-    "OBJECT_STORE_PROTOCOLS",
-    "TEMP_MARKER",
+    "StagedFolder",
     "atomic_write",
     "exists",
-    "fsync_dir",
-    "is_temp_name",
     "isdir",
+    "is_temp_name",
     "join",
     "listdir",
     "makedirs",
     "open_read",
     "remove",
     "replace_folder",
-    "retired_original",
-    "temp_path_for",
-    "wait_for_freed",
-    "write_by_name",
+    "staged_folder",
 ]
 
 
@@ -421,3 +413,156 @@ def makedirs(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None
         raise CheckpointWriteError(
             f"cannot create folder {text} ({type(exc).__name__}: {exc}); check permissions"
         ) from exc
+
+
+class StagedFolder:
+    """A folder being written that takes ``target``'s place only at :meth:`commit`.
+
+    Made by :func:`stage_folder` (or :func:`staged_folder`). ``path`` is the folder to
+    write into: locally a fresh hidden ``.<name>.ddpstate-tmp-<hex>`` folder beside
+    ``target`` (or, with ``in_place``, a ``target`` that does not exist yet); on fsspec
+    URLs ``target`` itself, whose old copy was uncommitted (manifest first) and
+    removed, since object stores cannot swap folders.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        path: str,
+        *,
+        fsync: bool = True,
+        storage_options: Optional[dict[str, Any]] = None,
+        manifest_name: str = "manifest.json",
+    ) -> None:
+        self.target = target
+        self.path = path
+        self.fsync = fsync
+        self.storage_options = storage_options
+        self.manifest_name = manifest_name
+        self.committed = False
+
+    def commit(self, manifest: Optional[bytes] = None) -> None:
+        """Write ``manifest`` (if any) last as ``manifest_name``, then put the folder in place.
+
+        Locally the folder's entries are fsynced first (files other ranks created
+        in it included, unless ``fsync=False``), and :func:`replace_folder` swaps
+        it in. A failure leaves the old ``target`` as it was (locally) and the
+        staging folder for :meth:`discard`.
+
+        Raises:
+            CheckpointWriteError: Writing the manifest or swapping the folder failed.
+        """
+        if self.fsync and not _fs.is_remote(self.path):
+            fsync_dir(_fs.local_path(self.path))
+        if manifest is not None:
+            name = join(self.path, self.manifest_name)
+            with atomic_write(name, storage_options=self.storage_options, fsync=self.fsync) as f:
+                f.write(manifest)
+        if self.path != self.target:
+            replace_folder(self.path, self.target)
+        self.committed = True
+
+    def discard(self, exc: BaseException) -> None:
+        """Delete the uncommitted folder; a failure to do so becomes a note on ``exc``."""
+        if self.committed:
+            return
+
+        def remove_folder() -> None:
+            remove(self.path, storage_options=self.storage_options, recursive=True, missing_ok=True)
+
+        cleanup_after(exc, f"the unfinished {self.path}", remove_folder)
+
+
+def stage_folder(
+    target: PathLike,
+    *,
+    fsync: bool = True,
+    storage_options: Optional[dict[str, Any]] = None,
+    manifest_name: str = "manifest.json",
+    in_place: bool = False,
+) -> StagedFolder:
+    """Stage a folder that replaces ``target`` when committed (see :func:`staged_folder`).
+
+    For writers whose commit happens in another call than the staging (rank 0
+    stages, every rank writes, rank 0 commits later).
+
+    Args:
+        target, fsync, storage_options, manifest_name: As for :func:`staged_folder`.
+        in_place: Write a local ``target`` that does not exist yet in place: for
+            folders whose manifest, written last, is what commits them (a folder
+            without one is uncommitted and cleaned up), such as a manager's steps.
+
+    Returns:
+        The :class:`StagedFolder`; call its ``commit`` or, on failure, ``discard``.
+
+    Raises:
+        CheckpointWriteError: The staging folder cannot be made (or, on fsspec, the
+            old copy cannot be removed).
+    """
+    text = os.fspath(target)
+    opts = storage_options
+    if _fs.is_remote(text):
+        if isdir(text, storage_options=opts):
+            # Object stores cannot swap folders: uncommit the old copy first.
+            remove(join(text, manifest_name), storage_options=opts, missing_ok=True)
+            remove(text, storage_options=opts, recursive=True)
+        makedirs(text, storage_options=opts)
+        path = text
+    else:
+        text = os.path.abspath(_fs.local_path(text))
+        makedirs(os.path.dirname(text))
+        path = text if in_place and not os.path.lexists(text) else temp_path_for(text)
+        makedirs(path)
+    return StagedFolder(text, path, fsync=fsync, storage_options=opts, manifest_name=manifest_name)
+
+
+@contextlib.contextmanager
+def staged_folder(
+    target: PathLike,
+    *,
+    fsync: bool = True,
+    storage_options: Optional[dict[str, Any]] = None,
+    manifest_name: str = "manifest.json",
+) -> Iterator[StagedFolder]:
+    """Write a folder that replaces ``target`` whole: stage, write, manifest last, swap.
+
+    The block writes into ``staged.path`` and may call ``staged.commit(manifest)``
+    (the manifest is written last, then the folder takes ``target``'s place); a
+    block that ends without committing commits with no manifest. If the block
+    or the commit raises, the staging folder is deleted and ``target`` is left
+    as it was (on fsspec URLs, whose folders cannot be swapped, the old copy was
+    removed when the block began).
+
+    Args:
+        target: The folder to create or replace (local path or fsspec URL).
+        fsync: Local paths: fsync the manifest and the folders (``False`` for
+            scratch copies that a crash of the node may lose).
+        storage_options: Options for the fsspec filesystem.
+        manifest_name: The manifest's file name in the folder.
+
+    Returns:
+        A context manager yielding the :class:`StagedFolder`.
+
+    Raises:
+        CheckpointWriteError: The folder cannot be staged, or committing it failed.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.storage import staged_folder
+        >>> target = os.path.join(tempfile.mkdtemp(), "step_1")
+        >>> with staged_folder(target) as staged:
+        ...     _ = open(os.path.join(staged.path, "model.pt"), "wb").write(b"weights")
+        ...     staged.commit(b'{"files": ["model.pt"]}')
+        >>> sorted(os.listdir(target))
+        ['manifest.json', 'model.pt']
+    """
+    staged = stage_folder(
+        target, fsync=fsync, storage_options=storage_options, manifest_name=manifest_name
+    )
+    try:
+        yield staged
+        if not staged.committed:
+            staged.commit()
+    except BaseException as exc:
+        staged.discard(exc)
+        raise

@@ -20,6 +20,7 @@ from torch import nn
 
 import ddpstate
 from ddpstate._dcp import write as _dcp
+from ddpstate._manifest import DCP_SUBDIR
 from ddpstate.errors import DDPStateError
 from tests.multiproc import run_ranks
 
@@ -119,7 +120,7 @@ def test_fsdp2_model_and_optimizer_restore_bitwise_and_reshard(
     saved = run_ranks(_fsdp_save, saved_on, args=(folder,), timeout=150)
     assert saved[0]["steps"] == [1, 2]
     step_folder = tmp_path / "run" / "step_0000000002"
-    listed = sorted(p.name for p in (step_folder / _dcp.DCP_SUBDIR).iterdir())
+    listed = sorted(p.name for p in (step_folder / DCP_SUBDIR).iterdir())
     assert listed == sorted([".metadata", *(f"__{r}_0.distcp" for r in range(saved_on))])
     assert ddpstate.verify_checkpoint(str(step_folder)).ok
     restored = run_ranks(_fsdp_restore, restored_on, args=(folder, None), timeout=150)
@@ -216,7 +217,7 @@ def _async_save_fails(rank: int, world: int, folder: str) -> dict[str, Any]:
         manager.save(1, state)
         if rank == 0:
             # A file where DCP's folder goes: every rank's write fails for real.
-            (Path(manager.checkpoint_path(1)) / _dcp.DCP_SUBDIR).write_bytes(b"in the way")
+            (Path(manager.checkpoint_path(1)) / DCP_SUBDIR).write_bytes(b"in the way")
         ddpstate.barrier()
         gate.set()
         try:
@@ -278,7 +279,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step_restorable(tmp_path: Pa
     assert outcomes[1] is None  # killed
     assert outcomes[0] == "BarrierTimeoutError"
     partial = tmp_path / "run" / "step_0000000002"
-    assert (partial / _dcp.DCP_SUBDIR / "__1_0.distcp").exists()  # its shard was written...
+    assert (partial / DCP_SUBDIR / "__1_0.distcp").exists()  # its shard was written...
     assert not (partial / "manifest.json").exists()  # ...but the step was never committed
     assert ddpstate.CheckpointManager(folder).steps() == [1]
     restored = run_ranks(_fsdp_restore, 2, args=(folder, None), timeout=150)
@@ -296,7 +297,7 @@ def test_a_corrupted_shard_makes_restore_fall_back_with_a_warning_naming_it(
     folder = str(tmp_path / "run")
     run_ranks(_fsdp_save, 2, args=(folder,), timeout=150)
     reference = run_ranks(_fsdp_restore, 2, args=(folder, 1), timeout=150)
-    shard = tmp_path / "run" / "step_0000000002" / _dcp.DCP_SUBDIR / "__1_0.distcp"
+    shard = tmp_path / "run" / "step_0000000002" / DCP_SUBDIR / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -313,7 +314,7 @@ def test_an_unlisted_shard_fails_verification(tmp_path: Path) -> None:
     folder = str(tmp_path / "run")
     run_ranks(_fsdp_save, 2, args=(folder,), timeout=150)
     step = tmp_path / "run" / "step_0000000002"
-    (step / _dcp.DCP_SUBDIR / "__7_0.distcp").write_bytes(b"stray")
+    (step / DCP_SUBDIR / "__7_0.distcp").write_bytes(b"stray")
     check = ddpstate.verify_checkpoint(str(step))
     assert not check.ok and any("dcp/__7_0.distcp is not listed" in p for p in check.problems)
 
@@ -366,7 +367,7 @@ def test_ddp_writers_all_splits_the_write_and_restores_into_ddp_fsdp2_and_plain(
     saved = run_ranks(_ddp_save_all, 2, args=(folder,), timeout=150)
     _assert_bitwise(saved[0], saved[1])  # replicated
     step = tmp_path / "run" / "step_0000000005"
-    shards = sorted((step / _dcp.DCP_SUBDIR).glob("*.distcp"))
+    shards = sorted((step / DCP_SUBDIR).glob("*.distcp"))
     # The dedup planner gave each rank a part of the replicated state to write.
     assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"]
     assert all(p.stat().st_size > 200 for p in shards)
@@ -468,6 +469,6 @@ def test_async_writers_all_without_a_process_group_saves_in_the_background(
                 p.add_(1.0)  # after save() returned: not in the checkpoint
         manager.wait()
         assert manager.steps() == [1]
-        assert (tmp_path / "step_0000000001" / _dcp.DCP_SUBDIR / ".metadata").exists()
+        assert (tmp_path / "step_0000000001" / DCP_SUBDIR / ".metadata").exists()
         assert manager.restore({"model": model}) == 1
     _assert_bitwise(saved, model.state_dict())

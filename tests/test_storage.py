@@ -274,3 +274,59 @@ def test_a_temp_file_taken_for_stale_before_its_lock_is_replaced(
         f.write(b"saved")
     assert calls and (tmp_path / "x.pt").read_bytes() == b"saved"
     assert os.listdir(tmp_path) == ["x.pt"]
+
+
+def test_staged_folder_replaces_the_target_whole_manifest_last(tmp_path: Path) -> None:
+    target = tmp_path / "step_1"
+    target.mkdir()
+    (target / "old.pt").write_bytes(b"old")
+    with storage.staged_folder(target) as staged:
+        assert Path(staged.path).parent == tmp_path and storage.is_temp_name(staged.path)
+        (Path(staged.path) / "model.pt").write_bytes(b"new")
+        assert sorted(p.name for p in target.iterdir()) == ["old.pt"]  # untouched meanwhile
+        staged.commit(b"{}")
+    assert sorted(p.name for p in target.iterdir()) == ["manifest.json", "model.pt"]
+    assert (target / "manifest.json").read_bytes() == b"{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
+def test_staged_folder_failure_leaves_the_old_target_and_no_staging(tmp_path: Path) -> None:
+    target = tmp_path / "shards"
+    target.mkdir()
+    (target / "keep.bin").write_bytes(b"keep")
+    with pytest.raises(OSError, match="disk full"), storage.staged_folder(target) as staged:
+        (Path(staged.path) / "half.bin").write_bytes(b"half")
+        raise OSError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]
+    assert (target / "keep.bin").read_bytes() == b"keep"
+
+
+def test_staged_folder_without_commit_swaps_in_a_folder_with_no_manifest(tmp_path: Path) -> None:
+    target = tmp_path / "new" / "dcp_out"
+    with storage.staged_folder(target, fsync=False) as staged:
+        (Path(staged.path) / ".metadata").write_bytes(b"m")
+    assert sorted(p.name for p in target.iterdir()) == [".metadata"]
+
+
+def test_staged_folder_on_fsspec_uncommits_the_old_copy_and_writes_in_place() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    url = "memory://ddpstate-staged/step_1"
+    fs.pipe(
+        {"/ddpstate-staged/step_1/old.pt": b"old", "/ddpstate-staged/step_1/manifest.json": b"{}"}
+    )
+    try:
+        with storage.staged_folder(url) as staged:
+            assert staged.path == url
+            assert not fs.exists("/ddpstate-staged/step_1/manifest.json")  # uncommitted first
+            with storage.atomic_write(storage.join(staged.path, "model.pt")) as f:
+                f.write(b"new")
+            staged.commit(b'{"v": 1}')
+        assert fs.cat("/ddpstate-staged/step_1/manifest.json") == b'{"v": 1}'
+        assert sorted(storage.listdir(url)) == ["manifest.json", "model.pt"]
+        with pytest.raises(ValueError), storage.staged_folder(url):
+            raise ValueError("the write failed")
+        assert not fs.exists("/ddpstate-staged/step_1")  # discarded, as the old copy was
+    finally:
+        if fs.exists("/ddpstate-staged"):
+            fs.rm("/ddpstate-staged", recursive=True)

@@ -515,3 +515,40 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_no_private_name_crosses_modules_outside_a_package() -> None:
     problems = [problem for module in MODULES for problem in _private_uses(module)]
     assert not problems, "\n".join(problems)
+
+
+# ``ddpstate.storage.__all__``: what users need; the writers' internals left it in 0.x
+# and still import from ``ddpstate.storage``.
+STORAGE_ALL = {
+    "StagedFolder",
+    "atomic_write",
+    "exists",
+    "is_temp_name",
+    "isdir",
+    "join",
+    "listdir",
+    "makedirs",
+    "open_read",
+    "remove",
+    "replace_folder",
+    "staged_folder",
+}
+STORAGE_LEFT_ALL = {
+    "OBJECT_STORE_PROTOCOLS",
+    "TEMP_MARKER",
+    "fsync_dir",
+    "retired_original",
+    "temp_path_for",
+    "wait_for_freed",
+    "write_by_name",
+}
+
+
+def test_storage_all_is_small_and_the_names_that_left_still_import() -> None:
+    from ddpstate import storage
+
+    assert set(storage.__all__) == STORAGE_ALL
+    for name in sorted(STORAGE_LEFT_ALL):
+        namespace: dict[str, object] = {}
+        exec(f"from ddpstate.storage import {name}", namespace)
+        assert namespace[name] is getattr(storage, name), name

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import math
 import os
-import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
@@ -374,14 +373,11 @@ def convert_to_dcp(
             "attributes of dicts; models load without it"
         )
     count, nbytes = _tensor_stats(root)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    staging = storage.temp_path_for(target)
     try:
-        _write_dcp(dict(root), staging, fsync=fsync)
-        storage.replace_folder(staging, target)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, DDPStateError) or not isinstance(exc, Exception):
+        with storage.staged_folder(target, fsync=fsync) as staged:
+            _write_dcp(dict(root), staged.path, fsync=fsync)
+    except Exception as exc:
+        if isinstance(exc, DDPStateError):
             raise
         raise CheckpointFormatError(
             f"{src}: writing it as a torch.distributed.checkpoint folder failed "
@@ -414,12 +410,9 @@ def _write_dcp(state: dict[Any, Any], folder: str, *, fsync: bool) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    os.makedirs(folder)
     with warnings.catch_warnings():
         # Without a process group DCP warns that it runs single-process: that is the intent.
         warnings.simplefilter("ignore", UserWarning)
         dcp_save(state, storage_writer=FileSystemWriter(folder, sync_files=fsync), no_dist=True)
-    if fsync:
-        storage.fsync_dir(folder)
     if not os.path.exists(os.path.join(folder, _dcp_read.METADATA_FILE)):
         raise CheckpointFormatError(f"{folder}: torch wrote no .metadata")

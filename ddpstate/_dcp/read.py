@@ -15,10 +15,12 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from ddpstate import storage
+from ddpstate import _fs, storage
 from ddpstate._io import torch_io as _torch_io
 from ddpstate._io.model_state import IncompatibleKeys, shape_mismatches
+from ddpstate.dist import share_outcome
 from ddpstate.errors import CheckpointCorruptError
+from ddpstate.keys import KeyMatch, adapt_state_dict, find_state_dict, match_keys
 
 __all__ = [
     "BytesEntry",
@@ -137,8 +139,37 @@ class _Plan(NamedTuple):
     into: dict[str, Any]  # DCP name -> the model's own (sharded) tensor to fill
     loaded: dict[str, Any]  # the model's key -> the same tensor, for set_model_state_dict
     skipped: list[str]  # shape mismatches ignore_mismatched skipped
-    missing: list[str]
-    unexpected: list[str]
+    match: KeyMatch
+
+
+def _fit(
+    model: torch.nn.Module,
+    saved: Mapping[str, Any],
+    own: Mapping[str, Any],
+    *,
+    name: str,
+    strict: bool,
+    ignore_mismatched: bool,
+) -> tuple[dict[str, Any], list[str], KeyMatch]:
+    """``saved`` adapted to the model's keys, the keys whose shapes are skipped, the match."""
+    adapted = adapt_state_dict(saved, own, strict=strict)
+    skipped = [
+        k
+        for k, _, _ in shape_mismatches(
+            adapted, own, name=name, target=type(model).__name__,
+            ignore_mismatched=ignore_mismatched,
+        )
+    ]  # fmt: skip
+    return adapted, skipped, match_keys(saved, own)
+
+
+def _incompatible(strict: bool, skipped: list[str], match: KeyMatch) -> IncompatibleKeys:
+    if strict:
+        return IncompatibleKeys(skipped, [])
+    return IncompatibleKeys(
+        [*skipped, *(k for k in match.missing if isinstance(k, str))],
+        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
+    )
 
 
 def _plan(
@@ -153,21 +184,13 @@ def _plan(
     """Match the folder's keys and shapes with the model's, from the metadata alone."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from ddpstate.keys import adapt_state_dict, find_state_dict, match_keys
-
     metadata = read_metadata(path, name=path, storage_options=storage_options)
     sd_path, saved = find_state_dict(skeleton(metadata), key)
     own = get_model_state_dict(model)
-    adapted = adapt_state_dict(saved, own, strict=strict)
-    skipped = [
-        k
-        for k, _, _ in shape_mismatches(
-            adapted, own, name=path, target=type(model).__name__,
-            ignore_mismatched=ignore_mismatched,
-        )
-    ]  # fmt: skip
+    adapted, skipped, match = _fit(
+        model, saved, own, name=path, strict=strict, ignore_mismatched=ignore_mismatched
+    )
     names = flat_names(metadata)
-    match = match_keys(saved, own)
     into: dict[str, Any] = {}
     loaded: dict[str, Any] = {}
     for own_key, saved_key in match.mapping.items():
@@ -176,13 +199,7 @@ def _plan(
             continue
         if isinstance(adapted[own_key], torch.Tensor):
             into[fqn] = loaded[own_key] = own[own_key]
-    return _Plan(
-        into,
-        loaded,
-        skipped,
-        [k for k in match.missing if isinstance(k, str)],
-        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
-    )
+    return _Plan(into, loaded, skipped, match)
 
 
 def load_sharded_model_state(
@@ -221,8 +238,6 @@ def load_sharded_model_state(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from ddpstate.dist import share_outcome
-
     plan: Optional[_Plan] = None
     error: Optional[Exception] = None
     try:
@@ -238,14 +253,12 @@ def load_sharded_model_state(
     with _torch_io.dcp_read_errors(
         path, into=f" into {type(model).__name__}'s shards", advice=f"run `ddpstate verify {path}`"
     ):
-        if _is_remote(path):
+        if _fs.is_remote(os.fspath(path)):
             dcp_load(plan.into, storage_reader=_torch_io.fsspec_reader(path, storage_options))
         else:
             dcp_load(plan.into, checkpoint_id=path)
     set_model_state_dict(model, plan.loaded, options=StateDictOptions(strict=False))
-    if strict:
-        return IncompatibleKeys(plan.skipped, [])
-    return IncompatibleKeys([*plan.skipped, *plan.missing], plan.unexpected)
+    return _incompatible(strict, plan.skipped, plan.match)
 
 
 def load_full_into_sharded(
@@ -281,31 +294,12 @@ def load_full_into_sharded(
         set_model_state_dict,
     )
 
-    from ddpstate.keys import adapt_state_dict, match_keys
-
     own = get_model_state_dict(model)
-    adapted = adapt_state_dict(state_dict, own, strict=strict)
-    skipped = [
-        k
-        for k, _, _ in shape_mismatches(
-            adapted, own, name=name, target=type(model).__name__,
-            ignore_mismatched=ignore_mismatched,
-        )
-    ]  # fmt: skip
+    adapted, skipped, match = _fit(
+        model, state_dict, own, name=name, strict=strict, ignore_mismatched=ignore_mismatched
+    )
     loaded = {k: v for k, v in adapted.items() if k not in skipped}
     set_model_state_dict(
         model, loaded, options=StateDictOptions(full_state_dict=True, strict=False)
     )
-    if strict:
-        return IncompatibleKeys(skipped, [])
-    match = match_keys(state_dict, own)
-    return IncompatibleKeys(
-        [*skipped, *(k for k in match.missing if isinstance(k, str))],
-        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
-    )
-
-
-def _is_remote(path: str) -> bool:
-    from ddpstate import _fs
-
-    return _fs.is_remote(os.fspath(path))
+    return _incompatible(strict, skipped, match)

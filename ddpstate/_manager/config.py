@@ -16,13 +16,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ddpstate._dcp.write import WRITERS
 from ddpstate._fs import PathLike
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._warn import warn
 from ddpstate.dist import Timeout, compare_across_ranks, is_distributed
 from ddpstate.errors import InvalidArgumentError, InvalidArgumentTypeError
 from ddpstate.formats import PT, SAFETENSORS, parse_format
+
+#: ``CheckpointManager(writers=...)``: who writes replicated (DDP) models and optimizers.
+WRITERS = ("rank0", "all")
 
 
 @dataclass(frozen=True)

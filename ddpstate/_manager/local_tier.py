@@ -37,6 +37,7 @@ from ddpstate._manager import local_check
 from ddpstate._manager.config import ManagerConfig
 from ddpstate._manager.entries import Entry
 from ddpstate._manager.snapshot import Snapshot
+from ddpstate._manager.writer import start_thread
 from ddpstate._warn import warn
 from ddpstate.dist import (
     broadcast_object,
@@ -106,6 +107,7 @@ class LocalTier:
         assert config.local_dir is not None  # the manager makes a tier only for a local_dir
         self.directory, self.timeout = config.local_dir, config.timeout
         self.every, self.keep = config.local_every, config.local_keep
+        self._folders = _manifest.StepFolders(self.directory)
         self.skipped: list[tuple[int, str]] = []
         self._reported = 0  # skips already told to the node's other ranks
         self._warned = False
@@ -152,14 +154,13 @@ class LocalTier:
                 try:
                     self._thread_error = None
                     self._thread_step = step
-                    thread = threading.Thread(
-                        target=self._write_in_thread,
-                        args=(step, entries, rng_states, events),
-                        name=f"ddpstate-local-tier-step-{step}",
-                        daemon=False,
+                    self._thread = start_thread(
+                        f"ddpstate-local-tier-step-{step}",
+                        events,
+                        lambda: self._write(step, entries, rng_states),
+                        self._failed,
                     )
-                    thread.start()
-                    self._thread, started = thread, True
+                    started = True
                 except Exception as exc:  # no thread to be had: still only a skipped step
                     self._skip(step, exc)
             news = self.skipped[self._reported :]
@@ -179,75 +180,28 @@ class LocalTier:
             self.skipped.extend(news)
         return bool(started)
 
-    def _write_in_thread(
-        self,
-        step: int,
-        entries: dict[str, Entry],
-        rng_states: list[Any],
-        events: list[Any],
-    ) -> None:
-        try:
-            for event in events:
-                event.synchronize()
-            self._write(step, entries, rng_states)
-        except BaseException as exc:
-            self._thread_error = exc
+    def _failed(self, exc: BaseException) -> None:
+        self._thread_error = exc
 
     def _write(self, step: int, entries: dict[str, Entry], rng_states: list[Any]) -> None:
         os.makedirs(self.directory, exist_ok=True)
-        self._clean()
-        target = os.path.join(self.directory, _manifest.step_name(step))
-        staging = storage.temp_path_for(target)
-        os.makedirs(staging)
-        try:
+        self._folders.clean_stale()
+        # No fsync: the local tier is for surviving a crashed process, not a crashed node.
+        with storage.staged_folder(self._folders.checkpoint_path(step), fsync=False) as staged:
             files: dict[str, dict[str, Any]] = {}
             manifest_entries: dict[str, dict[str, str]] = {}
             for name, entry in entries.items():
                 filename = name + ".pt"
-                files[filename] = _write_file(os.path.join(staging, filename), entry.value)
+                files[filename] = _write_file(os.path.join(staged.path, filename), entry.value)
                 manifest_entries[name] = {"file": filename, "kind": entry.kind}
             rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
             files[_manifest.RNG_FILE] = _write_file(
-                os.path.join(staging, _manifest.RNG_FILE), rng_payload
+                os.path.join(staged.path, _manifest.RNG_FILE), rng_payload
             )
-            _write_bytes(
-                os.path.join(staging, _manifest.MANIFEST_NAME),
-                _manifest.manifest_for(step, {}, len(rng_states), manifest_entries, files),
+            staged.commit(
+                _manifest.manifest_for(step, {}, len(rng_states), manifest_entries, files)
             )
-            storage.replace_folder(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        self._rotate()
-
-    def _committed(self) -> list[int]:
-        if not os.path.isdir(self.directory):
-            return []
-        found = []
-        for name in os.listdir(self.directory):
-            step = _manifest.parse_step(name)
-            if step is not None and os.path.exists(
-                os.path.join(self.directory, name, _manifest.MANIFEST_NAME)
-            ):
-                found.append(step)
-        return sorted(found)
-
-    def _clean(self) -> None:
-        """Delete what killed writers left: temp folders and uncommitted step folders."""
-        for name in os.listdir(self.directory):
-            path = os.path.join(self.directory, name)
-            committed = os.path.exists(os.path.join(path, _manifest.MANIFEST_NAME))
-            if storage.is_temp_name(name) or (
-                _manifest.parse_step(name) is not None and not committed
-            ):
-                shutil.rmtree(path, ignore_errors=True)
-
-    def _rotate(self) -> None:
-        for step in self._committed()[: -self.keep]:
-            folder = os.path.join(self.directory, _manifest.step_name(step))
-            # Manifest first: a crash midway leaves an uncommitted folder, never a broken one.
-            os.remove(os.path.join(folder, _manifest.MANIFEST_NAME))
-            shutil.rmtree(folder, ignore_errors=True)
+        self._folders.rotate(step, self.keep)
 
     def _skip(self, step: int, exc: BaseException) -> None:
         self.skipped.append((step, _checksum.error_text(exc)))
@@ -292,8 +246,8 @@ class LocalTier:
     # ------------------------------------------------------------------ restoring
 
     def _newest_verified(self) -> Optional[tuple[int, str]]:
-        for step in reversed(self._committed()):
-            folder = os.path.join(self.directory, _manifest.step_name(step))
+        for step in reversed(self._folders.committed_steps()):
+            folder = self._folders.checkpoint_path(step)
             check = _manifest.check_folder(folder, step, None)
             if check.manifest is not None:
                 return step, folder
@@ -344,7 +298,7 @@ class LocalTier:
             # Every rank of a node checks a share of the node's newest local step.
             committed: Optional[list[int]] = None
             try:
-                committed = self._committed()
+                committed = self._folders.committed_steps()
             except Exception as exc:  # an unreadable local tier is an empty one
                 if is_local_main_process():
                     self._skip_restore(exc)
@@ -412,7 +366,7 @@ class LocalTier:
         try:
             if rank not in members:
                 return ""
-            sink = _Sink(storage.temp_path_for(folder) if rank in receivers else None)
+            sink = _Sink(folder if rank in receivers else None)
             for filename in sorted(files):
                 _send_file(
                     os.path.join(folder, filename) if rank == src else None,
@@ -423,10 +377,10 @@ class LocalTier:
                     src,
                     group,
                 )
-            if sink.folder is not None:
-                sink.commit(raw_manifest, folder)
+            if sink.staged is not None:
+                sink.commit(raw_manifest)
                 if not sink.error:
-                    self._rotate()
+                    self._folders.rotate(step, self.keep)
             return sink.error
         finally:
             if group is not None and rank in members:
@@ -434,15 +388,15 @@ class LocalTier:
 
 
 class _Sink:
-    """A receiver's staging folder; the first error is kept and later writes are dropped."""
+    """A receiver's staged folder; the first error is kept and later writes are dropped."""
 
-    def __init__(self, folder: Optional[str]) -> None:
-        self.folder = folder
+    def __init__(self, target: Optional[str]) -> None:
+        self.staged: Optional[storage.StagedFolder] = None
         self.error = ""
         self._file: Optional[Any] = None
         self._crc = 0
-        if folder is not None:
-            self._guard(lambda: os.makedirs(folder))
+        if target is not None:
+            self._guard(lambda: setattr(self, "staged", storage.stage_folder(target, fsync=False)))
 
     def _guard(self, action: Any) -> None:
         if self.error:
@@ -453,13 +407,13 @@ class _Sink:
             # A failed receive costs the fast path, never the job: restore falls back.
             self.error = _checksum.error_text(exc)
             self.close()
-            if self.folder is not None:
-                shutil.rmtree(self.folder, ignore_errors=True)
+            if self.staged is not None:
+                self.staged.discard(exc)
 
     def open(self, filename: str) -> None:
-        if self.folder is not None:
+        if self.staged is not None:
             self._crc = 0
-            path = os.path.join(self.folder, filename)
+            path = os.path.join(self.staged.path, filename)
             self._guard(lambda: setattr(self, "_file", open(path, "wb")))  # noqa: SIM115
 
     def write(self, data: memoryview) -> None:
@@ -473,7 +427,7 @@ class _Sink:
             if _checksum.checksum_hex(self._crc) != crc32:
                 raise OSError(f"{filename}: the received bytes fail their CRC-32 ({crc32})")
 
-        if self.folder is not None:
+        if self.staged is not None:
             self._guard(check)
 
     def close(self) -> None:
@@ -481,30 +435,15 @@ class _Sink:
             file, self._file = self._file, None
             file.close()
 
-    def commit(self, raw_manifest: bytes, target: str) -> None:
-        def done() -> None:
-            _write_bytes(os.path.join(str(self.folder), _manifest.MANIFEST_NAME), raw_manifest)
-            storage.replace_folder(str(self.folder), target)
-
-        self._guard(done)
+    def commit(self, raw_manifest: bytes) -> None:
+        staged = self.staged
+        if staged is not None:
+            self._guard(lambda: staged.commit(raw_manifest))
 
 
 def _write_file(path: str, obj: Any) -> dict[str, Any]:
     # No fsync: the local tier is for surviving a crashed process, not a crashed node.
-    with storage.atomic_write(path, fsync=False) as raw:
-        writer = _manifest.ChecksumWriter(raw)
-        try:
-            torch.save(obj, writer)  # type: ignore[arg-type]
-        except Exception as exc:
-            if writer.error is not None and writer.error is not exc:
-                raise writer.error from exc
-            raise
-    return {"size": writer.size, "crc32": _checksum.checksum_hex(writer.crc)}
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    with storage.atomic_write(path, fsync=False) as f:
-        f.write(data)
+    return _manifest.write_listed_file(path, lambda f: torch.save(obj, f), fsync=False)  # type: ignore[arg-type]
 
 
 def _send_file(

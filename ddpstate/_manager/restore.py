@@ -18,9 +18,9 @@ from ddpstate import _fs, checkpoint, storage
 from ddpstate._calls import calling, restore_call
 from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
-from ddpstate._dcp import write as _dcp
 from ddpstate._io import model_state
 from ddpstate._keys.match import STRICT_ADVICE
+from ddpstate._manager import dcp_step as _dcp
 from ddpstate._manager import optim_state
 from ddpstate._manager import verify_split as _verify_split
 from ddpstate._manager.entries import check_state, check_step, has_state_dict

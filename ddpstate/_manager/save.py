@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ddpstate._calls import calling
-from ddpstate._dcp import write as _dcp
 from ddpstate._io import savecheck as _savecheck
+from ddpstate._manager import dcp_step as _dcp
 from ddpstate._manager import optim_state
 from ddpstate._manager.agreement import (
     SaveInfo,

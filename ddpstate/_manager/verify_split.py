@@ -29,32 +29,8 @@ _NAME = "CheckpointManager.restore (verify)"
 def check_share(
     folder: str, manifest: dict[str, Any], opts: Optional[dict[str, Any]], index: int, count: int
 ) -> list[_checksum.Finding]:
-    """Checksum share ``index`` of ``count`` of ``manifest``'s file bytes (:func:`assign`).
-
-    An ``index`` outside ``range(count)`` checks nothing.
-
-    Args:
-        folder: The step folder.
-        manifest: Its manifest, as read.
-        opts: fsspec storage options, or None.
-        index: This checker's share.
-        count: How many checkers split the bytes.
-
-    Returns:
-        (file, read) per piece of this share; ``_checksum.file_problems`` judges them.
-    """
-    files = _manifest.checked_files(manifest)
-    sizes = {n: e["size"] if isinstance(e.get("size"), int) else 0 for n, e in files.items()}
-    pieces = _checksum.assign(sizes, count)[index] if 0 <= index < count else []
-    found: list[_checksum.Finding] = []
-    for filename, start, stop in pieces:
-        try:
-            read = _checksum.read_piece(storage.join(folder, filename), filename, start, stop, opts)
-        except Exception as exc:  # still join the round: the others would wait for this rank
-            text = f"{filename} cannot be checked ({type(exc).__name__}: {exc})"
-            read = _checksum.PieceRead(start, 0, 0, text)
-        found.append((filename, read))
-    return found
+    """Checksum share ``index`` of ``count`` of ``manifest``'s listed files (see ``_checksum``)."""
+    return _checksum.check_share(folder, _manifest.checked_files(manifest), opts, index, count)
 
 
 def _check_share(

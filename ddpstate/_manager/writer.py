@@ -1,25 +1,26 @@
 """The durable tier's writes: a step folder written, committed (manifest last), rotated.
 
 :class:`StepWriter` is what rank 0 (the writer) does for a
-:class:`~ddpstate.CheckpointManager`: it prepares a step's folder (cleaning
-up crashed saves, staging a re-save beside the old copy), writes each entry
+:class:`~ddpstate.CheckpointManager`: it stages a step's folder (crashed saves
+cleaned up by :class:`~ddpstate._manifest.StepFolders`, the folder staged by
+:func:`ddpstate.storage.stage_folder`: in place when new), writes each entry
 with its size and CRC-32, commits it with the manifest, points ``latest`` at
 it, applies a rollback, and rotates old steps out. It also turns a failure
 into the one error every rank raises. :class:`InFlight` holds the async write
-in flight; sharded saves (``_dcp/write.py``) drive the same writer through its
-public methods.
+in flight; sharded saves (``_manager/dcp_step.py``) drive the same writer
+through its public methods.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ddpstate import _fs, _visibility, storage
-from ddpstate._checksum import checksum_hex, error_text
+from ddpstate._checksum import error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._manager.config import ManagerConfig
@@ -30,10 +31,11 @@ from ddpstate._manifest import (
     MANIFEST_NAME,
     RNG_FILE,
     ChecksumWriter,
+    StepFolders,
     manifest_for,
-    parse_step,
     read_manifest,
     step_name,
+    write_listed_file,
 )
 from ddpstate._warn import warn
 from ddpstate.dist import is_distributed, share_outcome
@@ -61,7 +63,7 @@ class InFlight:
     thread: Optional[threading.Thread] = None
     #: The background write's failure, raised on every rank by :meth:`StepWriter.finish`.
     error: Optional[BaseException] = None
-    #: Background DCP writes' own gloo group (``_dcp/write.async_group``).
+    #: Background DCP writes' own gloo group (``dcp_step.async_group``).
     dcp_group: Any = None
 
     def abandon(self, exc: Optional[BaseException]) -> None:
@@ -78,42 +80,41 @@ class InFlight:
         self.pending = None
 
 
-class StepWriter:
+def start_thread(
+    name: str, events: list[Any], work: Callable[[], None], failed: Callable[[BaseException], None]
+) -> threading.Thread:
+    """Run ``work`` in a background thread once ``events`` (CUDA copies) are done.
+
+    Its exception, whatever it is, goes to ``failed`` (the next call raises or warns).
+    Not a daemon: an interpreter exiting normally still finishes the write.
+    """
+
+    def run() -> None:
+        try:
+            for event in events:
+                event.synchronize()
+            work()
+        except BaseException as exc:
+            failed(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=False)
+    thread.start()
+    return thread
+
+
+class StepWriter(StepFolders):
     """Write, commit and rotate a manager's step folders (see the module docstring)."""
 
     def __init__(self, config: ManagerConfig) -> None:
+        super().__init__(config.directory, config.storage_options)
         self.config = config
         # Read by the methods below and by save/restore as writer.<option>.
-        self.directory, self.storage_options = config.directory, config.storage_options
         self.format, self.safe_globals = config.format, config.safe_globals
         self.keep_last, self.keep_best = config.keep_last, config.keep_best
         self.metric, self.mode, self.timeout = config.metric, config.mode, config.timeout
         self.async_save, self.writers = config.async_save, config.writers
         self._metrics: dict[int, dict[str, float]] = {}
         self._warned_newer = False
-
-    def checkpoint_path(self, step: int) -> str:
-        """The folder of ``step``'s checkpoint."""
-        return storage.join(self.directory, step_name(step))
-
-    def committed_steps(self) -> list[int]:
-        """The steps whose manifest exists (unsorted; empty when the folder does not)."""
-        opts = self.storage_options
-        if not storage.isdir(self.directory, storage_options=opts):
-            return []
-        found = []
-        for name in storage.listdir(self.directory, storage_options=opts):
-            s = parse_step(name)
-            if s is not None and storage.exists(
-                storage.join(self.directory, name, MANIFEST_NAME), storage_options=opts
-            ):
-                found.append(s)
-        return found
-
-    def latest_step(self) -> Optional[int]:
-        """The highest committed step, or None."""
-        found = self.committed_steps()
-        return max(found) if found else None
 
     def metrics_for(self, step: int) -> dict[str, float]:
         """``step``'s metrics, from its manifest (cached)."""
@@ -125,42 +126,31 @@ class StepWriter:
             }
         return self._metrics[step]
 
-    def prepare_folder(self, step: int) -> str:
-        """Rank 0: clean up crashed saves and create the folder ``step`` is written into."""
+    def prepare_folder(self, step: int) -> storage.StagedFolder:
+        """Rank 0: clean up crashed saves and stage the folder ``step`` is written into."""
         opts = self.storage_options
         storage.makedirs(self.directory, storage_options=opts)
-        self.clean_stale(step)
-        target = self.checkpoint_path(step)
-        folder = target
-        if storage.exists(target, storage_options=opts):
-            if not storage.isdir(target, storage_options=opts):
-                raise CheckpointWriteError(
-                    f"{target} exists and is not a folder, so step {step} cannot be saved there; "
-                    f"move that file away (ddpstate never deletes files it did not write)"
-                )
-            if _fs.is_remote(target):
-                # Object stores cannot swap folders: uncommit the old copy first.
-                storage.remove(
-                    storage.join(target, MANIFEST_NAME), storage_options=opts, missing_ok=True
-                )
-                storage.remove(target, storage_options=opts, recursive=True)
-            else:
-                # Re-saving a step: write beside it, then swap, so the old copy stays
-                # committed until the new one is.
-                folder = storage.temp_path_for(target)
-        storage.makedirs(folder, storage_options=opts)
-        return folder
-
-    def discard(self, folder: str, exc: BaseException) -> None:
-        """Delete the uncommitted folder of a failed save (the next save would anyway)."""
-        try:
-            storage.remove(
-                folder, storage_options=self.storage_options, recursive=True, missing_ok=True
+        higher = [s for s in self.clean_stale() if s > step]
+        if higher and not self._warned_newer:
+            self._warned_newer = True
+            warn(
+                f"CheckpointManager: saving step {step}, but {self.checkpoint_path(higher[0])} (a "
+                f"higher step) already exists: this save is a rollback. Once step {step} is "
+                f"committed, it becomes latest and every higher step is deleted"
             )
-        except Exception as cleanup_exc:
-            note = getattr(exc, "add_note", None)
-            if note is not None:
-                note(f"removing the unfinished {folder} also failed: {cleanup_exc!r}")
+        target = self.checkpoint_path(step)
+        if storage.exists(target, storage_options=opts) and not storage.isdir(
+            target, storage_options=opts
+        ):
+            raise CheckpointWriteError(
+                f"{target} exists and is not a folder, so step {step} cannot be saved there; "
+                f"move that file away (ddpstate never deletes files it did not write)"
+            )
+        # A new step is written in place (its manifest commits it); a re-saved one beside
+        # the old copy, which stays committed until the new one is.
+        return storage.stage_folder(
+            target, storage_options=opts, manifest_name=MANIFEST_NAME, in_place=True
+        )
 
     def commit(
         self,
@@ -168,15 +158,13 @@ class StepWriter:
         entries: dict[str, Entry],
         rng_states: list[Any],
         metrics: dict[str, float],
-        prepared: Optional[str] = None,
+        prepared: Optional[storage.StagedFolder] = None,
         written: Optional[tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]] = None,
     ) -> None:
         """Write and commit a step; ``prepared`` and ``written`` come from a DCP save
-        (_dcp/write.py): the folder every rank wrote into, and the (files, entries) they
-        wrote there."""
-        opts = self.storage_options
-        target = self.checkpoint_path(step)
-        folder = self.prepare_folder(step) if prepared is None else prepared
+        (_manager/dcp_step.py): the folder every rank wrote into, and the (files, entries)
+        they wrote there."""
+        staged = self.prepare_folder(step) if prepared is None else prepared
         try:
             files: dict[str, dict[str, Any]] = dict(written[0]) if written else {}
             manifest_entries: dict[str, dict[str, str]] = dict(written[1]) if written else {}
@@ -188,32 +176,29 @@ class StepWriter:
                 )
                 filename = name + (".safetensors" if as_safetensors else ".pt")
                 files[filename] = self.write_file(
-                    storage.join(folder, filename), entry.value, as_safetensors, f"state[{name!r}]"
+                    storage.join(staged.path, filename),
+                    entry.value,
+                    as_safetensors,
+                    f"state[{name!r}]",
                 )
                 manifest_entries[name] = {"file": filename, "kind": entry.kind}
             rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
             files[RNG_FILE] = self.write_file(
-                storage.join(folder, RNG_FILE), rng_payload, False, "RNG states"
+                storage.join(staged.path, RNG_FILE), rng_payload, False, "RNG states"
             )
-            data = manifest_for(step, metrics, len(rng_states), manifest_entries, files)
-            with storage.atomic_write(
-                storage.join(folder, MANIFEST_NAME), storage_options=opts
-            ) as f:
-                f.write(data)
-            if folder != target:
-                storage.replace_folder(folder, target)
+            staged.commit(manifest_for(step, metrics, len(rng_states), manifest_entries, files))
         except BaseException as exc:
-            self.discard(folder, exc)
+            staged.discard(exc)
             raise
         self._metrics[step] = metrics
         # A save of an older step is a rollback (save() checked it is one): now that it
         # is committed, `latest` names it, then the newer steps are uncommitted (oldest
         # first, so restore() takes either the old newest or this step, never one in
         # between). `latest` first: if writing it fails, nothing was uncommitted yet.
-        newer = sorted(s for s in self.committed_steps() if s > step)
+        newer = [s for s in self.committed_steps() if s > step]
         latest = storage.join(self.directory, LATEST_NAME)
         try:
-            with storage.atomic_write(latest, storage_options=opts) as f:
+            with storage.atomic_write(latest, storage_options=self.storage_options) as f:
                 f.write((step_name(step) + "\n").encode())
         except Exception as exc:
             kept = f"; steps {newer} are still committed, so restore() takes step {max(newer)}"
@@ -222,87 +207,30 @@ class StepWriter:
                 + (kept if newer else "")
             ) from exc
         for s in newer:
-            self.uncommit(s, step)
+            self.remove_step(s, step, folder_too=False)
         for s in newer:
-            self.delete_step(s, step)
-        self.rotate(step)
+            self.remove_step(s, step)
+        dropped = self.rotate(step, self.keep_last, self.keep_best, self._score)
+        for s in (*newer, *dropped):
+            self._metrics.pop(s, None)
+
+    def _score(self, step: int) -> Optional[float]:
+        """``step``'s value of ``metric`` for ``keep_best`` (lower is better), or None."""
+        value = self.metrics_for(step).get(str(self.metric))
+        if value is None or math.isnan(value):
+            return None
+        return value if self.mode == "min" else -value
 
     def write_file(self, path: str, obj: Any, as_safetensors: bool, what: str) -> dict[str, Any]:
         """Write one entry's file atomically; return its size and CRC-32 for the manifest."""
-        with storage.atomic_write(path, storage_options=self.storage_options) as raw:
-            writer = ChecksumWriter(raw)
-            try:
-                if as_safetensors:
-                    write_safetensors(writer, obj, name=path)  # type: ignore[arg-type]
-                else:
-                    _savecheck.save_torch(
-                        obj,
-                        writer,  # type: ignore[arg-type]
-                        what=what,
-                        where=path,
-                        extra=self.safe_globals,
-                    )
-            except Exception as exc:
-                if writer.error is not None and writer.error is not exc:
-                    raise writer.error from exc
-                raise
-        return {"size": writer.size, "crc32": checksum_hex(writer.crc)}
 
-    def clean_stale(self, step: int) -> None:
-        """Delete temporary files and uncommitted step folders left by crashed saves."""
-        opts = self.storage_options
-        kw: dict[str, Any] = {"storage_options": opts}
-        for name in storage.listdir(self.directory, storage_options=opts, include_temp=True):
-            path = storage.join(self.directory, name)
-            if storage.is_temp_name(name):
-                original = storage.retired_original(name)
-                if (
-                    original is not None
-                    and parse_step(original) is not None
-                    and not storage.exists(storage.join(self.directory, original), **kw)
-                    and storage.exists(storage.join(path, MANIFEST_NAME), **kw)
-                ):
-                    # A re-save crashed between its two renames: put the old copy back.
-                    os.rename(path, storage.join(self.directory, original))
-                    continue
-                storage.remove(path, storage_options=opts, recursive=True, missing_ok=True)
-                continue
-            found = parse_step(name)
-            if found is None or not storage.isdir(path, storage_options=opts):
-                continue
-            if not storage.exists(storage.join(path, MANIFEST_NAME), storage_options=opts):
-                storage.remove(path, storage_options=opts, recursive=True, missing_ok=True)
-                continue
-            for inner in storage.listdir(path, storage_options=opts, include_temp=True):
-                if storage.is_temp_name(inner):
-                    storage.remove(storage.join(path, inner), storage_options=opts, missing_ok=True)
-            if found > step and not self._warned_newer:
-                self._warned_newer = True
-                warn(
-                    f"CheckpointManager: saving step {step}, but {path} (a higher step) already "
-                    f"exists: this save is a rollback. Once step {step} is committed, it becomes "
-                    f"latest and every higher step is deleted"
-                )
+        def write(writer: ChecksumWriter) -> None:
+            if as_safetensors:
+                write_safetensors(writer, obj, name=path)  # type: ignore[arg-type]
+            else:
+                _savecheck.save_torch(obj, writer, what=what, where=path, extra=self.safe_globals)  # type: ignore[arg-type]
 
-    def rotate(self, newest: int) -> None:
-        """Delete the committed steps neither ``keep_last`` nor ``keep_best`` keeps."""
-        committed = sorted(self.committed_steps(), reverse=True)
-        keep = {newest}
-        keep.update(committed if self.keep_last is None else committed[: self.keep_last])
-        if self.keep_best:
-            scored = []
-            for s in committed:
-                value = self.metrics_for(s).get(str(self.metric))
-                if value is not None and not math.isnan(value):
-                    scored.append((value if self.mode == "min" else -value, -s, s))
-            keep.update(s for _, _, s in sorted(scored)[: self.keep_best])
-        for s in committed:
-            if s in keep:
-                continue
-            # Manifest first: a crash midway leaves an uncommitted folder, never a
-            # committed one with files missing.
-            self.uncommit(s, newest)
-            self.delete_step(s, newest)
+        return write_listed_file(path, write, storage_options=self.storage_options)
 
     def rollback_refusal(self, step: int, rollback: bool, restored: Optional[int]) -> str:
         """Rank 0: why saving ``step`` must not delete the higher committed steps, or "".
@@ -321,35 +249,6 @@ class StepWriter:
             f"{step} first; otherwise save into another folder or continue above step "
             f"{higher[-1]}. Nothing was written or deleted"
         )
-
-    def uncommit(self, step: int, newest: int) -> None:
-        """Remove ``step``'s manifest (after ``newest`` was committed)."""
-        folder = self.checkpoint_path(step)
-        try:
-            storage.remove(
-                storage.join(folder, MANIFEST_NAME),
-                storage_options=self.storage_options,
-                missing_ok=True,
-            )
-        except Exception as exc:
-            raise CheckpointWriteError(
-                f"step {newest} {COMMITTED_BUT} deleting the old checkpoint {folder} "
-                f"failed ({error_text(exc)}); delete it by hand"
-            ) from exc
-
-    def delete_step(self, step: int, newest: int) -> None:
-        """Delete ``step``'s folder (after ``newest`` was committed)."""
-        folder = self.checkpoint_path(step)
-        try:
-            storage.remove(
-                folder, storage_options=self.storage_options, recursive=True, missing_ok=True
-            )
-        except Exception as exc:
-            raise CheckpointWriteError(
-                f"step {newest} {COMMITTED_BUT} deleting the old checkpoint {folder} "
-                f"failed ({error_text(exc)}); delete it by hand"
-            ) from exc
-        self._metrics.pop(step, None)
 
     def write_failure(
         self, step: int, folder: str, failures: list[tuple[int, str]]
@@ -425,30 +324,16 @@ class StepWriter:
     ) -> None:
         """Rank 0: write and commit ``step`` in a background thread (its error: ``flight``)."""
         flight.error = None
-        flight.thread = threading.Thread(
-            target=self._write_in_thread,
-            args=(flight, step, entries, rng_blobs, metrics, events),
-            name=f"ddpstate-checkpoint-writer-step-{step}",
-            # Not a daemon: an interpreter exiting normally still finishes the write.
-            daemon=False,
-        )
-        flight.thread.start()
 
-    def _write_in_thread(
-        self,
-        flight: InFlight,
-        step: int,
-        entries: dict[str, Entry],
-        rng_blobs: list[bytes],
-        metrics: dict[str, float],
-        events: list[Any],
-    ) -> None:
-        try:
-            for event in events:
-                event.synchronize()
-            self.commit(step, entries, rng_states(rng_blobs), metrics)
-        except BaseException as exc:
+        def failed(exc: BaseException) -> None:
             flight.error = exc
+
+        flight.thread = start_thread(
+            f"ddpstate-checkpoint-writer-step-{step}",
+            events,
+            lambda: self.commit(step, entries, rng_states(rng_blobs), metrics),
+            failed,
+        )
 
     def finish(self, flight: InFlight) -> None:
         """Wait for the write in ``flight``; raise its error on every rank (a collective)."""

@@ -11,12 +11,10 @@ so a failure leaves whatever was there before untouched.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Union
 
 from ddpstate import _fs, storage
@@ -138,32 +136,6 @@ def _replaceable(target: str, overwrite: bool) -> None:
         )
 
 
-@contextlib.contextmanager
-def staged_folder(target: str, *, overwrite: bool) -> Iterator[str]:
-    """A staging folder that takes ``target``'s name when the block ends without error.
-
-    Raises:
-        InvalidArgumentError: ``target`` is a URL (the layout is written locally).
-        CheckpointExistsError: ``target`` holds something else (see ``overwrite``).
-    """
-    if _fs.is_remote(target):
-        raise InvalidArgumentError(
-            f"{target}: sharded checkpoints are written to local folders; write locally and "
-            f"upload the folder"
-        )
-    target = os.path.abspath(_fs.local_path(target))
-    _replaceable(target, overwrite)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    staging = storage.temp_path_for(target)
-    os.makedirs(staging)
-    try:
-        yield staging
-        storage.replace_folder(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def write_index(folder: str, weight_map: Mapping[str, str], total_size: int) -> None:
     """Write ``model.safetensors.index.json`` (fsynced) into ``folder``."""
     text = json.dumps(
@@ -197,15 +169,22 @@ def write_sharded(
     Returns:
         The weight map written (key -> shard file name).
     """
+    if _fs.is_remote(target):
+        raise InvalidArgumentError(
+            f"{target}: sharded checkpoints are written to local folders; write locally and "
+            f"upload the folder"
+        )
+    target = os.path.abspath(_fs.local_path(target))
+    _replaceable(target, overwrite)
     weight_map: dict[str, str] = {}
     total = 0
-    with staged_folder(target, overwrite=overwrite) as staging:
+    with storage.staged_folder(target) as staged:
         for number, keys in enumerate(shards, 1):
             name = shard_name(number, len(shards))
-            path = os.path.join(staging, name)
+            path = os.path.join(staged.path, name)
             with storage.atomic_write(path, fsync=fsync) as f:
                 total += write_shard(f, keys, name)
             weight_map.update((k, name) for k in keys)
         weight_map = {k: weight_map[k] for k in order}
-        write_index(staging, weight_map, total)
+        write_index(staged.path, weight_map, total)
     return weight_map
