@@ -83,6 +83,9 @@ Exit status: 0 when intact, 1 when something is wrong (one line per problem).
 """
 
 
+_SRC_HELP = "checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder"
+
+
 class _UsageError(Exception):
     """A command-line mistake; printed as one line, exit status 2."""
 
@@ -176,11 +179,7 @@ def _add_convert(commands: Any) -> None:
         description="Rewrite a checkpoint's model keys or format, streaming: constant memory, "
         "about the time of a copy.",
     )  # fmt: skip
-    convert.add_argument(
-        "src",
-        metavar="SRC",
-        help="checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder",
-    )
+    convert.add_argument("src", metavar="SRC", help=_SRC_HELP)
     convert.add_argument(
         "dst",
         metavar="DST",
@@ -229,11 +228,7 @@ def _add_inspect(commands: Any) -> None:
         description="Show format, sizes, dtypes, devices, wrapper prefixes, structure and keys. "
         "Reads headers and the pickle structure only, never tensor data.",
     )  # fmt: skip
-    inspect.add_argument(
-        "src",
-        metavar="SRC",
-        help="checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder",
-    )
+    inspect.add_argument("src", metavar="SRC", help=_SRC_HELP)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_common(inspect, progress=False)
 
@@ -296,6 +291,11 @@ def _output_format(text: str) -> FormatName:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _print_json(result: Any, out: IO[str], status: int) -> int:
+    print(json.dumps(result.to_dict(), indent=2), file=out)
+    return status
+
+
 def _list(items: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
@@ -353,8 +353,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
 def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     info = inspect_file(args.src, weights_only=not args.unsafe)
     if args.json:
-        print(json.dumps(info.to_dict(), indent=2), file=out)
-        return 0
+        return _print_json(info, out, 0)
     dtypes = ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(info.dtype_bytes.items()))
     devices = ", ".join(f"{d} ({n} storages)" for d, n in sorted(info.devices.items()))
     lines = [
@@ -403,8 +402,7 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
         progress=not args.quiet, **_key_rule(args),
     )  # fmt: skip
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2), file=out)
-        return 0 if result.equal else 1
+        return _print_json(result, out, 0 if result.equal else 1)
     lines = list(result.notes)
     if result.only_a:
         lines.append(f"only in A ({len(result.only_a)}): {_list(list(result.only_a))}")
@@ -427,8 +425,7 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
 def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
     result = verify_file(args.src, weights_only=not args.unsafe, progress=not args.quiet)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2), file=out)
-        return 0 if result.ok else 1
+        return _print_json(result, out, 0 if result.ok else 1)
     kind = DESCRIPTIONS.get(result.format, "unreadable") if result.format else "unreadable"
     if result.ok:
         counted = "" if result.format == MANAGER else f"{result.tensors} tensors, "
