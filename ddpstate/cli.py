@@ -112,12 +112,12 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
     """The model-key options convert and diff share: which state dict, and one rename rule."""
     rule = parser.add_mutually_exclusive_group()
     rule.add_argument(
-        "--strip-module", "--strip_module", action="store_true",
-        help="remove the 'module.' prefix DataParallel/DDP add",
+        "--strip-module", "--strip_module", action="store_const", const="module.",
+        dest="strip_prefix", help="remove the 'module.' prefix DataParallel/DDP add",
     )  # fmt: skip
     rule.add_argument(
-        "--add-module", "--add_module", action="store_true",
-        help="add 'module.' (to load into a DataParallel/DDP-wrapped model)",
+        "--add-module", "--add_module", action="store_const", const="module.",
+        dest="add_prefix", help="add 'module.' (to load into a DataParallel/DDP-wrapped model)",
     )  # fmt: skip
     rule.add_argument(
         "--strip-prefix", "--strip_prefix", metavar="P",
@@ -139,10 +139,7 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
 def _key_rule(args: argparse.Namespace) -> dict[str, Any]:
     """The key options as :func:`ddpstate.convert.convert_file`/``diff_files`` arguments."""
     return {
-        "strip_prefix": "module." if args.strip_module else args.strip_prefix,
-        "add_prefix": "module." if args.add_module else args.add_prefix,
-        "normalize": args.normalize,
-        "key": args.key,
+        name: getattr(args, name) for name in ("strip_prefix", "add_prefix", "normalize", "key")
     }
 
 
@@ -540,19 +537,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except (_UsageError, DDPStateError, ValueError, OSError) as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"ddpstate: error: {_one_line(exc, typed)}", file=sys.stderr)
-        return 2
     except Exception as exc:
         if debug:
             traceback.print_exc()
-        print(
-            f"ddpstate: error: unexpected {type(exc).__name__}: {_one_line(exc, typed)} "
-            f"(set DDPSTATE_DEBUG=1 for the traceback, and please report it)",
-            file=sys.stderr,
-        )
+        text = _one_line(exc, typed)
+        if not isinstance(exc, (_UsageError, DDPStateError, ValueError, OSError)):
+            text = (
+                f"unexpected {type(exc).__name__}: {text} (set DDPSTATE_DEBUG=1 for the "
+                "traceback, and please report it)"
+            )
+        print(f"ddpstate: error: {text}", file=sys.stderr)
         return 2
 
 
