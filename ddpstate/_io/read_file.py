@@ -154,9 +154,7 @@ def load_sharded(path: str, how: _Reading) -> collections.OrderedDict[str, Any]:
     """
     index = open_index(path, how.storage_options)
     if how.mmap and _fs.is_remote(index.path):
-        raise CheckpointFormatError(
-            f"{path}: mmap=True is not possible here (the shards are remote); pass mmap=None"
-        )
+        raise _mmap_refused(path, "the shards are remote")
     merged: collections.OrderedDict[str, Any] = collections.OrderedDict()
     for shard in index.shards:
         where = index.shard_path(shard)
