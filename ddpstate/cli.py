@@ -293,6 +293,16 @@ def _print_json(result: Any, out: IO[str], status: int) -> int:
     return status
 
 
+def _table(title: str, rows: Sequence[Sequence[str]]) -> list[str]:
+    """``title``, then ``rows`` indented, each column as wide as its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    cells = [
+        "".join(f"{c:<{w}}  " for c, w in zip(row[:-1], widths, strict=True)) + row[-1]
+        for row in rows
+    ]
+    return [title] + [f"  {line}".rstrip() for line in cells]
+
+
 def _list(items: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
@@ -366,29 +376,17 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     if info.unsafe_globals:
         lines.append(f"unsafe     {_list(list(info.unsafe_globals))}")
     if info.structure:
-        lines.append("structure")
-        width = max(len(k) for k, _ in info.structure)
-        lines.extend(f"  {k:<{width}}  {v}" for k, v in info.structure)
+        lines += _table("structure", info.structure)
     for note in info.notes:
         lines.append(f"note: {note}")
     for problem in info.problems:
         lines.append(f"warning: {problem} (run `ddpstate verify`)")
     if info.tensors:
-        rows = [("name", "dtype", "shape", "bytes")] + [
-            (
-                t.name,
-                t.dtype,
-                str(list(t.shape)) if t.device else "",
-                str(t.nbytes) if t.device else "",
-            )
-            for t in info.tensors
+        shown = [
+            (str(list(t.shape)), str(t.nbytes)) if t.device else ("", "") for t in info.tensors
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines.append("keys")
-        lines.extend(
-            f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>}".rstrip()
-            for r in rows
-        )
+        rows = [(t.name, t.dtype, *more) for t, more in zip(info.tensors, shown, strict=True)]
+        lines += _table("keys", [("name", "dtype", "shape", "bytes"), *rows])
     print("\n".join(lines), file=out)
     return 0
 
