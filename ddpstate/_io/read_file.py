@@ -33,7 +33,7 @@ from ddpstate.formats import (
 )
 from ddpstate.location import ResolvedMapLocation, place_all, require_reachable
 
-__all__ = ["detect", "load_sharded", "read"]
+__all__ = ["Reading", "detect", "load_sharded", "read"]
 
 # torch.load goes by this suffix: a torch file so named cannot be mapped by it.
 _SAFETENSORS_SUFFIXES = TABLE[SAFETENSORS].suffixes
@@ -53,8 +53,16 @@ def _mmap_refused(text: str, why: str) -> CheckpointFormatError:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Reading:
-    """How one load reads: the same for a single file and for each shard of a folder."""
+class Reading:
+    """How one load reads: the same for a single file and for each shard of a folder.
+
+    Attributes:
+        resolved: The resolved ``map_location``.
+        weights_only: As for :func:`ddpstate.load` (torch files and ``.bin`` shards).
+        mmap: As for :func:`ddpstate.load`.
+        storage_options: fsspec options for URLs.
+        safe_globals: As for :func:`ddpstate.load`.
+    """
 
     resolved: ResolvedMapLocation
     weights_only: bool
@@ -73,7 +81,7 @@ def read(
 ) -> Any:
     require_reachable(resolved, text)
     kind = detect(text, storage_options)
-    how = _Reading(resolved, weights_only, mmap, storage_options, safe_globals)
+    how = Reading(resolved, weights_only, mmap, storage_options, safe_globals)
     if kind == TORCHSCRIPT:
         raise CheckpointFormatError(
             f"{text}: this is a TorchScript archive, not a checkpoint: use torch.jit.load"
@@ -96,7 +104,7 @@ def read(
     return _read_file(text, kind, how)
 
 
-def _read_file(text: str, kind: FormatName, how: _Reading) -> Any:
+def _read_file(text: str, kind: FormatName, how: Reading) -> Any:
     """One safetensors, torch.save zip or legacy torch file, its tensors placed."""
     remote = _fs.is_remote(text)
     local = _fs.local_path(text)
@@ -132,7 +140,7 @@ def _read_file(text: str, kind: FormatName, how: _Reading) -> Any:
         )
 
 
-def load_sharded(path: str, how: _Reading) -> collections.OrderedDict[str, Any]:
+def load_sharded(path: str, how: Reading) -> collections.OrderedDict[str, Any]:
     """Load a Hugging Face sharded checkpoint into one state dict, shard by shard.
 
     Each shard is read as a single file is (safetensors through ddpstate's
