@@ -19,7 +19,6 @@ torch's process-wide list.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import functools
@@ -208,9 +207,9 @@ def _children(value: Any) -> Iterator[tuple[str, Any]]:
     elif isinstance(value, (set, frozenset)):
         for v in value:
             yield "[...]", v
-    elif isinstance(value, argparse.Namespace) or (
-        hasattr(value, "__dict__") and not isinstance(value, (type, torch.Tensor, types.ModuleType))
-    ):
+    elif hasattr(value, "__dict__") and not isinstance(
+        value, (type, torch.Tensor, types.ModuleType)
+    ):  # objects: dataclasses, argparse.Namespace...
         for k, v in vars(value).items():
             yield f".{k}", v
 
