@@ -83,6 +83,9 @@ Exit status: 0 when intact, 1 when something is wrong (one line per problem).
 """
 
 
+_SRC_HELP = "checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder"
+
+
 class _UsageError(Exception):
     """A command-line mistake; printed as one line, exit status 2."""
 
@@ -109,12 +112,12 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
     """The model-key options convert and diff share: which state dict, and one rename rule."""
     rule = parser.add_mutually_exclusive_group()
     rule.add_argument(
-        "--strip-module", "--strip_module", action="store_true",
-        help="remove the 'module.' prefix DataParallel/DDP add",
+        "--strip-module", "--strip_module", action="store_const", const="module.",
+        dest="strip_prefix", help="remove the 'module.' prefix DataParallel/DDP add",
     )  # fmt: skip
     rule.add_argument(
-        "--add-module", "--add_module", action="store_true",
-        help="add 'module.' (to load into a DataParallel/DDP-wrapped model)",
+        "--add-module", "--add_module", action="store_const", const="module.",
+        dest="add_prefix", help="add 'module.' (to load into a DataParallel/DDP-wrapped model)",
     )  # fmt: skip
     rule.add_argument(
         "--strip-prefix", "--strip_prefix", metavar="P",
@@ -136,10 +139,7 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
 def _key_rule(args: argparse.Namespace) -> dict[str, Any]:
     """The key options as :func:`ddpstate.convert.convert_file`/``diff_files`` arguments."""
     return {
-        "strip_prefix": "module." if args.strip_module else args.strip_prefix,
-        "add_prefix": "module." if args.add_module else args.add_prefix,
-        "normalize": args.normalize,
-        "key": args.key,
+        name: getattr(args, name) for name in ("strip_prefix", "add_prefix", "normalize", "key")
     }
 
 
@@ -176,11 +176,7 @@ def _add_convert(commands: Any) -> None:
         description="Rewrite a checkpoint's model keys or format, streaming: constant memory, "
         "about the time of a copy.",
     )  # fmt: skip
-    convert.add_argument(
-        "src",
-        metavar="SRC",
-        help="checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder",
-    )
+    convert.add_argument("src", metavar="SRC", help=_SRC_HELP)
     convert.add_argument(
         "dst",
         metavar="DST",
@@ -229,11 +225,7 @@ def _add_inspect(commands: Any) -> None:
         description="Show format, sizes, dtypes, devices, wrapper prefixes, structure and keys. "
         "Reads headers and the pickle structure only, never tensor data.",
     )  # fmt: skip
-    inspect.add_argument(
-        "src",
-        metavar="SRC",
-        help="checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder",
-    )
+    inspect.add_argument("src", metavar="SRC", help=_SRC_HELP)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_common(inspect, progress=False)
 
@@ -296,6 +288,21 @@ def _output_format(text: str) -> FormatName:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _print_json(result: Any, out: IO[str], status: int) -> int:
+    print(json.dumps(result.to_dict(), indent=2), file=out)
+    return status
+
+
+def _table(title: str, rows: Sequence[Sequence[str]]) -> list[str]:
+    """``title``, then ``rows`` indented, each column as wide as its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    cells = [
+        "".join(f"{c:<{w}}  " for c, w in zip(row[:-1], widths, strict=True)) + row[-1]
+        for row in rows
+    ]
+    return [title] + [f"  {line}".rstrip() for line in cells]
+
+
 def _list(items: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
@@ -353,8 +360,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
 def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     info = inspect_file(args.src, weights_only=not args.unsafe)
     if args.json:
-        print(json.dumps(info.to_dict(), indent=2), file=out)
-        return 0
+        return _print_json(info, out, 0)
     dtypes = ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(info.dtype_bytes.items()))
     devices = ", ".join(f"{d} ({n} storages)" for d, n in sorted(info.devices.items()))
     lines = [
@@ -370,29 +376,17 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     if info.unsafe_globals:
         lines.append(f"unsafe     {_list(list(info.unsafe_globals))}")
     if info.structure:
-        lines.append("structure")
-        width = max(len(k) for k, _ in info.structure)
-        lines.extend(f"  {k:<{width}}  {v}" for k, v in info.structure)
+        lines += _table("structure", info.structure)
     for note in info.notes:
         lines.append(f"note: {note}")
     for problem in info.problems:
         lines.append(f"warning: {problem} (run `ddpstate verify`)")
     if info.tensors:
-        rows = [("name", "dtype", "shape", "bytes")] + [
-            (
-                t.name,
-                t.dtype,
-                str(list(t.shape)) if t.device else "",
-                str(t.nbytes) if t.device else "",
-            )
-            for t in info.tensors
+        shown = [
+            (str(list(t.shape)), str(t.nbytes)) if t.device else ("", "") for t in info.tensors
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines.append("keys")
-        lines.extend(
-            f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>}".rstrip()
-            for r in rows
-        )
+        rows = [(t.name, t.dtype, *more) for t, more in zip(info.tensors, shown, strict=True)]
+        lines += _table("keys", [("name", "dtype", "shape", "bytes"), *rows])
     print("\n".join(lines), file=out)
     return 0
 
@@ -403,8 +397,7 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
         progress=not args.quiet, **_key_rule(args),
     )  # fmt: skip
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2), file=out)
-        return 0 if result.equal else 1
+        return _print_json(result, out, 0 if result.equal else 1)
     lines = list(result.notes)
     if result.only_a:
         lines.append(f"only in A ({len(result.only_a)}): {_list(list(result.only_a))}")
@@ -427,8 +420,7 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
 def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
     result = verify_file(args.src, weights_only=not args.unsafe, progress=not args.quiet)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2), file=out)
-        return 0 if result.ok else 1
+        return _print_json(result, out, 0 if result.ok else 1)
     kind = DESCRIPTIONS.get(result.format, "unreadable") if result.format else "unreadable"
     if result.ok:
         counted = "" if result.format == MANAGER else f"{result.tensors} tensors, "
@@ -543,19 +535,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except (_UsageError, DDPStateError, ValueError, OSError) as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"ddpstate: error: {_one_line(exc, typed)}", file=sys.stderr)
-        return 2
     except Exception as exc:
         if debug:
             traceback.print_exc()
-        print(
-            f"ddpstate: error: unexpected {type(exc).__name__}: {_one_line(exc, typed)} "
-            f"(set DDPSTATE_DEBUG=1 for the traceback, and please report it)",
-            file=sys.stderr,
-        )
+        text = _one_line(exc, typed)
+        if not isinstance(exc, (_UsageError, DDPStateError, ValueError, OSError)):
+            text = (
+                f"unexpected {type(exc).__name__}: {text} (set DDPSTATE_DEBUG=1 for the "
+                "traceback, and please report it)"
+            )
+        print(f"ddpstate: error: {text}", file=sys.stderr)
         return 2
 
 

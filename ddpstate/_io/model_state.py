@@ -7,8 +7,9 @@ and the DCP reader's sharded loads), so a wrong shape is always :class:`ShapeMis
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 
@@ -95,12 +96,9 @@ def load_fitting(
     through here, so a wrong shape is always :class:`ShapeMismatchError`.
     ``dtypes`` says what a tensor of another dtype does (see :func:`check_dtypes`).
     """
+    own, target = model.state_dict(), type(model).__name__
     mismatched = shape_mismatches(
-        state_dict,
-        model.state_dict(),
-        name=name,
-        target=type(model).__name__,
-        ignore_mismatched=ignore_mismatched,
+        state_dict, own, name=name, target=target, ignore_mismatched=ignore_mismatched
     )
     if mismatched:
         skip = {k for k, _, _ in mismatched}
@@ -109,18 +107,12 @@ def load_fitting(
         if metadata is not None:
             kept._metadata = metadata
         state_dict = kept
-    check_dtypes(
-        state_dict,
-        model.state_dict(),
-        name=name,
-        target=type(model).__name__,
-        policy=dtypes,
-    )
+    check_dtypes(state_dict, own, name=name, target=target, policy=dtypes)
     try:
         model.load_state_dict(state_dict, strict=strict and not mismatched)
     except RuntimeError as exc:
         raise ShapeMismatchError(
-            f"{name} does not fit {type(model).__name__}: {exc}; check that the checkpoint "
+            f"{name} does not fit {target}: {exc}; check that the checkpoint "
             f"was saved from the same architecture"
         ) from exc
     return [k for k, _, _ in mismatched]
@@ -149,9 +141,7 @@ def shape_mismatches(
         and isinstance(own.get(k), torch.Tensor)
         and v.shape != own[k].shape
     ]
-    listing = ", ".join(f"{k!r} (saved {list(a)}, model {list(b)})" for k, a, b in mismatched[:8])
-    if len(mismatched) > 8:
-        listing += f" and {len(mismatched) - 8} more"
+    listing = _listing(mismatched, list)
     if mismatched and not ignore_mismatched:
         raise ShapeMismatchError(
             f"{name} does not fit {target}: size mismatch for {len(mismatched)} "
@@ -164,9 +154,20 @@ def shape_mismatches(
             f"{name}: skipped {len(mismatched)} entr(y/ies) whose shape differs from "
             f"{target}'s (ignore_mismatched=True); the model keeps its own values "
             f"there: {listing}",
-            rank=get_rank() if is_distributed() else None,
+            rank=_said_by(),
         )
     return mismatched
+
+
+def _said_by() -> Optional[int]:
+    """The rank a load's warning names: every rank loads alike, so rank 0 alone says it."""
+    return get_rank() if is_distributed() else None
+
+
+def _listing(found: Sequence[tuple[str, Any, Any]], show: Callable[[Any], Any]) -> str:
+    """``'key' (saved A, model B)`` for the first 8 of ``found``, then how many more."""
+    text = ", ".join(f"{k!r} (saved {show(a)}, model {show(b)})" for k, a, b in found[:8])
+    return text + (f" and {len(found) - 8} more" if len(found) > 8 else "")
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -208,12 +209,7 @@ def check_dtypes(
         and v.dtype != own[k].dtype
     ]
 
-    def listing(found: list[tuple[str, torch.dtype, torch.dtype]]) -> str:
-        text = ", ".join(
-            f"{k!r} (saved {_dtype_name(a)}, model {_dtype_name(b)})" for k, a, b in found[:8]
-        )
-        return text + (f" and {len(found) - 8} more" if len(found) > 8 else "")
-
+    listing = functools.partial(_listing, show=_dtype_name)
     crossed = [c for c in changes if _kind(c[1]) != _kind(c[2])]
     if crossed:
         raise DTypeMismatchError(
@@ -237,7 +233,7 @@ def check_dtypes(
         + ", ".join(f"{pair} ({n})" for pair, n in pairs.most_common())
         + f" (e.g. {listing(changes[:1])}); cast the model to the saved dtype first to load "
         f"the values as saved",
-        rank=get_rank() if is_distributed() else None,
+        rank=_said_by(),
     )
     return changes
 
@@ -265,5 +261,5 @@ def warn_if_little_matched(match: KeyMatch, source: Mapping[Any, Any], *, name: 
     warn(
         f"{name}: strict=False loaded {matched} of the file's {len(source_keys)} entries into "
         f"a model that expects {len(target_keys)}; {prefix_hint(source_keys, target_keys)}",
-        rank=get_rank() if is_distributed() else None,
+        rank=_said_by(),
     )

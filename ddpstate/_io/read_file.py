@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -32,7 +33,7 @@ from ddpstate.formats import (
 )
 from ddpstate.location import ResolvedMapLocation, place_all, require_reachable
 
-__all__ = ["detect", "load_sharded", "read"]
+__all__ = ["Reading", "detect", "load_sharded", "read"]
 
 # torch.load goes by this suffix: a torch file so named cannot be mapped by it.
 _SAFETENSORS_SUFFIXES = TABLE[SAFETENSORS].suffixes
@@ -51,6 +52,25 @@ def _mmap_refused(text: str, why: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"{text}: mmap=True is not possible here ({why}); pass mmap=None")
 
 
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """How one load reads: the same for a single file and for each shard of a folder.
+
+    Attributes:
+        resolved: The resolved ``map_location``.
+        weights_only: As for :func:`ddpstate.load` (torch files and ``.bin`` shards).
+        mmap: As for :func:`ddpstate.load`.
+        storage_options: fsspec options for URLs.
+        safe_globals: As for :func:`ddpstate.load`.
+    """
+
+    resolved: ResolvedMapLocation
+    weights_only: bool
+    mmap: Optional[bool]
+    storage_options: Optional[dict[str, Any]]
+    safe_globals: Sequence[Any]
+
+
 def read(
     text: str,
     resolved: ResolvedMapLocation,
@@ -61,19 +81,13 @@ def read(
 ) -> Any:
     require_reachable(resolved, text)
     kind = detect(text, storage_options)
+    how = Reading(resolved, weights_only, mmap, storage_options, safe_globals)
     if kind == TORCHSCRIPT:
         raise CheckpointFormatError(
             f"{text}: this is a TorchScript archive, not a checkpoint: use torch.jit.load"
         )
     if kind == HF_SHARDED:
-        return load_sharded(
-            text,
-            resolved,
-            weights_only=weights_only,
-            mmap=mmap,
-            storage_options=storage_options,
-            safe_globals=safe_globals,
-        )
+        return load_sharded(text, how)
     if kind == DCP:
         if mmap:
             raise _mmap_refused(text, "a torch.distributed.checkpoint folder")
@@ -87,21 +101,14 @@ def read(
             safe_globals=safe_globals,
         )
         return place_all(state, "cpu", resolved)
-    return _read_file(text, kind, resolved, weights_only, mmap, storage_options, safe_globals)
+    return _read_file(text, kind, how)
 
 
-def _read_file(
-    text: str,
-    kind: FormatName,
-    resolved: ResolvedMapLocation,
-    weights_only: bool,
-    mmap: Optional[bool],
-    storage_options: Optional[dict[str, Any]],
-    safe_globals: Sequence[Any],
-) -> Any:
+def _read_file(text: str, kind: FormatName, how: Reading) -> Any:
     """One safetensors, torch.save zip or legacy torch file, its tensors placed."""
     remote = _fs.is_remote(text)
     local = _fs.local_path(text)
+    mmap = how.mmap
     if mmap and (remote or not TABLE[kind].mappable):
         raise _mmap_refused(text, "the file is remote" if remote else "legacy files cannot be")
     # torch.load (2.13+) picks its safetensors reader from this suffix, whatever the bytes
@@ -115,33 +122,25 @@ def _read_file(
     with contextlib.ExitStack() as stack:
         # A remote file is read through a file object, never mapped.
         src = (
-            stack.enter_context(storage.open_read(text, storage_options=storage_options))
+            stack.enter_context(storage.open_read(text, storage_options=how.storage_options))
             if remote or misnamed
             else local
         )
         use_mmap = TABLE[kind].mappable and isinstance(src, str) if mmap is None else bool(mmap)
         if kind == SAFETENSORS:
-            return place_all(read_safetensors(src, mmap=use_mmap), "cpu", resolved)
+            return place_all(read_safetensors(src, mmap=use_mmap), "cpu", how.resolved)
         return torch_io.load_torch_file(
             src,
             kind=kind,
             name=text,
-            map_location=resolved,
-            weights_only=weights_only,
+            map_location=how.resolved,
+            weights_only=how.weights_only,
             mmap=use_mmap,
-            safe_globals=safe_globals,
+            safe_globals=how.safe_globals,
         )
 
 
-def load_sharded(
-    path: str,
-    resolved: ResolvedMapLocation,
-    *,
-    weights_only: bool,
-    mmap: Optional[bool],
-    storage_options: Optional[dict[str, Any]],
-    safe_globals: Sequence[Any] = (),
-) -> collections.OrderedDict[str, Any]:
+def load_sharded(path: str, how: Reading) -> collections.OrderedDict[str, Any]:
     """Load a Hugging Face sharded checkpoint into one state dict, shard by shard.
 
     Each shard is read as a single file is (safetensors through ddpstate's
@@ -150,11 +149,8 @@ def load_sharded(
 
     Args:
         path: The index file or its folder.
-        resolved: The resolved ``map_location``.
-        weights_only: As for :func:`ddpstate.load` (``.bin`` shards).
-        mmap: As for :func:`ddpstate.load`.
-        storage_options: fsspec options for URLs.
-        safe_globals: As for :func:`ddpstate.load`.
+        how: The resolved ``map_location`` and :func:`ddpstate.load`'s ``weights_only``
+            (``.bin`` shards), ``mmap``, ``storage_options`` and ``safe_globals``.
 
     Returns:
         An ``OrderedDict`` of every tensor, in the index's order.
@@ -164,16 +160,14 @@ def load_sharded(
         UnsafeCheckpointError: As for :func:`ddpstate.load`; a missing shard,
             or one the index disagrees with, is named with the index.
     """
-    index = open_index(path, storage_options)
-    if mmap and _fs.is_remote(index.path):
-        raise CheckpointFormatError(
-            f"{path}: mmap=True is not possible here (the shards are remote); pass mmap=None"
-        )
+    index = open_index(path, how.storage_options)
+    if how.mmap and _fs.is_remote(index.path):
+        raise _mmap_refused(path, "the shards are remote")
     merged: collections.OrderedDict[str, Any] = collections.OrderedDict()
     for shard in index.shards:
         where = index.shard_path(shard)
         try:
-            kind = detect_format(where, storage_options=storage_options)
+            kind = detect_format(where, storage_options=how.storage_options)
         except CheckpointNotFoundError as exc:
             raise index.missing(shard) from exc
         if kind not in (SAFETENSORS, TORCH_ZIP, LEGACY):
@@ -181,7 +175,7 @@ def load_sharded(
                 f"{where}: a shard of {index.path} in format {kind!r}; shards must be "
                 f"safetensors or torch.save files"
             )
-        part = _read_file(where, kind, resolved, weights_only, mmap, storage_options, safe_globals)
+        part = _read_file(where, kind, how)
         if not isinstance(part, dict) or not all(isinstance(k, str) for k in part):
             raise CheckpointFormatError(
                 f"{where}: a shard of {index.path} that is not a state dict; a sharded "

@@ -19,7 +19,6 @@ torch's process-wide list.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import functools
@@ -113,7 +112,7 @@ def allowed_globals(extra: Sequence[Any] = ()) -> list[Any]:
 # that ddpstate added. Added on 0 -> 1, removed on 1 -> 0, under the lock, so one
 # thread's exit never takes out a global another thread's load is still using.
 _ALLOWED_LOCK = threading.Lock()
-_ALLOWED_COUNTS: dict[Any, int] = {}
+_ALLOWED_COUNTS: collections.Counter[Any] = collections.Counter()
 
 
 def _remove_safe_globals(remove: list[Any]) -> None:
@@ -173,29 +172,24 @@ def loading_allowed(extra: Sequence[Any] = ()) -> Iterator[None]:
     removed when the last such block (in any thread) exits.
     """
     serialization = torch.serialization
-    held: list[Any] = []
     with _ALLOWED_LOCK:
         present = set(serialization.get_safe_globals())
-        new: list[Any] = []
-        for g in dict.fromkeys(allowed_globals(extra)):
-            if g in _ALLOWED_COUNTS:
-                _ALLOWED_COUNTS[g] += 1
-                held.append(g)
-            elif g not in present:  # someone else's entries stay theirs
-                _ALLOWED_COUNTS[g] = 1
-                held.append(g)
-                new.append(g)
-        serialization.add_safe_globals(new)
+        # Someone else's entries stay theirs: only ours, or ones torch lacks, are counted.
+        held = [
+            g
+            for g in dict.fromkeys(allowed_globals(extra))
+            if g in _ALLOWED_COUNTS or g not in present
+        ]
+        serialization.add_safe_globals([g for g in held if g not in _ALLOWED_COUNTS])
+        _ALLOWED_COUNTS.update(held)
     try:
         yield
     finally:
         with _ALLOWED_LOCK:
-            done = []
-            for g in held:
-                _ALLOWED_COUNTS[g] -= 1
-                if _ALLOWED_COUNTS[g] == 0:
-                    del _ALLOWED_COUNTS[g]
-                    done.append(g)
+            _ALLOWED_COUNTS.subtract(held)
+            done = [g for g in held if _ALLOWED_COUNTS[g] == 0]
+            for g in done:
+                del _ALLOWED_COUNTS[g]
             if done:
                 _remove_safe_globals(done)
 
@@ -213,9 +207,9 @@ def _children(value: Any) -> Iterator[tuple[str, Any]]:
     elif isinstance(value, (set, frozenset)):
         for v in value:
             yield "[...]", v
-    elif isinstance(value, argparse.Namespace) or (
-        hasattr(value, "__dict__") and not isinstance(value, (type, torch.Tensor, types.ModuleType))
-    ):
+    elif hasattr(value, "__dict__") and not isinstance(
+        value, (type, torch.Tensor, types.ModuleType)
+    ):  # objects: dataclasses, argparse.Namespace...
         for k, v in vars(value).items():
             yield f".{k}", v
 
@@ -346,9 +340,7 @@ def _pickle_module(extra: Sequence[Any]) -> Any:
     # torch's built-in allowlist has no public getter (tests/test_safe_globals.py pins
     # the private one); what users added has one.
     allowed = {id(v) for v in wou._get_allowed_globals().values()}
-    for item in torch.serialization.get_safe_globals():
-        allowed.add(id(item[0] if isinstance(item, tuple) else item))
-    for item in allowed_globals(extra):
+    for item in (*torch.serialization.get_safe_globals(), *allowed_globals(extra)):
         allowed.add(id(item[0] if isinstance(item, tuple) else item))
     # Storage classes travel in torch's persistent ids, which its loader handles itself.
     allowed |= {id(c) for c in (*torch._storage_classes, torch.UntypedStorage)}
@@ -428,12 +420,8 @@ def _refusal(root: Any, what: str, where: str, refused: Any) -> UnsafeCheckpoint
     code = _code_refusal(where, found, refused, name)
     if code is not None:
         return code
-    if found is None:
-        at, shown = f"something in {what}", name
-    else:
-        at = found[0]
-        value = found[1]
-        shown = name if value is refused else f"a {type(value).__qualname__}"
+    at, value = found if found is not None else (f"something in {what}", refused)
+    shown = name if value is refused else f"a {type(value).__qualname__}"
     cls = refused.__qualname__ if isinstance(refused, type) else name
     if name.startswith("numpy."):
         return UnsafeCheckpointError(

@@ -30,8 +30,9 @@ class _TensorRef:
     location: str
 
 
-def _split(obj: Any, locations: dict[int, str]) -> tuple[Any, list[torch.Tensor]]:
+def _split(obj: Any, locations: dict[int, str]) -> tuple[Any, list[_TensorRef], list[torch.Tensor]]:
     """Replace tensors by references; identical views of one tensor share a reference."""
+    refs: list[_TensorRef] = []
     tensors: list[torch.Tensor] = []
     seen: dict[Any, _TensorRef] = {}
 
@@ -43,24 +44,13 @@ def _split(obj: Any, locations: dict[int, str]) -> tuple[Any, list[torch.Tensor]
         if value.numel() and key in seen:
             return seen[key]
         ref = _TensorRef(len(tensors), value.dtype, tuple(value.shape), locations.get(ptr, "cpu"))
+        refs.append(ref)
         tensors.append(value)
         if value.numel():  # empty tensors all have data pointer 0; never tie them
             seen[key] = ref
         return ref
 
-    return map_nested(obj, leaf), tensors
-
-
-def _refs(skeleton: Any) -> list[_TensorRef]:
-    found: dict[int, _TensorRef] = {}
-
-    def leaf(value: Any) -> Any:
-        if isinstance(value, _TensorRef):
-            found[value.index] = value
-        return value
-
-    map_nested(skeleton, leaf)
-    return [found[i] for i in sorted(found)]
+    return map_nested(obj, leaf), refs, tensors
 
 
 def _comm_device() -> torch.device:
@@ -98,14 +88,15 @@ def broadcast_with_tensors(
         >>> dist.destroy_process_group()
     """
     rank = get_rank()
+    local_tensors: list[torch.Tensor] = []
+    sent: Any = None
     if rank == src_rank:
-        skeleton, local_tensors = _split(obj, locations)
-    else:
-        skeleton, local_tensors = None, []
-    skeleton = broadcast_object(skeleton, src_rank=src_rank, timeout=timeout)
+        skeleton, refs, local_tensors = _split(obj, locations)
+        sent = (skeleton, refs)  # one pickle: the refs inside the skeleton are memo references
+    skeleton, refs = broadcast_object(sent, src_rank=src_rank, timeout=timeout)
     device = _comm_device()
     placed: dict[int, torch.Tensor] = {}
-    for ref in _refs(skeleton):
+    for ref in refs:
         if rank == src_rank:
             tensor = local_tensors[ref.index].detach()
         else:

@@ -138,12 +138,13 @@ def _globals_in_pickle(fileobj: IO[bytes]) -> list[str]:
     return found
 
 
-def _legacy_globals(fileobj: IO[bytes]) -> list[str]:
+def _legacy_globals(src: Source) -> list[str]:
     # A legacy file is: magic number, protocol version, sys info, then the object.
-    for _ in range(3):
-        for _op in pickletools.genops(fileobj):
-            pass
-    return _globals_in_pickle(fileobj)
+    with open(src, "rb") if isinstance(src, str) else contextlib.nullcontext(src) as fileobj:
+        for _ in range(3):
+            for _op in pickletools.genops(fileobj):
+                pass
+        return _globals_in_pickle(fileobj)
 
 
 def unsafe_globals(source: Source, kind: str) -> list[str]:
@@ -173,12 +174,7 @@ def unsafe_globals(source: Source, kind: str) -> list[str]:
         if kind == TORCH_ZIP:
             return sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(src)))
         allowed = _allowed_globals()
-        if isinstance(src, str):
-            with open(src, "rb") as f:
-                names = _legacy_globals(f)
-        else:
-            names = _legacy_globals(src)
-        return sorted({n for n in names if n not in allowed})
+        return sorted({n for n in _legacy_globals(src) if n not in allowed})
 
 
 def _resolve_loaded(qualname: str) -> Any:
