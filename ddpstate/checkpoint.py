@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 import posixpath
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypedDict, Union
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # typing_extensions comes with torch
+    from typing_extensions import Unpack
 
 import torch
 
@@ -420,6 +426,22 @@ def _load_and_broadcast(
     return broadcast_with_tensors(obj, locations, src_rank, resolved, timeout)
 
 
+class LoadOptions(TypedDict, total=False):
+    """:func:`load`'s options, which :func:`load_model_state` passes on for a path.
+
+    Each has :func:`load`'s meaning and default.
+    """
+
+    map_location: MapLocation
+    weights_only: bool
+    mmap: Optional[bool]
+    barrier: bool
+    src_rank: Optional[int]
+    storage_options: Optional[dict[str, Any]]
+    timeout: Timeout
+    safe_globals: Sequence[Any]
+
+
 def load(
     path: PathLike,
     *,
@@ -557,15 +579,8 @@ def load_model_state(
     *,
     strict: bool = True,
     key: Optional[str] = None,
-    map_location: MapLocation = "auto",
-    weights_only: bool = True,
-    mmap: Optional[bool] = None,
-    barrier: bool = True,
-    src_rank: Optional[int] = None,
-    storage_options: Optional[dict[str, Any]] = None,
-    timeout: Timeout = None,
     ignore_mismatched: bool = False,
-    safe_globals: Sequence[Any] = (),
+    **options: Unpack[LoadOptions],
 ) -> IncompatibleKeys:
     """Load a checkpoint into a model, whatever wrapping either side had.
 
@@ -597,8 +612,10 @@ def load_model_state(
             report the rest.
         key: Dotted path of the state dict inside the checkpoint
             (e.g. ``"model.state_dict"``); default: found automatically.
-        map_location, weights_only, mmap, barrier, src_rank, storage_options,
-            timeout, safe_globals: As for :func:`load` (used when ``source`` is a path).
+        **options: :func:`load`'s options (:class:`LoadOptions`: ``map_location``,
+            ``weights_only``, ``mmap``, ``barrier``, ``src_rank``,
+            ``storage_options``, ``timeout``, ``safe_globals``), used when
+            ``source`` is a path.
         ignore_mismatched: Skip entries whose shape differs from the model's
             (the model keeps its own values there), e.g. a classifier head resized
             for fine-tuning; they are named in a warning and in ``missing_keys``.
@@ -617,6 +634,7 @@ def load_model_state(
             into a float32 parameter); the message names the keys.
         CheckpointCorruptError: A shard file of a DCP folder is missing or damaged.
         InvalidArgumentError: ``src_rank`` with a sharded model (each rank reads its own shards).
+        TypeError: An option :func:`load` does not take.
 
     Example:
         >>> import os, tempfile, torch
@@ -627,8 +645,13 @@ def load_model_state(
         >>> load_model_state(torch.nn.Linear(2, 2), path)
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     """
+    unknown = sorted(set(options) - set(LoadOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"load_model_state() got an unexpected keyword argument {unknown[0]!r}")
+    src_rank, storage_options = options.get("src_rank"), options.get("storage_options")
+    timeout = options.get("timeout")
     with calling(f"ddpstate.load_model_state({path_text(source)})"):
-        _savecheck.check_safe_globals(safe_globals, "load_model_state")
+        _savecheck.check_safe_globals(options.get("safe_globals", ()), "load_model_state")
         if isinstance(source, (str, os.PathLike)):
             name = os.fspath(source)
             if (
@@ -640,23 +663,13 @@ def load_model_state(
                         f"{name}: src_rank={src_rank} does not apply to a sharded (FSDP2/DTensor) "
                         f"model: each rank reads only its own shards from the folder; drop src_rank"
                     )
-                if barrier and is_distributed():
+                if options.get("barrier", True) and is_distributed():
                     _check_same_call(LOAD_COLLECTIVE, (name, None, src_rank), timeout)
                 return _dcp_read.load_sharded_model_state(
                     model, name, strict=strict, key=key, ignore_mismatched=ignore_mismatched,
                     storage_options=storage_options, timeout=timeout,
                 )  # fmt: skip
-            checkpoint = load(
-                source,
-                map_location=map_location,
-                weights_only=weights_only,
-                mmap=mmap,
-                barrier=barrier,
-                src_rank=src_rank,
-                storage_options=storage_options,
-                timeout=timeout,
-                safe_globals=safe_globals,
-            )
+            checkpoint = load(source, **options)
         else:
             name, checkpoint = "the given state dict", source
         found_key, state_dict = find_state_dict(checkpoint, key)

@@ -335,3 +335,19 @@ def test_values_pickled_as_a_global_name_are_refused_at_save(value: Any, tmp_pat
         save({"x": [value]}, tmp_path / "v.pt")
     assert info.value.unsafe_globals == (f"builtins.{value!r}",)
     assert "obj['x'][0]" in str(info.value) and not (tmp_path / "v.pt").exists()
+
+
+def test_load_model_state_passes_load_options_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    """load()'s options reach load(); a misspelt one is a TypeError naming it, nothing loaded."""
+    from ddpstate.checkpoint import load_model_state, save
+
+    model = torch.nn.Linear(2, 2)
+    path = tmp_path / "m.pt"
+    save({"model": model.state_dict()}, path)
+    target = torch.nn.Linear(2, 2)
+    before = target.weight.detach().clone()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'weight_only'"):
+        load_model_state(target, path, weight_only=True)  # type: ignore[call-arg]
+    assert torch.equal(target.weight, before)
+    load_model_state(target, path, map_location="cpu", mmap=True, weights_only=True)
+    assert torch.equal(target.weight, model.weight)
