@@ -35,13 +35,13 @@ def _reports(n: int) -> list[bytes]:
     import torch
 
     from ddpstate._manager.local_check import check_share_of_step
-    from ddpstate.manager import CheckpointManager
+    from ddpstate.manager import CheckpointManager, NodeLocal
 
     root = tempfile.mkdtemp(prefix="ddpstate-agreement-")
     try:
         state = {"model": torch.nn.Linear(256, 256), "extra": torch.zeros(4096)}
         local = os.path.join(root, "local")
-        with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=1) as m:
+        with CheckpointManager(os.path.join(root, "run"), local=NodeLocal(local, every=1)) as m:
             m.save_local(7, state)
         shares = [check_share_of_step(local, 7, (i, _PER_NODE)) for i in range(_PER_NODE)]
     finally:

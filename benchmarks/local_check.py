@@ -29,14 +29,14 @@ _VARIANTS = {"one checker (no LOCAL_WORLD_SIZE)": None, "split (LOCAL_WORLD_SIZE
 
 def _child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
     from ddpstate.dist import barrier
-    from ddpstate.manager import CheckpointManager
+    from ddpstate.manager import CheckpointManager, NodeLocal
 
     _join(rank, port)
     names = ("model", "exp_avg", "exp_avg_sq")[: opts["files"]]
     part = max(1, opts["size_mib"] // len(names))
     state = {n: _state(part, 1.0) for n in names}
     times: dict[str, list[float]] = {v: [] for v in _VARIANTS}
-    with CheckpointManager(opts["durable"], local_dir=opts["shm"], local_every=1) as manager:
+    with CheckpointManager(opts["durable"], local=NodeLocal(opts["shm"], every=1)) as manager:
         manager.save_local(1, state)
         manager.wait()
         for _ in range(opts["repeats"]):

@@ -82,14 +82,14 @@ def _stall_child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
     import torch
 
     from ddpstate.dist import barrier
-    from ddpstate.manager import CheckpointManager
+    from ddpstate.manager import CheckpointManager, NodeLocal
 
     _join(rank, port)
     weights = _state(opts["size_mib"], 1.0)
     state = {"weights": weights}
     local, sync = [], []
     with CheckpointManager(
-        opts["durable"], keep_last=1, local_dir=opts["shm"], local_every=1, local_keep=2
+        opts["durable"], keep_last=1, local=NodeLocal(opts["shm"], every=1, keep=2)
     ) as manager:
         for step in range(1, opts["saves"] + 1):
             with torch.no_grad():
@@ -122,7 +122,7 @@ def _node_dir(opts: dict[str, Any], rank: int) -> str:
 def _setup_child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
     """Both tiers hold step ``opts["step"]`` (values ``opts["value"]``): durable on disk and
     on /dev/shm, local in ``opts["shm"]`` (one node) or per rank (2 "nodes")."""
-    from ddpstate.manager import CheckpointManager
+    from ddpstate.manager import CheckpointManager, NodeLocal
 
     nodes = opts.get("nodes", 1)
     _join(rank, port, local_rank=0 if nodes == 2 else None)
@@ -132,7 +132,7 @@ def _setup_child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
             manager.save(opts["step"], state)
     local = _node_dir(opts, rank) if nodes == 2 else opts["shm"]
     with CheckpointManager(
-        opts["durable"], keep_last=1, local_dir=local, local_every=1, local_keep=1
+        opts["durable"], keep_last=1, local=NodeLocal(local, every=1, keep=1)
     ) as manager:
         manager.save_local(opts["step"], state)
     out.put((rank, {}))
@@ -142,7 +142,7 @@ def _peer_child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
     import torch
 
     from ddpstate.dist import barrier
-    from ddpstate.manager import CheckpointManager
+    from ddpstate.manager import CheckpointManager, NodeLocal
 
     _join(rank, port, local_rank=0)
     weights = _state(opts["size_mib"], 0.0)
@@ -161,7 +161,9 @@ def _peer_child(rank: int, port: int, opts: dict[str, Any], out: Any) -> None:
             local_dir = _node_dir(opts, rank) if variant in ("peer", "local") else None
             durable = opts["durable_shm"] if variant.endswith("/dev/shm") else opts["durable"]
             start = time.perf_counter()
-            with CheckpointManager(durable, keep_last=1, local_dir=local_dir) as manager:
+            with CheckpointManager(
+                durable, keep_last=1, local=NodeLocal(local_dir) if local_dir else None
+            ) as manager:
                 step = manager.restore(state)
                 source = manager.restored_from
             times[variant].append(time.perf_counter() - start)
@@ -242,7 +244,7 @@ def _worker(opts: dict[str, Any]) -> None:
 
     marks["torch"] = time.time()
     import ddpstate
-    from ddpstate.manager import CheckpointManager
+    from ddpstate.manager import CheckpointManager, NodeLocal
 
     marks["imported"] = time.time()
     ctx = ddpstate.init_distributed()
@@ -254,7 +256,10 @@ def _worker(opts: dict[str, Any]) -> None:
     local_dir = opts["shm"] if opts["tier"] == "local" else None
     one = torch.ones(1)
     with CheckpointManager(
-        opts["durable"], keep_last=1, local_dir=local_dir, handle_signals=True
+        opts["durable"],
+        keep_last=1,
+        local=NodeLocal(local_dir) if local_dir else None,
+        handle_signals=True,
     ) as manager:
         if attempt == 0:
             if opts["evict"] and ctx.rank == 0:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ddpstate import _checksum, _manifest
 from ddpstate._manager import verify_split
-from ddpstate.manager import MANIFEST_NAME, CheckpointManager
+from ddpstate.manager import MANIFEST_NAME, CheckpointManager, NodeLocal
 from tests.multiproc import run_ranks
 
 _LOCAL_STEP = 4
@@ -47,7 +47,7 @@ def _place(rank: int, per_node: int, lws: Optional[str], root: str) -> str:
 
 def _save(rank: int, world: int, root: str, per_node: int, lws: Optional[str]) -> None:
     local = _place(rank, per_node, lws, root)
-    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
+    with CheckpointManager(os.path.join(root, "run"), local=NodeLocal(local, every=2)) as m:
         m.save(2, _state(2))
         m.save_local(_LOCAL_STEP, _state(_LOCAL_STEP))
 
@@ -65,7 +65,7 @@ def _spied_restore(root: str, local: str, state: dict[str, Any]) -> dict[str, An
     verify_split.check_share = recording  # a spy: the real check runs
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
+        with CheckpointManager(os.path.join(root, "run"), local=NodeLocal(local, every=2)) as m:
             step = m.restore(state)
             source = m.restored_from
     assert source is not None
@@ -189,7 +189,7 @@ def _big(seed: int) -> dict[str, Any]:
 
 def _save_big(rank: int, world: int, root: str) -> None:
     local = _place(rank, 2, "2", root)
-    with CheckpointManager(os.path.join(root, "run"), local_dir=local, local_every=2) as m:
+    with CheckpointManager(os.path.join(root, "run"), local=NodeLocal(local, every=2)) as m:
         m.save(2, _big(2))
         m.save_local(_LOCAL_STEP, _big(_LOCAL_STEP))
 

@@ -28,7 +28,7 @@ from ddpstate.errors import (
     KeyMismatchError,
 )
 from ddpstate.formats import detect_format
-from ddpstate.manager import LATEST_NAME, MANIFEST_NAME, CheckpointManager
+from ddpstate.manager import LATEST_NAME, MANIFEST_NAME, CheckpointManager, KeepBest
 from ddpstate.sampler import ResumableDistributedSampler
 from ddpstate.storage import is_temp_name
 
@@ -229,18 +229,18 @@ def test_keep_last_keeps_exactly_the_newest(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("mode", "best"), [("min", [20, 50]), ("max", [10, 40])])
 def test_keep_best_adds_the_best_by_metric(tmp_path: Path, mode: str, best: list[int]) -> None:
     losses = {10: 0.9, 20: 0.1, 30: 0.5, 40: 0.95, 50: 0.2, 60: 0.7, 70: 0.6}
-    with CheckpointManager(tmp_path, keep_last=2, keep_best=2, metric="loss", mode=mode) as manager:
+    with CheckpointManager(tmp_path, keep_last=2, best=KeepBest(2, "loss", mode=mode)) as manager:
         for step, loss in losses.items():
             manager.save(step, {"x": step}, metrics={"loss": loss})
         assert manager.steps() == sorted({*best, 60, 70})
 
 
 def test_keep_best_survives_a_new_manager(tmp_path: Path) -> None:
-    first = CheckpointManager(tmp_path, keep_last=1, keep_best=1, metric="loss")
+    first = CheckpointManager(tmp_path, keep_last=1, best=KeepBest(1, "loss"))
     first.save(1, {"x": 1}, metrics={"loss": 0.1})
     first.save(2, {"x": 2}, metrics={"loss": 0.5})
     first.close()
-    second = CheckpointManager(tmp_path, keep_last=1, keep_best=1, metric="loss")
+    second = CheckpointManager(tmp_path, keep_last=1, best=KeepBest(1, "loss"))
     second.save(3, {"x": 3}, metrics={"loss": 0.7})
     assert second.steps() == [1, 3]  # step 1's loss came from its manifest
 
@@ -248,7 +248,7 @@ def test_keep_best_survives_a_new_manager(tmp_path: Path) -> None:
 def test_keep_best_needs_the_metric(tmp_path: Path) -> None:
     with pytest.raises(DDPStateError, match="metric="):
         CheckpointManager(tmp_path, keep_best=1)
-    manager = CheckpointManager(tmp_path, keep_best=1, metric="loss")
+    manager = CheckpointManager(tmp_path, best=KeepBest(1, "loss"))
     with pytest.raises(DDPStateError, match="metrics=\\{'loss': value\\}"):
         manager.save(1, {"x": 1}, metrics={"acc": 1.0})
     assert manager.steps() == []
@@ -504,7 +504,7 @@ def test_fsspec_url_save_rotate_verify_and_restore() -> None:
     fs = fsspec.filesystem("memory")
     url = "memory://ddpstate-test-manager/run"
     try:
-        with CheckpointManager(url, keep_last=2, keep_best=1, metric="loss") as manager:
+        with CheckpointManager(url, keep_last=2, best=KeepBest(1, "loss")) as manager:
             for step, loss in ((1, 0.1), (2, 0.5), (3, 0.4), (4, 0.3)):
                 manager.save(step, {"model": _net(step), "x": step}, metrics={"loss": loss})
             assert manager.steps() == [1, 3, 4]

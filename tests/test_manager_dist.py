@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddpstate.errors import CheckpointWriteError
 from ddpstate.keys import unwrap_model
-from ddpstate.manager import MANIFEST_NAME, CheckpointManager
+from ddpstate.manager import MANIFEST_NAME, CheckpointManager, KeepBest
 from ddpstate.sampler import ResumableDistributedSampler
 from ddpstate.storage import is_temp_name
 from tests.multiproc import run_ranks
@@ -134,7 +134,7 @@ def test_save_then_restore_in_new_processes_is_bitwise(tmp_path: Path) -> None:
 def _save_series(rank: int, world: int, directory: str) -> list[int]:
     model = DDP(nn.Linear(8, 8))
     losses = {1: 0.1, 2: 0.9, 3: 0.8, 4: 0.7, 5: 0.6, 6: 0.5}
-    with CheckpointManager(directory, keep_last=3, keep_best=1, metric="loss") as manager:
+    with CheckpointManager(directory, keep_last=3, best=KeepBest(1, "loss")) as manager:
         for step, loss in losses.items():
             with torch.no_grad():
                 model.module.weight.fill_(float(step))
