@@ -6,7 +6,7 @@ pure-Python pickler; it now writes protocol 2 itself. This times both, in one pr
 on the same scanned tree: a torch.save'd ``{"epoch", "state_dict"}`` checkpoint of
 ``--tensors`` small tensors (30,000 by default), every key ``module.``-prefixed, read
 back with ``scan_pickle``. The old writer is the frozen copy in
-``tests/emit_reference.py``. Runs alternate (old, new, old, new...), median of
+``tests/streaming/emit_reference.py``. Runs alternate (old, new, old, new...), median of
 ``--repeats``; the peak of Python allocations during one write (``tracemalloc``) is
 measured in separate runs. The two outputs are checked to be byte for byte equal.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 from ddpstate._streaming.pickle_emit import dump_checkpoint_pickle
 from ddpstate._streaming.pickle_scan import StorageRecord, scan_pickle
-from tests.emit_reference import reference_dump_checkpoint_pickle
+from tests.streaming.emit_reference import reference_dump_checkpoint_pickle
 
 
 def _scanned_tree(tensors: int) -> Any:

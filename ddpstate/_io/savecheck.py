@@ -337,7 +337,7 @@ _GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
 def _pickle_module(extra: Sequence[Any]) -> Any:
     from torch import _weights_only_unpickler as wou
 
-    # torch's built-in allowlist has no public getter (tests/test_safe_globals.py pins
+    # torch's built-in allowlist has no public getter (tests/streaming/test_safe_globals.py pins
     # the private one); what users added has one.
     allowed = {id(v) for v in wou._get_allowed_globals().values()}
     for item in (*torch.serialization.get_safe_globals(), *allowed_globals(extra)):

@@ -90,7 +90,7 @@ def _rewound(source: Source) -> Iterator[Source]:
 def _allowed_globals() -> set[str]:
     # For legacy files only (zip files go through the public get_unsafe_globals_in_checkpoint):
     # torch has no public getter for its built-in weights_only allowlist, so the private one
-    # is used (tests/test_safe_globals.py pins it); without it every global is listed.
+    # is used (tests/streaming/test_safe_globals.py pins it); without it every global is listed.
     try:
         from torch import _weights_only_unpickler as wou
 

@@ -43,7 +43,7 @@ DTYPES: dict[str, tuple[str, int]] = {
     "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
 }  # fmt: skip
 # The safetensors library lays data out by its Dtype enum's order, last first, then by
-# name. No public name gives that order, so it is kept here; tests/test_safetensors_lib.py
+# name. No public name gives that order, so it is kept here; tests/formats/test_safetensors_lib.py
 # checks it against the installed library.
 _LIBRARY_ORDER = {
     code: rank

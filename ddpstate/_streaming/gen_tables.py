@@ -3,7 +3,7 @@
 The streaming scanner must not import torch (``ddpstate inspect``/``convert``
 run in the memory and time of a copy), so it reads checked-in tables
 (:mod:`ddpstate._streaming.torch_tables`); this script is where they come from,
-and ``tests/test_safe_globals.py`` fails as soon as the installed torch would
+and ``tests/streaming/test_safe_globals.py`` fails as soon as the installed torch would
 write different ones.
 """
 

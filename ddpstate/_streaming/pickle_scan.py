@@ -21,7 +21,7 @@ from ddpstate._streaming.torch_tables import STORAGE_DTYPE as STORAGE_DTYPE
 
 # torch's own tables (dtype sizes, storage classes, the weights-only allowlist)
 # come from torch_tables, generated from torch and checked against the installed
-# torch by tests/test_safe_globals.py. A global outside SAFE_GLOBALS means the
+# torch by tests/streaming/test_safe_globals.py. A global outside SAFE_GLOBALS means the
 # pickle wants arbitrary code, which ddpstate refuses by default.
 
 #: The dtype -> typed storage class torch.save uses (dtypes without one go through

@@ -2,7 +2,7 @@
 
 ``torch_tables.json`` beside this module is GENERATED: regenerate it with
 ``python -m ddpstate._streaming.gen_tables`` after a torch upgrade;
-``tests/test_safe_globals.py`` fails while it differs from the installed torch's.
+``tests/streaming/test_safe_globals.py`` fails while it differs from the installed torch's.
 """
 
 from __future__ import annotations

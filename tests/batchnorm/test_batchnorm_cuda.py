@@ -130,7 +130,7 @@ def test_syncbatchnorm_trains_under_ddp_and_reverts_for_cpu() -> None:
 
 def _emulated_pre_2_13_sync(ddp: DistributedDataParallel) -> None:
     # DDP before torch 2.13 copied rank 0's buffers in place with copy_ (which
-    # bumps autograd version counters); see tests/test_batchnorm_dist.py.
+    # bumps autograd version counters); see tests/batchnorm/test_batchnorm_dist.py.
     with torch.no_grad():
         for buf in ddp.module.buffers():
             incoming = buf.detach().clone()

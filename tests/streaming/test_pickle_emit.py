@@ -1,7 +1,7 @@
 """The protocol-2 writer of ``_streaming/pickle_emit.py`` writes the bytes it always wrote.
 
 The expected bytes come from a frozen copy of the emitter as it was before
-(tests/emit_reference.py, a subclass of CPython's pure-Python pickler), run in
+(tests/streaming/emit_reference.py, a subclass of CPython's pure-Python pickler), run in
 this same process over the same objects, so object identity (shared objects,
 CPython's cached one-character strings) is the same for both.
 """

@@ -83,8 +83,11 @@ def _local_object() -> Any:
 @pytest.mark.parametrize(
     ("value", "shown"),
     [
-        (_scale, "is a function (tests.test_mistakes_misuse._scale)"),
-        (functools.partial(_scale, 2.0), "is a function (tests.test_mistakes_misuse._scale)"),
+        (_scale, "is a function (tests.mistakes.test_mistakes_misuse._scale)"),
+        (
+            functools.partial(_scale, 2.0),
+            "is a function (tests.mistakes.test_mistakes_misuse._scale)",
+        ),
         (nn.Linear(1, 1).forward, "is a function (torch.nn.modules.linear.Linear.forward)"),
         (len, "is a function (builtins.len)"),
         (_local_object(), "a class defined inside a function"),

@@ -2,7 +2,7 @@
 
 ``ddpstate/_streaming/pickle_emit.py`` once subclassed CPython's private pure-Python
 ``pickle._Pickler``; it now writes protocol 2 itself and must write the very same
-bytes. tests/test_pickle_emit.py compares the two over random trees. Do not edit:
+bytes. tests/streaming/test_pickle_emit.py compares the two over random trees. Do not edit:
 this is what the bytes were, not what they should become.
 """
 

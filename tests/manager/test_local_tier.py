@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpstate.errors import InvalidArgumentError
 from ddpstate.manager import MANIFEST_NAME, CheckpointManager, NodeLocal, verify_checkpoint
+from tests.manager.test_manager import _assert_bitwise
+from tests.manager.test_manager_dist import _build, _contents, _draws, _step
 from tests.multiproc import run_ranks
-from tests.test_manager import _assert_bitwise
-from tests.test_manager_dist import _build, _contents, _draws, _step
 
 # --------------------------------------------------------------------------- one process
 
@@ -367,7 +367,7 @@ def test_four_ranks_on_two_nodes_the_replaced_node_receives_once(tmp_path: Path)
 
 def _count_store_operations(rank: int, world: int, root: str) -> dict[str, Any]:
     from ddpstate import dist as ddp_dist
-    from tests.test_collectives_threads import Counting
+    from tests.collectives.test_collectives_threads import Counting
 
     counting = Counting(ddp_dist._default_store())
     # The same client object every time, so ddpstate keeps one group view over it.
@@ -481,7 +481,7 @@ def test_a_failed_receive_falls_back_to_durable_on_every_rank(tmp_path: Path) ->
 def _agree_counting_reads(rank: int, world: int, root: str) -> dict[str, Any]:
     from ddpstate import dist as ddp_dist
     from ddpstate._manager.local_check import newest_on_nodes
-    from tests.test_collectives_threads import Counting
+    from tests.collectives.test_collectives_threads import Counting
 
     class Reads(Counting):
         """Counts operations, and the bytes ``get`` returns."""

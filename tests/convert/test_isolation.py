@@ -8,7 +8,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 LEAKY_TESTS = """
 import signal

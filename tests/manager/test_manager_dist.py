@@ -28,8 +28,8 @@ from ddpstate.keys import unwrap_model
 from ddpstate.manager import MANIFEST_NAME, CheckpointManager, KeepBest
 from ddpstate.sampler import ResumableDistributedSampler
 from ddpstate.storage import is_temp_name
+from tests.manager.test_manager import _assert_bitwise
 from tests.multiproc import run_ranks
-from tests.test_manager import _assert_bitwise
 
 # --------------------------------------------------------------------------- a small DDP trainer
 

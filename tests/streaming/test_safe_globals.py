@@ -24,7 +24,7 @@ import torch._weights_only_unpickler as weights_only
 from ddpstate._streaming import gen_tables, torch_tables
 from ddpstate._streaming.pickle_scan import DTYPE_ITEMSIZE, SAFE_GLOBALS, STORAGE_DTYPE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_safe_globals_match_torchs_weights_only_allowlist() -> None:

@@ -20,7 +20,7 @@ import ddpstate._convert.rewrite as convert_mod
 from ddpstate._streaming.pickle_memo import check_memo_indexes
 from ddpstate._streaming.pickle_rewrite import rename_keys, walk
 from ddpstate.convert import convert_file
-from tests.test_convert import _checkpoints, _trained
+from tests.convert.test_convert import _checkpoints, _trained
 
 _COPIED_PICKLE = convert_mod.copied_pickle
 

@@ -57,7 +57,7 @@ def _fsdp2_worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     opt.step()
     manager = ddpstate.CheckpointManager(os.path.join(folder, "run"))
     # Sharded state goes through torch.distributed.checkpoint where it can (a folder given to
-    # save(), models and their optimizers in CheckpointManager; tests/test_dcp_manager.py);
+    # save(), models and their optimizers in CheckpointManager; tests/manager/test_dcp_manager.py);
     # these are the places it cannot, refused on every rank before anything is written.
     out = {
         "save": _outcome(lambda: ddpstate.save(model.state_dict(), os.path.join(folder, "m.pt"))),

@@ -12,7 +12,7 @@ import pytest
 from ddpstate import _collectives as c
 from ddpstate.dist import gather_to_receivers
 from ddpstate.errors import BarrierTimeoutError, RankFailedError, UnsafeCheckpointError
-from tests.test_collectives_threads import WORLD, _groups, _on_ranks, _ops, clients
+from tests.collectives.test_collectives_threads import WORLD, _groups, _on_ranks, _ops, clients
 
 __all__ = ["clients"]  # the shared store fixture, used by name below
 

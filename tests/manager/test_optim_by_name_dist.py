@@ -16,8 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpstate.errors import OptimizerStateMismatchError
 from ddpstate.manager import CheckpointManager
-from tests.multiproc import run_ranks
-from tests.test_optim_by_name import (
+from tests.manager.test_optim_by_name import (
     Original,
     Reordered,
     _assert_bitwise,
@@ -26,6 +25,7 @@ from tests.test_optim_by_name import (
     _step,
     adam,
 )
+from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from ddpstate import _collectives as c
 from ddpstate._calls import calling
 from ddpstate.errors import InvalidArgumentError
-from tests.test_collectives_threads import WORLD, _groups, _on_ranks, clients  # noqa: F401
+from tests.collectives.test_collectives_threads import WORLD, _groups, _on_ranks, clients  # noqa: F401
 
 SECONDS = 60.0
 

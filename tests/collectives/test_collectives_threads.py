@@ -191,7 +191,10 @@ def test_a_missing_thread_rank_is_named_within_timeout_plus_10_percent() -> None
     # machine without a reachable DNS server can stall 5 s; that is torch's logging, not
     # the protocol under test.
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    code = "from tests.test_collectives_threads import _missing_rank_main; _missing_rank_main()"
+    code = (
+        "from tests.collectives.test_collectives_threads import _missing_rank_main; "
+        "_missing_rank_main()"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
