@@ -278,9 +278,7 @@ def is_listed_name(name: Any) -> bool:
     if not isinstance(name, str) or not name.startswith(DCP_SUBDIR + "/"):
         return False
     rest = name[len(DCP_SUBDIR) + 1 :]
-    return rest == METADATA_NAME or (
-        bool(rest) and "/" not in rest and "\\" not in rest and not rest.startswith(".")
-    )
+    return rest == METADATA_NAME or _is_plain_name(rest)
 
 
 def unlisted_shards(folder: str, files: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -398,19 +396,19 @@ def manifest_problems(manifest: dict[str, Any], step: Optional[int]) -> list[str
     problems = []
     if step is not None and manifest.get("step") != step:
         problems.append(f"its {MANIFEST_NAME} does not describe step {step}")
+    files: dict[str, Any] = manifest["files"]
+    readable = checked_files(manifest)
+    unreadable = [
+        f"its {MANIFEST_NAME} lists {name!r}, which is not a file here"
+        for name in files
+        if name not in readable
+    ]
     if manifest.get("format") == FOLDER_FORMAT and step is None:
-        return [  # a save() DCP folder: files only
-            f"its {MANIFEST_NAME} lists {name!r}, which is not a file here"
-            for name, expected in manifest["files"].items()
-            if not is_listed(name) or not isinstance(expected, dict)
-        ]
+        return unreadable  # a save() DCP folder: files only
     entries = manifest.get("entries")
     if not isinstance(entries, dict):
         return [*problems, f"its {MANIFEST_NAME} has no entries"]
-    files: dict[str, Any] = manifest["files"]
-    for filename, expected in files.items():
-        if not is_listed(filename) or not isinstance(expected, dict):
-            problems.append(f"its {MANIFEST_NAME} lists {filename!r}, which is not a file here")
+    problems.extend(unreadable)
     for name, entry in entries.items():
         if not isinstance(entry, dict) or entry.get("file") not in files:
             problems.append(f"its {MANIFEST_NAME} gives entry {name!r} no checksummed file")

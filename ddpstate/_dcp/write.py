@@ -45,7 +45,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
 from ddpstate import _fs, _manifest, storage
+from ddpstate._checksum import checksum_hex, error_text
 from ddpstate._io import savecheck as _savecheck
+from ddpstate._io.torch_io import dcp_failure
 from ddpstate._manifest import (
     FOLDER_FORMAT,
     MANIFEST_NAME,
@@ -66,12 +68,36 @@ _REFUSED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 # ------------------------------------------------------------------------- detection
 
 
-def holds_sharded(obj: Any) -> bool:
-    """Tell whether ``obj`` holds a ``DTensor``/``ShardedTensor`` (cheap when none can exist)."""
+def _first_sharded(obj: Any) -> Optional[str]:
+    """Where ``obj`` holds its first ``DTensor``/``ShardedTensor`` and what it is, or None."""
     sharded = _savecheck.sharded_types()
     if not sharded:
-        return False  # torch.distributed.tensor never imported: no DTensor can exist
-    return any(isinstance(v, sharded) for _, v in _savecheck.walk(obj, "obj", set()))
+        return None  # torch.distributed.tensor never imported: no DTensor can exist
+    found = (
+        f"{where} is a {type(value).__name__}"
+        for where, value in _savecheck.walk(obj, "obj", set())
+        if isinstance(value, sharded)
+    )
+    return next(found, None)
+
+
+def holds_sharded(obj: Any) -> bool:
+    """Tell whether ``obj`` holds a ``DTensor``/``ShardedTensor`` (cheap when none can exist)."""
+    return _first_sharded(obj) is not None
+
+
+def _local_only(path: str) -> str:
+    """``path``'s local form; a URL is refused (DCP's local writer, no fsspec one yet).
+
+    Raises:
+        CheckpointWriteError: ``path`` is an fsspec URL.
+    """
+    if _fs.is_remote(path):
+        raise CheckpointWriteError(
+            f"{path}: sharded (torch.distributed.checkpoint) saves go to local or shared "
+            f"filesystem paths only in this version; save to a mounted folder and copy it"
+        )
+    return _fs.local_path(path)
 
 
 # ------------------------------------------------------------------------- writing
@@ -89,7 +115,7 @@ def _own_files(folder: str, rank: int, coordinator: bool) -> list[str]:
 def _checksum(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         size, crc = storage.size_and_crc32(f, _READ_CHUNK)
-    return {"size": size, "crc32": f"{crc:08x}"}
+    return {"size": size, "crc32": checksum_hex(crc)}
 
 
 def _checksumming_fs(sums: dict[str, dict[str, Any]]) -> Any:
@@ -106,7 +132,7 @@ def _checksumming_fs(sums: dict[str, dict[str, Any]]) -> Any:
                     return
                 stream = _manifest.ChecksumWriter(raw)
                 yield stream
-                sums[name] = {"size": stream.size, "crc32": f"{stream.crc:08x}"}
+                sums[name] = {"size": stream.size, "crc32": checksum_hex(stream.crc)}
 
     return ChecksummingFileSystem()
 
@@ -132,12 +158,7 @@ def write_shards(
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    if _fs.is_remote(folder):
-        raise CheckpointWriteError(
-            f"{folder}: sharded (torch.distributed.checkpoint) saves go to local or shared "
-            f"filesystem paths only in this version; save to a mounted folder and copy it"
-        )
-    local = _fs.local_path(folder)
+    local = _local_only(folder)
     os.makedirs(local, exist_ok=True)
     writer = FileSystemWriter(local, single_file_per_rank=True, sync_files=True)
     sums: dict[str, dict[str, Any]] = {}
@@ -170,26 +191,11 @@ def merge_files(
 
 def failure_text(exc: BaseException) -> str:
     """One line for a rank's DCP failure (DCP wraps each rank's error in CheckpointException)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        inner = inner[0] if isinstance(inner, tuple) else inner
-        if isinstance(inner, BaseException):
-            exc = inner
-    if isinstance(exc, DDPStateError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    exc = dcp_failure(exc) or exc
+    return str(exc) if isinstance(exc, DDPStateError) else error_text(exc)
 
 
 # ------------------------------------------------------------------------- save() on sharded state
-
-
-def _first_sharded(obj: Any) -> str:
-    sharded = _savecheck.sharded_types()
-    for where, value in _savecheck.walk(obj, "obj", set()):
-        if isinstance(value, sharded):
-            return f"{where} is a {type(value).__name__}"
-    return "it holds sharded tensors"
 
 
 def check_folder_target(
@@ -218,8 +224,9 @@ def check_folder_target(
             if max_shard_size
             else "the path names a single file"
         )
+        at = _first_sharded(obj) or "it holds sharded tensors"
         raise ShardedStateError(
-            f"cannot save {path}: {_first_sharded(obj)} (FSDP2 / tensor-parallel "
+            f"cannot save {path}: {at} (FSDP2 / tensor-parallel "
             f"DTensor state), which ddpstate saves as a torch.distributed.checkpoint folder (every "
             f"rank writes its shards), but {why}. Give a folder path (e.g. "
             f"{os.path.splitext(path)[0] or path}_dcp) and no format=/metadata=/max_shard_size=; "
@@ -250,12 +257,7 @@ def prepare_temp(path: str) -> str:
     Raises:
         CheckpointWriteError: ``path`` is a URL, or an existing file (a folder is replaced whole).
     """
-    local = _fs.local_path(path)
-    if _fs.is_remote(path):
-        raise CheckpointWriteError(
-            f"{path}: sharded (torch.distributed.checkpoint) saves go to local or shared "
-            f"filesystem paths only in this version; save to a mounted folder and copy it"
-        )
+    local = _local_only(path)
     if os.path.lexists(local) and not os.path.isdir(local):
         raise CheckpointWriteError(
             f"{path} exists and is a file; a sharded save writes a folder there. Give another "
@@ -264,13 +266,11 @@ def prepare_temp(path: str) -> str:
     return storage.stage_folder(local).path
 
 
-def folder_manifest(files: Mapping[str, Any], world_size: int) -> bytes:
-    """The commit marker of a ``save()`` DCP folder (the step manifest's shape, no entries)."""
-    return _manifest.manifest_for(None, {}, world_size, None, dict(files), FOLDER_FORMAT)
-
-
 def commit_folder(temp: str, path: str, files: Mapping[str, Any], world_size: int) -> None:
-    """Rank 0: write the manifest last into ``temp`` (from :func:`prepare_temp`), swap it in."""
+    """Rank 0: write the manifest last into ``temp`` (from :func:`prepare_temp`), swap it in.
+
+    The manifest has a step manifest's shape with ``format`` and no entries.
+    """
     target = os.path.abspath(_fs.local_path(path))
     staged = storage.StagedFolder(target, temp, manifest_name=MANIFEST_NAME)
-    staged.commit(folder_manifest(files, world_size))
+    staged.commit(_manifest.manifest_for(None, {}, world_size, None, dict(files), FOLDER_FORMAT))

@@ -29,6 +29,7 @@ from ddpstate.formats import LEGACY, TORCH_ZIP
 __all__ = [
     "DESCRIPTIONS",
     "check_dcp_metadata",
+    "dcp_failure",
     "dcp_read_errors",
     "load_dcp",
     "load_torch_file",
@@ -440,7 +441,7 @@ def dcp_read_errors(
     try:
         yield
     except BaseException as exc:
-        inner = _dcp_failure(exc) or exc
+        inner = dcp_failure(exc) or exc
         if isinstance(inner, DDPStateError):
             raise inner from exc
         if isinstance(inner, (KeyboardInterrupt, SystemExit, MemoryError)):
@@ -452,7 +453,8 @@ def dcp_read_errors(
         ) from exc
 
 
-def _dcp_failure(exc: BaseException) -> Optional[BaseException]:
+def dcp_failure(exc: BaseException) -> Optional[BaseException]:
+    """The first rank's exception inside DCP's ``CheckpointException`` (None if not one)."""
     # DCP wraps each rank's exception in CheckpointException.failures[rank] = (exc, trace).
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
