@@ -574,9 +574,9 @@ def verify_checkpoint(
         )
     name = posixpath.basename(text.replace(os.sep, "/").rstrip("/"))
     step = parse_step(name)
-    if step is not None or storage.exists(storage.join(text, MANIFEST_NAME), storage_options=opts):
+    committed = storage.exists(storage.join(text, MANIFEST_NAME), storage_options=opts)
+    if step is not None or committed:
         check = check_folder(text, step, opts)
-        committed = storage.exists(storage.join(text, MANIFEST_NAME), storage_options=opts)
         found = (step,) if committed and step is not None else ()
         return CheckpointVerification(
             path=text,
