@@ -27,6 +27,7 @@ from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.model_state import (
     IncompatibleKeys,
     adapt_named,
+    incompatible_keys,
     load_fitting,
     warn_if_little_matched,
 )
@@ -685,7 +686,4 @@ def load_model_state(
             return IncompatibleKeys(skipped, [])
         match = match_keys(state_dict, model)
         warn_if_little_matched(match, state_dict, name=name)
-        return IncompatibleKeys(
-            [*skipped, *match.missing],
-            [k if isinstance(k, str) else repr(k) for k in match.unexpected],
-        )
+        return incompatible_keys(strict, skipped, match)

@@ -17,7 +17,7 @@ import torch
 
 from ddpstate import _fs, storage
 from ddpstate._io import torch_io as _torch_io
-from ddpstate._io.model_state import IncompatibleKeys, shape_mismatches
+from ddpstate._io.model_state import IncompatibleKeys, incompatible_keys, shape_mismatches
 from ddpstate.dist import share_outcome
 from ddpstate.errors import CheckpointCorruptError
 from ddpstate.keys import KeyMatch, adapt_state_dict, find_state_dict, match_keys
@@ -163,15 +163,6 @@ def _fit(
     return adapted, skipped, match_keys(saved, own)
 
 
-def _incompatible(strict: bool, skipped: list[str], match: KeyMatch) -> IncompatibleKeys:
-    if strict:
-        return IncompatibleKeys(skipped, [])
-    return IncompatibleKeys(
-        [*skipped, *(k for k in match.missing if isinstance(k, str))],
-        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
-    )
-
-
 def _plan(
     model: torch.nn.Module,
     path: str,
@@ -258,7 +249,7 @@ def load_sharded_model_state(
         else:
             dcp_load(plan.into, checkpoint_id=path)
     set_model_state_dict(model, plan.loaded, options=StateDictOptions(strict=False))
-    return _incompatible(strict, plan.skipped, plan.match)
+    return incompatible_keys(strict, plan.skipped, plan.match)
 
 
 def load_full_into_sharded(
@@ -302,4 +293,4 @@ def load_full_into_sharded(
     set_model_state_dict(
         model, loaded, options=StateDictOptions(full_state_dict=True, strict=False)
     )
-    return _incompatible(strict, skipped, match)
+    return incompatible_keys(strict, skipped, match)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Optional
 
 import torch
@@ -24,6 +24,7 @@ __all__ = [
     "IncompatibleKeys",
     "adapt_named",
     "check_dtypes",
+    "incompatible_keys",
     "load_fitting",
     "shape_mismatches",
     "warn_if_little_matched",
@@ -45,6 +46,16 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+def incompatible_keys(strict: bool, skipped: list[str], match: KeyMatch) -> IncompatibleKeys:
+    """What a load reports: the skipped keys, and with ``strict=False`` what did not pair."""
+    if strict:
+        return IncompatibleKeys(skipped, [])
+    return IncompatibleKeys(
+        [*skipped, *(k for k in match.missing if isinstance(k, str))],
+        [k if isinstance(k, str) else repr(k) for k in match.unexpected],
+    )
 
 
 def adapt_named(
@@ -135,11 +146,9 @@ def shape_mismatches(
     The warning names the user's line and is said by rank 0 alone (every rank loads alike).
     """
     mismatched = [
-        (k, tuple(v.shape), tuple(own[k].shape))
-        for k, v in state_dict.items()
-        if isinstance(v, torch.Tensor)
-        and isinstance(own.get(k), torch.Tensor)
-        and v.shape != own[k].shape
+        (k, tuple(v.shape), tuple(o.shape))
+        for k, v, o in _tensor_pairs(state_dict, own)
+        if v.shape != o.shape
     ]
     listing = _listing(mismatched, list)
     if mismatched and not ignore_mismatched:
@@ -157,6 +166,16 @@ def shape_mismatches(
             rank=_said_by(),
         )
     return mismatched
+
+
+def _tensor_pairs(
+    state_dict: Mapping[str, Any], own: Mapping[str, Any]
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(key, saved tensor, model tensor)`` for each key both hold a tensor under."""
+    for k, v in state_dict.items():
+        o = own.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(o, torch.Tensor):
+            yield k, v, o
 
 
 def _said_by() -> Optional[int]:
@@ -201,14 +220,10 @@ def check_dtypes(
     of each change.
     """
     changes = [
-        (k, v.dtype, own[k].dtype)
-        for k, v in state_dict.items()
-        if isinstance(v, torch.Tensor)
-        and isinstance(own.get(k), torch.Tensor)
-        and v.shape == own[k].shape
-        and v.dtype != own[k].dtype
+        (k, v.dtype, o.dtype)
+        for k, v, o in _tensor_pairs(state_dict, own)
+        if v.shape == o.shape and v.dtype != o.dtype
     ]
-
     listing = functools.partial(_listing, show=_dtype_name)
     crossed = [c for c in changes if _kind(c[1]) != _kind(c[2])]
     if crossed:
