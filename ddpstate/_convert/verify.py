@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zipfile
 from typing import Any, Optional
@@ -83,33 +84,36 @@ def verify_file(
     except CheckpointCorruptError as exc:
         return VerifyResult(path=text, format=None, problems=(str(exc),))
     with ckpt:
-        problems = [*ckpt.problems, *extent_problems(ckpt)]
-        notes: list[str] = []
-        tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
-        if ckpt.format == formats.TORCH_ZIP:
-            total = sum(r.compressed_size for r in ckpt.zip_records.values())
+        return _verify_open(ckpt, progress)
+
+
+def _verify_open(ckpt: Checkpoint, progress: bool) -> VerifyResult:
+    """Check an open checkpoint file: its structure, then every record's bytes."""
+    problems = [*ckpt.problems, *extent_problems(ckpt)]
+    notes: list[str] = []
+    tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
+    zipped = ckpt.format == formats.TORCH_ZIP
+    if zipped:
+        total = sum(r.compressed_size for r in ckpt.zip_records.values())
+    else:
+        total = sum(s.stored_size for s in ckpt.storages if s.data_offset >= 0)
+    read = 0
+    with contextlib.closing(Progress(total, "verify", enabled=None if progress else False)) as bar:
+        if zipped:
+            read = _verify_zip_records(ckpt, problems, notes, bar)
         else:
-            total = sum(s.stored_size for s in ckpt.storages if s.data_offset >= 0)
-        bar = Progress(total, "verify", enabled=None if progress else False)
-        read = 0
-        try:
-            if ckpt.format == formats.TORCH_ZIP:
-                read = _verify_zip_records(ckpt, problems, notes, bar)
-            else:
-                for s in ckpt.storages:
-                    if s.data_offset >= 0 and s.data_offset + s.stored_size <= ckpt.size:
-                        ckpt.source.crc32(s.data_offset, s.stored_size, bar)
-                        read += s.stored_size
-        finally:
-            bar.close()
-        return VerifyResult(
-            path=ckpt.path,
-            format=ckpt.format,
-            problems=tuple(problems),
-            tensors=len(tensors),
-            bytes_read=read,
-            notes=tuple(notes),
-        )
+            for s in ckpt.storages:
+                if s.data_offset >= 0 and s.data_offset + s.stored_size <= ckpt.size:
+                    ckpt.source.crc32(s.data_offset, s.stored_size, bar)
+                    read += s.stored_size
+    return VerifyResult(
+        path=ckpt.path,
+        format=ckpt.format,
+        problems=tuple(problems),
+        tensors=len(tensors),
+        bytes_read=read,
+        notes=tuple(notes),
+    )
 
 
 def _verify_zip_records(
@@ -201,19 +205,19 @@ def verify_sharded(
         if not storage.exists(where, storage_options=storage_options):
             problems.append(f"shard {shard} is missing (the index names it)")
             continue
+        # One open per shard: the same checks verify_file runs, then the index's keys.
         try:
-            found = verify_file(
-                where, weights_only=not unsafe, progress=progress, storage_options=storage_options
-            )
+            ckpt = read_checkpoint(where, unsafe=unsafe, storage_options=storage_options)
         except DDPStateError as exc:
             problems.append(f"shard {shard}: {exc}")
             continue
-        problems += [f"shard {shard}: {p}" for p in found.problems]
-        tensors += found.tensors
-        read += found.bytes_read
-        if found.problems:
-            continue
-        with read_checkpoint(where, unsafe=unsafe, storage_options=storage_options) as ckpt:
+        with ckpt:
+            found = _verify_open(ckpt, progress)
+            problems += [f"shard {shard}: {p}" for p in found.problems]
+            tensors += found.tensors
+            read += found.bytes_read
+            if found.problems:
+                continue
             obj = ckpt.obj
             if not isinstance(obj, dict):
                 problems.append(f"shard {shard} is not a flat map of names to tensors")
