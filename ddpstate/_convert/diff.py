@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Any, Optional
 from ddpstate import keys
 from ddpstate._collectives import with_message
 from ddpstate._convert.common import (
-    check_rules,
+    StateEdit,
     describe,
     dotted,
     find_state_dict,
     old_arguments,
     raise_problems,
-    rename,
 )
 from ddpstate._convert.results import DiffResult
 from ddpstate._convert.tensor_data import load_tensor
@@ -90,19 +89,17 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         y = flat_b[start : start + _DIFF_CHUNK]
         if x.is_complex():
             delta = (x.to(torch.complex128) - y.to(torch.complex128)).abs()
-        elif x.is_floating_point():
-            x64, y64 = x.to(torch.float64), y.to(torch.float64)
-            delta = (x64 - y64).abs()
-            both_nan = torch.isnan(x64) & torch.isnan(y64)
-            delta = torch.where(both_nan, torch.zeros_like(delta), delta)
-            delta = torch.where(torch.isnan(delta), torch.full_like(delta, float("inf")), delta)
         elif x.dtype == torch.bool:
             delta = (x != y).to(torch.float64)
         else:
             try:
-                delta = (x.to(torch.float64) - y.to(torch.float64)).abs()
-            except (RuntimeError, TypeError):
+                x64, y64 = x.to(torch.float64), y.to(torch.float64)
+            except (RuntimeError, TypeError):  # no float64 for this dtype: count differing bytes
                 delta = (x.view(torch.uint8) != y.view(torch.uint8)).to(torch.float64)
+            else:
+                # NaN against NaN is equal; NaN against a number (or inf - inf) counts as inf.
+                delta = (x64 - y64).abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+                delta = torch.where(torch.isnan(x64) & torch.isnan(y64), 0.0, delta)
         if delta.numel():
             worst = max(worst, float(delta.max()))
     return worst
@@ -174,7 +171,7 @@ def diff_files(
         True
     """
     unsafe = not old_arguments("diff_files", legacy, weights_only=weights_only)[0]
-    check_rules(strip_prefix, add_prefix, normalize)
+    edit = StateEdit(strip_prefix=strip_prefix, add_prefix=add_prefix, normalize=normalize)
     with contextlib.ExitStack() as stack:
         ca = stack.enter_context(
             read_checkpoint(os.fspath(a), unsafe=unsafe, storage_options=storage_options)
@@ -186,11 +183,9 @@ def diff_files(
         raise_problems(cb)
         where_a, sd_a, note_a = _model_tensors(ca, key)
         where_b, sd_b, note_b = _model_tensors(cb, key)
-        sd_a = rename(sd_a, strip_prefix, add_prefix, normalize)
-        sd_b = rename(sd_b, strip_prefix, add_prefix, normalize)
+        sd_a, sd_b = edit.rename(sd_a), edit.rename(sd_b)
         if not raw_keys:
-            sd_a = keys.normalize_keys(sd_a)
-            sd_b = keys.normalize_keys(sd_b)
+            sd_a, sd_b = keys.normalize_keys(sd_a), keys.normalize_keys(sd_b)
         only_a = tuple(str(k) for k in sd_a if k not in sd_b)
         only_b = tuple(str(k) for k in sd_b if k not in sd_a)
         mismatched: list[tuple[str, str, str]] = []
