@@ -194,20 +194,19 @@ def diff_files(
         total = sum(
             v.nbytes for k in shared for v in (sd_a[k], sd_b[k]) if isinstance(v, TensorRecord)
         )
-        bar = Progress(total, "diff", enabled=None if progress else False)
-        try:
-            for k in shared:
-                va, vb = sd_a[k], sd_b[k]
-                # A tensor's description is its dtype and shape: equal ones are comparable.
-                what_a, what_b = describe(va), describe(vb)
-                if what_a != what_b:
-                    mismatched.append((str(k), what_a, what_b))
-                if what_a != what_b or not isinstance(va, TensorRecord):
-                    continue
-                diffs[str(k)] = _max_abs_diff(load_tensor(ca, va), load_tensor(cb, vb))
-                bar.update(va.nbytes + vb.nbytes)
-        finally:
-            bar.close()
+        bar = stack.enter_context(
+            contextlib.closing(Progress(total, "diff", enabled=None if progress else False))
+        )
+        for k in shared:
+            va, vb = sd_a[k], sd_b[k]
+            # A tensor's description is its dtype and shape: equal ones are comparable.
+            what_a, what_b = describe(va), describe(vb)
+            if what_a != what_b:
+                mismatched.append((str(k), what_a, what_b))
+            if what_a != what_b or not isinstance(va, TensorRecord):
+                continue
+            diffs[str(k)] = _max_abs_diff(load_tensor(ca, va), load_tensor(cb, vb))
+            bar.update(va.nbytes + vb.nbytes)
         notes = [f"compared {where_a} of {ca.path} with {where_b} of {cb.path}"]
         notes += [n for n in (note_a, note_b) if n]
         if not raw_keys:
