@@ -141,11 +141,12 @@ class DiffResult:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``ddpstate diff --json`` prints)."""
-        out = dataclasses.asdict(self)
-        out["equal"] = self.equal
-        out["mismatched"] = [{"key": k, "a": a, "b": b} for k, a, b in self.mismatched]
-        out["max_abs_diff"] = {k: _json_float(v) for k, v in self.max_abs_diff.items()}
-        return out
+        return {
+            **dataclasses.asdict(self),
+            "equal": self.equal,
+            "mismatched": [{"key": k, "a": a, "b": b} for k, a, b in self.mismatched],
+            "max_abs_diff": {k: _json_float(v) for k, v in self.max_abs_diff.items()},
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +176,7 @@ class VerifyResult:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        out = dataclasses.asdict(self)
-        out["ok"] = self.ok
-        return out
+        return {**dataclasses.asdict(self), "ok": self.ok}
 
 
 def _json_float(value: float) -> Any:

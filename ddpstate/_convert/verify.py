@@ -69,10 +69,9 @@ def verify_file(
     """
     unsafe = not old_arguments("verify_file", legacy, weights_only=weights_only)[0]
     text = os.fspath(src)
-    if find_index(text, storage_options) is not None:
-        return verify_sharded(
-            text, unsafe=unsafe, progress=progress, storage_options=storage_options
-        )
+    index_path = find_index(text, storage_options)
+    if index_path is not None:
+        return verify_sharded(index_path, unsafe, progress, storage_options)
     if storage.isdir(text, storage_options=storage_options):
         if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
             from ddpstate._convert.dcp import verify_dcp
@@ -166,11 +165,7 @@ def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> Veri
 
 
 def verify_sharded(
-    path: str,
-    *,
-    unsafe: bool = False,
-    progress: bool = False,
-    storage_options: Optional[dict[str, Any]] = None,
+    index_path: str, unsafe: bool, progress: bool, storage_options: Optional[dict[str, Any]]
 ) -> VerifyResult:
     """Check a sharded checkpoint: the index, every shard, and that they agree.
 
@@ -180,7 +175,7 @@ def verify_sharded(
     of the tensors the index lists.
 
     Args:
-        path: The index file or the folder holding it.
+        index_path: The index file (as :func:`~ddpstate._layout.hf_index.find_index` finds it).
         unsafe: As for :func:`ddpstate.convert.verify_file`.
         progress: Draw a progress bar per shard on stderr (only on a terminal).
         storage_options: fsspec options for URLs.
@@ -188,11 +183,7 @@ def verify_sharded(
     Returns:
         A :class:`~ddpstate.convert.VerifyResult` for the index; each problem
         names the shard file or key.
-
-    Raises:
-        CheckpointFormatError: A folder holding two indexes.
     """
-    index_path = find_index(path, storage_options) or path
     try:
         index = read_index(index_path, storage_options)
     except DDPStateError as exc:
