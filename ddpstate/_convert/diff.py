@@ -53,29 +53,25 @@ def _model_tensors(
     root = ckpt.obj
     if is_pickled_module(root):
         return f"the parameters of the pickled {opaque_name(root)}", module_state_dict(root), None
-    if key is not None:
-        try:
-            path, sd = find_state_dict(root, key)
-        except StateDictNotFoundError as exc:
-            try:
-                bare, sd = find_state_dict(root, None)
-            except StateDictNotFoundError:
-                bare = None
-            if bare != ():
-                raise with_message(exc, f"{ckpt.path}: {exc}") from exc
-            note = f"{ckpt.path} is a bare state dict without {key!r}; compared whole"
-            return "the whole file", sd, note
-        return (f"'{dotted(path)}'" if path else "the whole file"), sd, None
+    note = None
     try:
-        path, sd = find_state_dict(root, None)
-    except AmbiguousStateDictError as exc:
+        path, sd = find_state_dict(root, key)
+    except AmbiguousStateDictError as exc:  # only when no key names one
         raise with_message(exc, f"{ckpt.path}: {exc}") from exc
-    except StateDictNotFoundError:
-        every = collections.OrderedDict(
-            (dotted(p) or "", r) for p, r in iter_tensors(root) if isinstance(r, TensorRecord)
-        )
-        return "every tensor (no model state dict found)", every, None
-    return (f"'{dotted(path)}'" if path else "the whole file"), sd, None
+    except StateDictNotFoundError as exc:
+        if key is None:
+            every = collections.OrderedDict(
+                (dotted(p) or "", r) for p, r in iter_tensors(root) if isinstance(r, TensorRecord)
+            )
+            return "every tensor (no model state dict found)", every, None
+        try:
+            path, sd = find_state_dict(root, None)
+        except StateDictNotFoundError:
+            path = None
+        if path != ():
+            raise with_message(exc, f"{ckpt.path}: {exc}") from exc
+        note = f"{ckpt.path} is a bare state dict without {key!r}; compared whole"
+    return (f"'{dotted(path)}'" if path else "the whole file"), sd, note
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
