@@ -135,9 +135,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
     )
     items = list(sd.items()) if sd is not None else list(_flat(tree))
     rows = [
-        TensorInfo(
-            str(k), _dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size(), "cpu"
-        )
+        TensorInfo(str(k), _dtype_name(v.dtype), tuple(v.shape), v.nbytes, "cpu")
         if isinstance(v, torch.Tensor)
         else TensorInfo(str(k), _describe(v, None), (), 0, "")
         for k, v in items
@@ -245,7 +243,7 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
 
 def _tensor_stats(value: Any) -> tuple[int, int]:
     tensors = [v for _, v in _flat(value) if isinstance(v, torch.Tensor)]
-    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+    return len(tensors), sum(t.nbytes for t in tensors)
 
 
 def convert_from_dcp(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 from ddpstate.formats import FormatName
@@ -180,6 +181,4 @@ class VerifyResult:
 
 
 def _json_float(value: float) -> Any:
-    if value != value or value in (float("inf"), float("-inf")):
-        return str(value)
-    return value
+    return value if math.isfinite(value) else str(value)  # JSON has no NaN or inf
