@@ -374,7 +374,7 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
         model = f"'{info.state_dict_path}'" if info.state_dict_path else "the whole file"
         lines.append(f"model      {model} ({len(info.tensors)} keys)")
     if info.unsafe_globals:
-        lines.append(f"unsafe     {_list(list(info.unsafe_globals))}")
+        lines.append(f"unsafe     {_list(info.unsafe_globals)}")
     if info.structure:
         lines += _table("structure", info.structure)
     for note in info.notes:
@@ -399,10 +399,9 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
     if args.json:
         return _print_json(result, out, 0 if result.equal else 1)
     lines = list(result.notes)
-    if result.only_a:
-        lines.append(f"only in A ({len(result.only_a)}): {_list(list(result.only_a))}")
-    if result.only_b:
-        lines.append(f"only in B ({len(result.only_b)}): {_list(list(result.only_b))}")
+    for side, only in (("A", result.only_a), ("B", result.only_b)):
+        if only:
+            lines.append(f"only in {side} ({len(only)}): {_list(only)}")
     for key, a, b in result.mismatched:
         lines.append(f"mismatch {key}: A has {a}, B has {b}")
     for key in result.different_values:

@@ -87,29 +87,22 @@ class StateEdit:
     dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
-        check_rules(self.strip_prefix, self.add_prefix, self.normalize)
+        rules = [self.strip_prefix is not None, self.add_prefix is not None, bool(self.normalize)]
+        if sum(rules) > 1:
+            raise InvalidArgumentError("pass at most one of strip_prefix, add_prefix and normalize")
 
     @property
     def renames(self) -> bool:
         """True when a key rule is given."""
         return self.strip_prefix is not None or self.add_prefix is not None or self.normalize
 
-
-def check_rules(strip: Optional[str], add: Optional[str], normalize: bool) -> None:
-    """Refuse more than one of strip_prefix, add_prefix and normalize."""
-    if sum([strip is not None, add is not None, bool(normalize)]) > 1:
-        raise InvalidArgumentError("pass at most one of strip_prefix, add_prefix and normalize")
-
-
-def rename(sd: Any, strip: Optional[str], add: Optional[str], normalize: bool) -> Any:
-    """The state dict with the one key rule given applied (itself when none is)."""
-    if strip is not None:
-        return keys.strip_prefix(sd, strip)
-    if add is not None:
-        return keys.add_prefix(sd, add)
-    if normalize:
-        return keys.normalize_keys(sd)
-    return sd
+    def rename(self, sd: Any) -> Any:
+        """The state dict with the one key rule given applied (itself when none is)."""
+        if self.strip_prefix is not None:
+            return keys.strip_prefix(sd, self.strip_prefix)
+        if self.add_prefix is not None:
+            return keys.add_prefix(sd, self.add_prefix)
+        return keys.normalize_keys(sd) if self.normalize else sd
 
 
 def find_state_dict(root: Any, key: Optional[str]) -> tuple[tuple[Any, ...], Any]:
@@ -205,7 +198,7 @@ def apply_edit(root: Any, edit: StateEdit, *, whole: bool) -> Edited:
             done.path, done.sd = find_state_dict(root, edit.key)
     done.source_sd = sd = done.sd
     if sd is not None:
-        new_sd = rename(sd, edit.strip_prefix, edit.add_prefix, edit.normalize)
+        new_sd = edit.rename(sd)
         done.renamed = sum(1 for a, b in zip(sd, new_sd, strict=False) if a != b)
         done.renamed += abs(len(sd) - len(new_sd))
         done.metadata_changed = getattr(sd, "_metadata", None) != getattr(new_sd, "_metadata", None)
@@ -402,14 +395,8 @@ def destination(
 
 def format_from_name(dst: Optional[PathLike]) -> Optional[FormatName]:
     """The format a destination's suffix names, as ``ddpstate.save`` reads it (None: no say)."""
-    if dst is None:
-        return None
-    name = os.fspath(dst).lower()
-    if name.endswith(".safetensors"):
-        return SAFETENSORS
-    if name.endswith((".pt", ".pth", ".bin", ".ckpt")):
-        return PT
-    return None
+    name = "" if dst is None else os.fspath(dst).lower()
+    return next((f for f in (SAFETENSORS, PT) if name.endswith(formats.TABLE[f].suffixes)), None)
 
 
 def describe(value: Any) -> str:

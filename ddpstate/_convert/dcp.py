@@ -82,16 +82,20 @@ def _describe(value: Any, role: Optional[str]) -> str:
     return counted(f"{type(value).__name__} of {len(value)} entries", role, count, size)
 
 
+def _children(value: Any) -> Optional[Iterable[tuple[Any, Any]]]:
+    """``(key, value)`` of a mapping, ``(index, item)`` of a list or tuple; None for a leaf."""
+    if isinstance(value, Mapping):
+        return value.items()
+    return enumerate(value) if isinstance(value, (list, tuple)) else None
+
+
 def _flat(value: Any, name: str = "") -> Iterator[tuple[str, Any]]:
     """``(dotted name, leaf)`` for every leaf of a nested state."""
-    if isinstance(value, Mapping):
-        items: Iterable[tuple[Any, Any]] = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
+    children = _children(value)
+    if children is None:
         yield name, value
         return
-    for k, v in items:
+    for k, v in children:
         yield from _flat(v, f"{name}.{k}" if name else str(k))
 
 
@@ -131,9 +135,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
     )
     items = list(sd.items()) if sd is not None else list(_flat(tree))
     rows = [
-        TensorInfo(
-            str(k), _dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size(), "cpu"
-        )
+        TensorInfo(str(k), _dtype_name(v.dtype), tuple(v.shape), v.nbytes, "cpu")
         if isinstance(v, torch.Tensor)
         else TensorInfo(str(k), _describe(v, None), (), 0, "")
         for k, v in items
@@ -241,7 +243,7 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
 
 def _tensor_stats(value: Any) -> tuple[int, int]:
     tensors = [v for _, v in _flat(value) if isinstance(v, torch.Tensor)]
-    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+    return len(tensors), sum(t.nbytes for t in tensors)
 
 
 def convert_from_dcp(
@@ -389,18 +391,12 @@ def convert_to_dcp(
 
 def _non_str_key(value: Any, path: tuple[str, ...]) -> Optional[tuple[str, Any]]:
     """(dotted path of the dict, key) of the first dict key that is not a string."""
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return ".".join(path), k
-            found = _non_str_key(v, (*path, k))
-            if found is not None:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            found = _non_str_key(v, (*path, str(i)))
-            if found is not None:
-                return found
+    for k, v in _children(value) or ():
+        if isinstance(value, Mapping) and not isinstance(k, str):
+            return ".".join(path), k
+        found = _non_str_key(v, (*path, str(k)))
+        if found is not None:
+            return found
     return None
 
 

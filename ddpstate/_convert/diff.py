@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Any, Optional
 from ddpstate import keys
 from ddpstate._collectives import with_message
 from ddpstate._convert.common import (
-    check_rules,
+    StateEdit,
     describe,
     dotted,
     find_state_dict,
     old_arguments,
     raise_problems,
-    rename,
 )
 from ddpstate._convert.results import DiffResult
 from ddpstate._convert.tensor_data import load_tensor
@@ -54,29 +53,25 @@ def _model_tensors(
     root = ckpt.obj
     if is_pickled_module(root):
         return f"the parameters of the pickled {opaque_name(root)}", module_state_dict(root), None
-    if key is not None:
-        try:
-            path, sd = find_state_dict(root, key)
-        except StateDictNotFoundError as exc:
-            try:
-                bare, sd = find_state_dict(root, None)
-            except StateDictNotFoundError:
-                bare = None
-            if bare != ():
-                raise with_message(exc, f"{ckpt.path}: {exc}") from exc
-            note = f"{ckpt.path} is a bare state dict without {key!r}; compared whole"
-            return "the whole file", sd, note
-        return (f"'{dotted(path)}'" if path else "the whole file"), sd, None
+    note = None
     try:
-        path, sd = find_state_dict(root, None)
-    except AmbiguousStateDictError as exc:
+        path, sd = find_state_dict(root, key)
+    except AmbiguousStateDictError as exc:  # only when no key names one
         raise with_message(exc, f"{ckpt.path}: {exc}") from exc
-    except StateDictNotFoundError:
-        every = collections.OrderedDict(
-            (dotted(p) or "", r) for p, r in iter_tensors(root) if isinstance(r, TensorRecord)
-        )
-        return "every tensor (no model state dict found)", every, None
-    return (f"'{dotted(path)}'" if path else "the whole file"), sd, None
+    except StateDictNotFoundError as exc:
+        if key is None:
+            every = collections.OrderedDict(
+                (dotted(p) or "", r) for p, r in iter_tensors(root) if isinstance(r, TensorRecord)
+            )
+            return "every tensor (no model state dict found)", every, None
+        try:
+            path, sd = find_state_dict(root, None)
+        except StateDictNotFoundError:
+            path = None
+        if path != ():
+            raise with_message(exc, f"{ckpt.path}: {exc}") from exc
+        note = f"{ckpt.path} is a bare state dict without {key!r}; compared whole"
+    return (f"'{dotted(path)}'" if path else "the whole file"), sd, note
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,19 +85,17 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         y = flat_b[start : start + _DIFF_CHUNK]
         if x.is_complex():
             delta = (x.to(torch.complex128) - y.to(torch.complex128)).abs()
-        elif x.is_floating_point():
-            x64, y64 = x.to(torch.float64), y.to(torch.float64)
-            delta = (x64 - y64).abs()
-            both_nan = torch.isnan(x64) & torch.isnan(y64)
-            delta = torch.where(both_nan, torch.zeros_like(delta), delta)
-            delta = torch.where(torch.isnan(delta), torch.full_like(delta, float("inf")), delta)
         elif x.dtype == torch.bool:
             delta = (x != y).to(torch.float64)
         else:
             try:
-                delta = (x.to(torch.float64) - y.to(torch.float64)).abs()
-            except (RuntimeError, TypeError):
+                x64, y64 = x.to(torch.float64), y.to(torch.float64)
+            except (RuntimeError, TypeError):  # no float64 for this dtype: count differing bytes
                 delta = (x.view(torch.uint8) != y.view(torch.uint8)).to(torch.float64)
+            else:
+                # NaN against NaN is equal; NaN against a number (or inf - inf) counts as inf.
+                delta = (x64 - y64).abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+                delta = torch.where(torch.isnan(x64) & torch.isnan(y64), 0.0, delta)
         if delta.numel():
             worst = max(worst, float(delta.max()))
     return worst
@@ -174,7 +167,7 @@ def diff_files(
         True
     """
     unsafe = not old_arguments("diff_files", legacy, weights_only=weights_only)[0]
-    check_rules(strip_prefix, add_prefix, normalize)
+    edit = StateEdit(strip_prefix=strip_prefix, add_prefix=add_prefix, normalize=normalize)
     with contextlib.ExitStack() as stack:
         ca = stack.enter_context(
             read_checkpoint(os.fspath(a), unsafe=unsafe, storage_options=storage_options)
@@ -186,11 +179,9 @@ def diff_files(
         raise_problems(cb)
         where_a, sd_a, note_a = _model_tensors(ca, key)
         where_b, sd_b, note_b = _model_tensors(cb, key)
-        sd_a = rename(sd_a, strip_prefix, add_prefix, normalize)
-        sd_b = rename(sd_b, strip_prefix, add_prefix, normalize)
+        sd_a, sd_b = edit.rename(sd_a), edit.rename(sd_b)
         if not raw_keys:
-            sd_a = keys.normalize_keys(sd_a)
-            sd_b = keys.normalize_keys(sd_b)
+            sd_a, sd_b = keys.normalize_keys(sd_a), keys.normalize_keys(sd_b)
         only_a = tuple(str(k) for k in sd_a if k not in sd_b)
         only_b = tuple(str(k) for k in sd_b if k not in sd_a)
         mismatched: list[tuple[str, str, str]] = []
@@ -199,20 +190,19 @@ def diff_files(
         total = sum(
             v.nbytes for k in shared for v in (sd_a[k], sd_b[k]) if isinstance(v, TensorRecord)
         )
-        bar = Progress(total, "diff", enabled=None if progress else False)
-        try:
-            for k in shared:
-                va, vb = sd_a[k], sd_b[k]
-                # A tensor's description is its dtype and shape: equal ones are comparable.
-                what_a, what_b = describe(va), describe(vb)
-                if what_a != what_b:
-                    mismatched.append((str(k), what_a, what_b))
-                if what_a != what_b or not isinstance(va, TensorRecord):
-                    continue
-                diffs[str(k)] = _max_abs_diff(load_tensor(ca, va), load_tensor(cb, vb))
-                bar.update(va.nbytes + vb.nbytes)
-        finally:
-            bar.close()
+        bar = stack.enter_context(
+            contextlib.closing(Progress(total, "diff", enabled=None if progress else False))
+        )
+        for k in shared:
+            va, vb = sd_a[k], sd_b[k]
+            # A tensor's description is its dtype and shape: equal ones are comparable.
+            what_a, what_b = describe(va), describe(vb)
+            if what_a != what_b:
+                mismatched.append((str(k), what_a, what_b))
+            if what_a != what_b or not isinstance(va, TensorRecord):
+                continue
+            diffs[str(k)] = _max_abs_diff(load_tensor(ca, va), load_tensor(cb, vb))
+            bar.update(va.nbytes + vb.nbytes)
         notes = [f"compared {where_a} of {ca.path} with {where_b} of {cb.path}"]
         notes += [n for n in (note_a, note_b) if n]
         if not raw_keys:

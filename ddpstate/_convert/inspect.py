@@ -108,14 +108,12 @@ def inspect_file(
         else:
             path, sd = find_or_note(root, notes)
         all_tensors = [r for _, r in iter_tensors(root) if isinstance(r, TensorRecord)]
-        dtype_of: dict[int, str] = {}
-        for rec in all_tensors:
-            dtype_of.setdefault(id(rec.storage), rec.dtype)
+        # A storage is counted under the dtype of the first tensor viewing it.
+        dtype_of = {id(rec.storage): rec.dtype for rec in reversed(all_tensors)}
         dtype_bytes: dict[str, int] = collections.Counter()
-        devices: dict[str, int] = collections.Counter()
         for storage in ckpt.storages:
             dtype_bytes[dtype_of.get(id(storage), storage.dtype)] += storage.nbytes
-            devices[storage.location] += 1
+        devices = collections.Counter(storage.location for storage in ckpt.storages)
         every = ((dotted(p) or "", r) for p, r in iter_tensors(root))  # no state dict
         rows = tuple(
             TensorInfo(str(name), value.dtype, value.shape, value.nbytes, value.storage.location)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 from ddpstate.formats import FormatName
@@ -141,11 +142,12 @@ class DiffResult:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``ddpstate diff --json`` prints)."""
-        out = dataclasses.asdict(self)
-        out["equal"] = self.equal
-        out["mismatched"] = [{"key": k, "a": a, "b": b} for k, a, b in self.mismatched]
-        out["max_abs_diff"] = {k: _json_float(v) for k, v in self.max_abs_diff.items()}
-        return out
+        return {
+            **dataclasses.asdict(self),
+            "equal": self.equal,
+            "mismatched": [{"key": k, "a": a, "b": b} for k, a, b in self.mismatched],
+            "max_abs_diff": {k: _json_float(v) for k, v in self.max_abs_diff.items()},
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,12 +177,8 @@ class VerifyResult:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        out = dataclasses.asdict(self)
-        out["ok"] = self.ok
-        return out
+        return {**dataclasses.asdict(self), "ok": self.ok}
 
 
 def _json_float(value: float) -> Any:
-    if value != value or value in (float("inf"), float("-inf")):
-        return str(value)
-    return value
+    return value if math.isfinite(value) else str(value)  # JSON has no NaN or inf

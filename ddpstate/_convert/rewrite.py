@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any, NamedTuple, Optional, Union
@@ -270,8 +271,7 @@ def _convert(
         return done.result(ckpt.path, out.dst, ckpt.format, out.format, 0, 0, written=False)
     dst_format = out.format
     total = sum(s.nbytes for s in ckpt.storages)
-    bar = Progress(total, "convert", enabled=None if progress else False)
-    try:
+    with contextlib.closing(Progress(total, "convert", enabled=None if progress else False)) as bar:
         if out.shard_limit is not None:
             meta = dict(ckpt.st_metadata)
             meta.setdefault("format", "pt")
@@ -287,8 +287,6 @@ def _convert(
             ) as f:
                 sink = Sink(f, bar, write_back=out.fsync)
                 count, copied = _write_file(sink, ckpt, done, out.format, casts)
-    finally:
-        bar.close()
     cast = casts.count if casts is not None else 0
     return done.result(ckpt.path, out.dst, ckpt.format, dst_format, count, copied, cast=cast)
 

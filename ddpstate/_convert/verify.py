@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zipfile
 from typing import Any, Optional
@@ -68,10 +69,9 @@ def verify_file(
     """
     unsafe = not old_arguments("verify_file", legacy, weights_only=weights_only)[0]
     text = os.fspath(src)
-    if find_index(text, storage_options) is not None:
-        return verify_sharded(
-            text, unsafe=unsafe, progress=progress, storage_options=storage_options
-        )
+    index_path = find_index(text, storage_options)
+    if index_path is not None:
+        return verify_sharded(index_path, unsafe, progress, storage_options)
     if storage.isdir(text, storage_options=storage_options):
         if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
             from ddpstate._convert.dcp import verify_dcp
@@ -83,33 +83,36 @@ def verify_file(
     except CheckpointCorruptError as exc:
         return VerifyResult(path=text, format=None, problems=(str(exc),))
     with ckpt:
-        problems = [*ckpt.problems, *extent_problems(ckpt)]
-        notes: list[str] = []
-        tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
-        if ckpt.format == formats.TORCH_ZIP:
-            total = sum(r.compressed_size for r in ckpt.zip_records.values())
+        return _verify_open(ckpt, progress)
+
+
+def _verify_open(ckpt: Checkpoint, progress: bool) -> VerifyResult:
+    """Check an open checkpoint file: its structure, then every record's bytes."""
+    problems = [*ckpt.problems, *extent_problems(ckpt)]
+    notes: list[str] = []
+    tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
+    zipped = ckpt.format == formats.TORCH_ZIP
+    if zipped:
+        total = sum(r.compressed_size for r in ckpt.zip_records.values())
+    else:
+        total = sum(s.stored_size for s in ckpt.storages if s.data_offset >= 0)
+    read = 0
+    with contextlib.closing(Progress(total, "verify", enabled=None if progress else False)) as bar:
+        if zipped:
+            read = _verify_zip_records(ckpt, problems, notes, bar)
         else:
-            total = sum(s.stored_size for s in ckpt.storages if s.data_offset >= 0)
-        bar = Progress(total, "verify", enabled=None if progress else False)
-        read = 0
-        try:
-            if ckpt.format == formats.TORCH_ZIP:
-                read = _verify_zip_records(ckpt, problems, notes, bar)
-            else:
-                for s in ckpt.storages:
-                    if s.data_offset >= 0 and s.data_offset + s.stored_size <= ckpt.size:
-                        ckpt.source.crc32(s.data_offset, s.stored_size, bar)
-                        read += s.stored_size
-        finally:
-            bar.close()
-        return VerifyResult(
-            path=ckpt.path,
-            format=ckpt.format,
-            problems=tuple(problems),
-            tensors=len(tensors),
-            bytes_read=read,
-            notes=tuple(notes),
-        )
+            for s in ckpt.storages:
+                if s.data_offset >= 0 and s.data_offset + s.stored_size <= ckpt.size:
+                    ckpt.source.crc32(s.data_offset, s.stored_size, bar)
+                    read += s.stored_size
+    return VerifyResult(
+        path=ckpt.path,
+        format=ckpt.format,
+        problems=tuple(problems),
+        tensors=len(tensors),
+        bytes_read=read,
+        notes=tuple(notes),
+    )
 
 
 def _verify_zip_records(
@@ -162,11 +165,7 @@ def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> Veri
 
 
 def verify_sharded(
-    path: str,
-    *,
-    unsafe: bool = False,
-    progress: bool = False,
-    storage_options: Optional[dict[str, Any]] = None,
+    index_path: str, unsafe: bool, progress: bool, storage_options: Optional[dict[str, Any]]
 ) -> VerifyResult:
     """Check a sharded checkpoint: the index, every shard, and that they agree.
 
@@ -176,7 +175,7 @@ def verify_sharded(
     of the tensors the index lists.
 
     Args:
-        path: The index file or the folder holding it.
+        index_path: The index file (as :func:`~ddpstate._layout.hf_index.find_index` finds it).
         unsafe: As for :func:`ddpstate.convert.verify_file`.
         progress: Draw a progress bar per shard on stderr (only on a terminal).
         storage_options: fsspec options for URLs.
@@ -184,11 +183,7 @@ def verify_sharded(
     Returns:
         A :class:`~ddpstate.convert.VerifyResult` for the index; each problem
         names the shard file or key.
-
-    Raises:
-        CheckpointFormatError: A folder holding two indexes.
     """
-    index_path = find_index(path, storage_options) or path
     try:
         index = read_index(index_path, storage_options)
     except DDPStateError as exc:
@@ -201,19 +196,19 @@ def verify_sharded(
         if not storage.exists(where, storage_options=storage_options):
             problems.append(f"shard {shard} is missing (the index names it)")
             continue
+        # One open per shard: the same checks verify_file runs, then the index's keys.
         try:
-            found = verify_file(
-                where, weights_only=not unsafe, progress=progress, storage_options=storage_options
-            )
+            ckpt = read_checkpoint(where, unsafe=unsafe, storage_options=storage_options)
         except DDPStateError as exc:
             problems.append(f"shard {shard}: {exc}")
             continue
-        problems += [f"shard {shard}: {p}" for p in found.problems]
-        tensors += found.tensors
-        read += found.bytes_read
-        if found.problems:
-            continue
-        with read_checkpoint(where, unsafe=unsafe, storage_options=storage_options) as ckpt:
+        with ckpt:
+            found = _verify_open(ckpt, progress)
+            problems += [f"shard {shard}: {p}" for p in found.problems]
+            tensors += found.tensors
+            read += found.bytes_read
+            if found.problems:
+                continue
             obj = ckpt.obj
             if not isinstance(obj, dict):
                 problems.append(f"shard {shard} is not a flat map of names to tensors")

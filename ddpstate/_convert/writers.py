@@ -169,9 +169,7 @@ def _copy_storage(out: Sink, ckpt: Checkpoint, storage: StorageRecord, size: int
         raise CheckpointCorruptError(f"{ckpt.path}: storage {storage.key} has no data in the file")
     if storage.compressed:
         data = storage_bytes(ckpt, storage, 0, size)
-        out.write(data)
-        if out.progress is not None:
-            out.progress.update(len(data))
+        out.write_copied(data, len(data))
         return zlib.crc32(data)
     if storage.crc32 is not None and storage.stored_size == size:
         # A zip record copied whole keeps its CRC: no need to read it in user space.
@@ -282,9 +280,7 @@ def _copy_tensor(sink: Sink, ckpt: Checkpoint, rec: TensorRecord) -> None:
     # A non-contiguous view (or a compressed record): gather this one tensor in memory.
     tensor = load_tensor(ckpt, rec).contiguous()
     data = tensor.reshape(-1).view(torch_dtype("uint8")).numpy().tobytes()
-    sink.write(data)
-    if sink.progress is not None:
-        sink.progress.update(len(data))
+    sink.write_copied(data, len(data))
 
 
 def alias_notes(aliases: dict[str, str], overlaps: list[str]) -> list[str]:

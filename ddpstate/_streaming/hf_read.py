@@ -104,7 +104,11 @@ def open_sharded(
     shards: list[Checkpoint] = []
     try:
         for shard in index.shards:
-            shards.append(_open_shard(index, shard, unsafe, storage_options))
+            where = index.shard_path(shard)
+            try:
+                shards.append(read_file(where, unsafe=unsafe, storage_options=storage_options))
+            except CheckpointNotFoundError as exc:
+                raise index.missing(shard) from exc
         merged: collections.OrderedDict[str, Any] = collections.OrderedDict()
         for shard, ckpt in zip(index.shards, shards, strict=True):
             entries = _state_dict_of(ckpt, shard, index)
@@ -150,12 +154,3 @@ def open_sharded(
         for ckpt in shards:
             ckpt.close()
         raise
-
-
-def _open_shard(
-    index: ShardIndex, shard: str, unsafe: bool, storage_options: Optional[dict[str, Any]]
-) -> Checkpoint:
-    try:
-        return read_file(index.shard_path(shard), unsafe=unsafe, storage_options=storage_options)
-    except CheckpointNotFoundError as exc:
-        raise index.missing(shard) from exc
