@@ -540,23 +540,21 @@ def main_process_first(*, local: bool = False, timeout: Timeout = None) -> Itera
     if not is_distributed():
         yield
         return
-    name = "main_process_first"
-    call = "ddpstate.main_process_first()"
-    if not leader:
-        with _calls.calling(call):
-            share_outcome(None, name=name, timeout=timeout)
-        yield
-        return
-    try:
-        yield
-    except BaseException as exc:
-        told = RankFailedError(
-            f"rank {get_rank()}: the main process failed inside main_process_first "
-            f"({type(exc).__name__}: {exc}); not running this rank's block"
-        )
-        # Tell the waiting ranks, then raise this rank's own error, not the shared one.
-        with contextlib.suppress(DDPStateError), _calls.calling(call):
-            share_outcome(told, name=name, timeout=timeout)
-        raise
+    name, call = "main_process_first", "ddpstate.main_process_first()"
+    if leader:
+        try:
+            yield
+        except BaseException as exc:
+            told = RankFailedError(
+                f"rank {get_rank()}: the main process failed inside main_process_first "
+                f"({type(exc).__name__}: {exc}); not running this rank's block"
+            )
+            # Tell the waiting ranks, then raise this rank's own error, not the shared one.
+            with contextlib.suppress(DDPStateError), _calls.calling(call):
+                share_outcome(told, name=name, timeout=timeout)
+            raise
+    # The leaders after their block, the others before theirs.
     with _calls.calling(call):
         share_outcome(None, name=name, timeout=timeout)
+    if not leader:
+        yield
