@@ -354,9 +354,10 @@ class _Round:
         return [rank for rank in range(self.group.world) if rank not in here]
 
     def settle(self, payload: bytes, verdict: Callable[[], bytes] = bytes) -> bytes:
-        """Arrive with ``payload``; the last arriver sets ``done`` to ``verdict()``, the others read it.
+        """Arrive with ``payload``; the last arriver sets ``done``, the others read it.
 
-        Returns the verdict, on every rank (``verdict`` runs on the last arriver only).
+        Returns ``verdict()`` (run on the last arriver only, its answer read by the
+        others): every rank gets the same bytes.
         """
         if not self.arrive(payload):
             return self.read("done", b"d")
@@ -510,14 +511,12 @@ def gather_and_decide(
     ranks are not all in this call, ``decide`` never runs.
     """
     call = _Round(group, name, seconds, "gather_and_decide")
-    last = call.arrive(payload)
-    if last:
-        call.finish("done", b"d")
     if group.rank != dst:
+        if call.arrive(payload):
+            call.finish("done", b"d")
         told = call.read("value", b"v", lambda: call.absent() or [dst])
         return decode_error(told) if told else None
-    if not last:
-        call.read("done", b"d")
+    call.settle(payload)
     try:
         error = decide(call.payloads())
     except BaseException as exc:

@@ -210,14 +210,9 @@ def all_gather_object(obj: Any, *, timeout: Timeout = None) -> list[Any]:
         [{'step': 3}]
     """
     with _calls.calling("ddpstate.all_gather_object()"):
-        if not is_distributed():
-            return [obj]
-        gathered = _collectives.gather(
-            _group(), pickle.dumps(obj), None, "all_gather_object", resolve_timeout(timeout)
-        )
-        assert gathered is not None
-        # Trusted input: these bytes come from this job's own ranks, never from a file.
-        return [pickle.loads(b) for b in gathered]
+        gathered = _gather(obj, None, "all_gather_object", timeout)
+    assert gathered is not None
+    return gathered
 
 
 def gather_object(
@@ -250,16 +245,18 @@ def gather_object(
         ["rank 0's note"]
     """
     with _calls.calling("ddpstate.gather_object()"):
-        if not is_distributed():
-            return [obj]
+        return _gather(obj, dst, name, timeout)
+
+
+def _gather(obj: Any, dst: Optional[int], name: str, timeout: Timeout) -> Optional[list[Any]]:
+    """Every rank's ``obj`` on ``dst`` (on every rank when ``dst`` is None), None elsewhere."""
+    if not is_distributed():
+        return [obj]
+    if dst is not None:
         _check_rank("gather_object", "dst", dst)
-        gathered = _collectives.gather(
-            _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout)
-        )
-        if gathered is None:
-            return None
-        # Trusted input: these bytes come from this job's own ranks, never from a file.
-        return [pickle.loads(b) for b in gathered]
+    gathered = _collectives.gather(_group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout))
+    # Trusted input: these bytes come from this job's own ranks, never from a file.
+    return None if gathered is None else [pickle.loads(b) for b in gathered]
 
 
 def gather_and_decide(
