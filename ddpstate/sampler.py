@@ -180,8 +180,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         repeating it (or cut with drop_last), every ``num_replicas``-th entry.
         """
         rest = self._permutation()[self._offset :]
-        per_rank = self._sequence_len()
-        total = per_rank * self.num_replicas
+        total = self._sequence_len() * self.num_replicas
         if len(rest) < total:
             rest = (rest * math.ceil(total / len(rest)))[:total]
         return rest[:total][self.rank :: self.num_replicas]

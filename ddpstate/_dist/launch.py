@@ -60,11 +60,7 @@ def _first_slurm_host(nodelist: str) -> str:
     match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
         raise InvalidArgumentError(f"cannot read the first host of SLURM nodelist {nodelist!r}")
-    base, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return base
-    first = ranges.split(",")[0].split("-")[0]
-    return base + first
+    return match.group(1) + (match.group(2) or "").split(",")[0].split("-")[0]
 
 
 def _launched_env() -> Optional[str]:
@@ -243,8 +239,7 @@ def init_distributed(
         meet.update(rank=rank, world_size=world_size)
     elif launcher == "slurm":
         _slurm_to_env()
-    local_rank = get_local_rank()
-    backend = _chosen_backend(backend, local_rank)
+    backend = _chosen_backend(backend, get_local_rank())
     pg_timeout = timedelta(seconds=resolve_timeout(timeout))
     # Under torchrun's shared agent store, each restart attempt gets keys of its own.
     store = None if launcher == "given" else _elastic.attempt_store(pg_timeout)
