@@ -105,11 +105,6 @@ def _shown(identity: str, detailed: bool = False) -> str:
     return f"{text} (its collective round {rounds or 1}: {kind} {name!r})"
 
 
-def _function(identity: str) -> str:
-    """The called function's name, without its arguments."""
-    return _shown(identity).split("(", 1)[0]
-
-
 def mismatch_error(calls: dict[int, str]) -> InvalidArgumentError:
     """The error naming what each rank called (rank -> identity), when they differ.
 
@@ -132,7 +127,7 @@ def mismatch_error(calls: dict[int, str]) -> InvalidArgumentError:
         return f"rank{'s' if len(ranks) > 1 else ''} {listed}"
 
     groups = list(by_call.items())[:6]
-    functions = {_function(c) for c in by_call if c != LEFT}
+    functions = {c.split("(", 1)[0] for c in by_call if c != LEFT}  # the names, not arguments
     if len(functions) == 1 and LEFT not in by_call:
         listing = ", ".join(f"{who(ranks)}: {c}" for c, ranks in groups)
         return InvalidArgumentError(

@@ -212,14 +212,8 @@ def _revert_layers(model: nn.Module) -> nn.Module:
     def swap(layer: nn.Module, name: str) -> nn.Module:
         if not isinstance(layer, nn.SyncBatchNorm):
             return layer
-        original = layer.__dict__.get(_ORIGINAL_CLASS)
-        cls: type[_BatchNorm] = BatchNormNd
-        if (
-            isinstance(original, type)
-            and issubclass(original, _BatchNorm)
-            and not issubclass(original, nn.SyncBatchNorm)
-        ):
-            cls = original
+        # Only convert_sync_batchnorm sets it, to the plain BatchNorm class it replaced.
+        cls: type[_BatchNorm] = layer.__dict__.get(_ORIGINAL_CLASS, BatchNormNd)
         plain = cls.__new__(cls)
         _copy_module_state(layer, plain, drop=_SYNC_ONLY_ATTRS)
         return plain

@@ -505,9 +505,7 @@ def rank_zero_only(fn: Callable[..., _R]) -> Callable[..., Optional[_R]]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Optional[_R]:
-        if is_main_process():
-            return fn(*args, **kwargs)
-        return None
+        return fn(*args, **kwargs) if is_main_process() else None
 
     return wrapper
 
