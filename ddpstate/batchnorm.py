@@ -357,13 +357,11 @@ def sync_batchnorm_stats(
             f"layers (names or sizes) than rank 0 (layers with running statistics: {counts}); "
             "every rank must build the same model and call sync_batchnorm_stats with it"
         )
-    if not layers:
-        return
+    # No layers (or no counters): _reduce_in_place has no device to reduce on, a no-op.
     floats = [t for _, m in layers for t in (m.running_mean, m.running_var) if t is not None]
     counters = [m.num_batches_tracked for _, m in layers if m.num_batches_tracked is not None]
     _reduce_in_place(floats, op, counts=False)
-    if counters:
-        _reduce_in_place(counters, op, counts=True)
+    _reduce_in_place(counters, op, counts=True)
 
 
 def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[float] = None) -> None:
