@@ -102,15 +102,11 @@ def _default_store() -> Any:
 
 def _group() -> _collectives.StoreGroup:
     """The store collectives' context for the current process group."""
-    store, rank, world = _default_store(), dist.get_rank(), dist.get_world_size()
+    key = (_default_store(), dist.get_rank(), dist.get_world_size())
     with _lock:
-        if _current and (_current[0].store, _current[0].rank, _current[0].world) == (
-            store,
-            rank,
-            world,
-        ):
+        if _current and (_current[0].store, _current[0].rank, _current[0].world) == key:
             return _current[0]
-    group = _collectives.StoreGroup.join(store, rank, world)
+    group = _collectives.StoreGroup.join(*key)
     with _lock:
         _current[:] = [group]
     return group
