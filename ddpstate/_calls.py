@@ -105,9 +105,18 @@ def _shown(identity: str, detailed: bool = False) -> str:
     return f"{text} (its collective round {rounds or 1}: {kind} {name!r})"
 
 
-def _function(identity: str) -> str:
-    """The called function's name, without its arguments."""
-    return _shown(identity).split("(", 1)[0]
+def who(ranks: list[int], more: str = " (+{} more)") -> str:
+    """``rank 3`` or ``ranks 0, 1``: the first eight, then ``more`` with the count left.
+
+    Example:
+        >>> from ddpstate._calls import who
+        >>> who([3]), who(list(range(10)))
+        ('rank 3', 'ranks 0, 1, 2, 3, 4, 5, 6, 7 (+2 more)')
+    """
+    listed = ", ".join(map(str, ranks[:8])) + (
+        more.format(len(ranks) - 8) if len(ranks) > 8 else ""
+    )
+    return f"rank{'s' if len(ranks) > 1 else ''} {listed}"
 
 
 def mismatch_error(calls: dict[int, str]) -> InvalidArgumentError:
@@ -125,14 +134,8 @@ def mismatch_error(calls: dict[int, str]) -> InvalidArgumentError:
     for rank in sorted(calls):
         by_call.setdefault(_shown(calls[rank], detailed), []).append(rank)
 
-    def who(ranks: list[int]) -> str:
-        listed = ", ".join(map(str, ranks[:8])) + (
-            f" (+{len(ranks) - 8} more)" if len(ranks) > 8 else ""
-        )
-        return f"rank{'s' if len(ranks) > 1 else ''} {listed}"
-
     groups = list(by_call.items())[:6]
-    functions = {_function(c) for c in by_call if c != LEFT}
+    functions = {c.split("(", 1)[0] for c in by_call if c != LEFT}  # the names, not arguments
     if len(functions) == 1 and LEFT not in by_call:
         listing = ", ".join(f"{who(ranks)}: {c}" for c, ranks in groups)
         return InvalidArgumentError(

@@ -353,6 +353,18 @@ class _Round:
         here = records(self.op("get", "log"))
         return [rank for rank in range(self.group.world) if rank not in here]
 
+    def settle(self, payload: bytes, verdict: Callable[[], bytes] = bytes) -> bytes:
+        """Arrive with ``payload``; the last arriver sets ``done``, the others read it.
+
+        Returns ``verdict()`` (run on the last arriver only, its answer read by the
+        others): every rank gets the same bytes.
+        """
+        if not self.arrive(payload):
+            return self.read("done", b"d")
+        told = verdict()
+        self.finish("done", b"d" + told)
+        return told
+
     def finish(self, key: str, value: bytes) -> None:
         """Set ``key`` (the last arriver's answer), then delete the previous call's keys."""
         self.op("set", key, value)
@@ -441,11 +453,7 @@ def _leave(group: StoreGroup, name: str) -> None:
 
 def barrier(group: StoreGroup, name: str, seconds: float) -> None:
     """Wait until every rank arrives (3 store operations per rank; the last: 4 + deletes)."""
-    call = _Round(group, name, seconds, "barrier")
-    if call.arrive(b""):
-        call.finish("done", b"d")
-    else:
-        call.read("done", b"d")
+    _Round(group, name, seconds, "barrier").settle(b"")
 
 
 def share_outcome(
@@ -457,12 +465,8 @@ def share_outcome(
     are read only when some rank failed.
     """
     call = _Round(group, name, seconds, "share_outcome")
-    if call.arrive(b"" if error is None else encode_error(as_shareable(error, group, name))):
-        failed = any(call.payloads())
-        call.finish("done", b"d1" if failed else b"d0")
-    else:
-        failed = call.read("done", b"d") == b"1"
-    if not failed:
+    sent = b"" if error is None else encode_error(as_shareable(error, group, name))
+    if call.settle(sent, lambda: b"1" if any(call.payloads()) else b"0") == b"0":
         return None
     log = call.payloads()
     failing = [rank for rank, payload in enumerate(log) if payload]
@@ -485,10 +489,7 @@ def gather(
     everywhere); only the receivers read the log.
     """
     call = _Round(group, name, seconds, "gather")
-    if call.arrive(payload):
-        call.finish("done", b"d")
-    else:
-        call.read("done", b"d")
+    call.settle(payload)
     return call.payloads() if dst is None or group.rank == dst else None
 
 
@@ -510,14 +511,12 @@ def gather_and_decide(
     ranks are not all in this call, ``decide`` never runs.
     """
     call = _Round(group, name, seconds, "gather_and_decide")
-    last = call.arrive(payload)
-    if last:
-        call.finish("done", b"d")
     if group.rank != dst:
+        if call.arrive(payload):
+            call.finish("done", b"d")
         told = call.read("value", b"v", lambda: call.absent() or [dst])
         return decode_error(told) if told else None
-    if not last:
-        call.read("done", b"d")
+    call.settle(payload)
     try:
         error = decide(call.payloads())
     except BaseException as exc:
@@ -533,12 +532,13 @@ def agree(group: StoreGroup, value: Any, name: str, seconds: float) -> Optional[
     The last arriver compares (it has read the log); the others read one verdict.
     """
     call = _Round(group, name, seconds, "agree")
-    if call.arrive(pickle.dumps(value)):
+
+    def compare() -> bytes:
         first, *rest = call.payloads()
         same = all(p == first for p in rest) or all(_loads(p) == _loads(first) for p in rest)
-        call.finish("done", b"d1" if same else b"d0")
-    else:
-        same = call.read("done", b"d") == b"1"
+        return b"1" if same else b"0"
+
+    same = call.settle(pickle.dumps(value), compare) == b"1"
     return None if same else [_loads(p) for p in call.payloads()]
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "ddp_syncs_buffers",
     "explain_ddp_errors",
     "find_ddp",
+    "listed",
     "plain_bn_names",
 ]
 
@@ -121,10 +122,19 @@ def plain_bn_names(model: nn.Module) -> list[str]:
     ]
 
 
+def listed(names: list[str]) -> str:
+    """The first three names, quoted, and how many more.
+
+    Example:
+        >>> from ddpstate._ddp_buffers import listed
+        >>> listed(["a", "b", "c", "d"])
+        "'a', 'b', 'c' and 1 more"
+    """
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(map(repr, names[:3])) + more
+
+
 def _explanation(layer_names: list[str], opening: str) -> str:
-    shown = ", ".join(map(repr, layer_names[:3])) + (
-        f" and {len(layer_names) - 3} more" if len(layer_names) > 3 else ""
-    )
     torch_note = ""
     if DDP_SYNC_KEEPS_VERSIONS:
         torch_note = (
@@ -133,8 +143,8 @@ def _explanation(layer_names: list[str], opening: str) -> str:
             "and backward)"
         )
     return (
-        f"ddpstate: {opening} This DDP model has BatchNorm layers ({shown}) and buffer "
-        "broadcasting on (broadcast_buffers=True, DDP's default): at the start of every "
+        f"ddpstate: {opening} This DDP model has BatchNorm layers ({listed(layer_names)}) and "
+        "buffer broadcasting on (broadcast_buffers=True, DDP's default): at the start of every "
         "forward DDP copies rank 0's running_mean/running_var into each replica in place, so "
         "when the model runs forward twice before one backward (GANs, siamese nets, two-view "
         f"losses) the first forward's saved buffers are overwritten{torch_note}. Fix it either "
@@ -144,14 +154,6 @@ def _explanation(layer_names: list[str], opening: str) -> str:
         f"DDP(model, {BUFFER_SYNC_KWARG}=False), then call ddpstate.sync_batchnorm_stats(model) "
         "on every rank before evaluating and saving."
     )
-
-
-def _needs_explanation(model: nn.Module) -> Optional[list[str]]:
-    ddp = find_ddp(model)
-    if ddp is None or not ddp_syncs_buffers(ddp):
-        return None
-    names = plain_bn_names(ddp.module)
-    return names or None
 
 
 @contextlib.contextmanager
@@ -186,8 +188,9 @@ def explain_ddp_errors(model: nn.Module) -> Iterator[None]:
     except RuntimeError as err:
         if isinstance(err, DDPStateError) or _INPLACE_TEXT not in str(err):
             raise
-        names = _needs_explanation(model)
-        if names is None:
+        ddp = find_ddp(model)
+        names = plain_bn_names(ddp.module) if ddp is not None and ddp_syncs_buffers(ddp) else []
+        if not names:
             raise
         first_line = str(err).strip().splitlines()[0]
         raise BatchNormBufferSyncError(

@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Optional, Union
 
 from ddpstate import _fs
+from ddpstate._calls import who
 from ddpstate.dist import gather_and_decide
 from ddpstate.errors import CheckpointNotFoundError
 
@@ -86,18 +87,14 @@ def not_shared(
     if not blind and not other:
         return None
 
-    def who(ranks: list[int]) -> str:
-        listed = ", ".join(map(str, ranks[:8])) + (" ..." if len(ranks) > 8 else "")
-        return f"rank{'s' if len(ranks) > 1 else ''} {listed}"
-
     parts = []
     if blind:
-        parts.append(f"{who(blind)} cannot see {path} that rank {holder} {verb}")
+        parts.append(f"{who(blind, ' ...')} cannot see {path} that rank {holder} {verb}")
     if other:
         sizes = ", ".join(f"rank {r}: {_size(seen[r])}" for r in other[:8])
         parts.append(
-            f"{who(other)} see{'' if len(other) > 1 else 's'} another {path} than rank {holder} "
-            f"({_size(want)}; {sizes})"
+            f"{who(other, ' ...')} see{'' if len(other) > 1 else 's'} another {path} than "
+            f"rank {holder} ({_size(want)}; {sizes})"
         )
     return CheckpointNotFoundError(
         f"{'; '.join(parts)}: the folder is not shared storage between the ranks; {fix}"

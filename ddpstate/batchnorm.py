@@ -25,8 +25,10 @@ from ddpstate._ddp_buffers import (
     ddp_syncs_buffers,
     explain_ddp_errors,
     find_ddp,
+    listed,
     plain_bn_names,
 )
+from ddpstate._dist.launch import device_for
 from ddpstate._warn import warn
 from ddpstate.dist import (
     compare_across_ranks,
@@ -210,14 +212,8 @@ def _revert_layers(model: nn.Module) -> nn.Module:
     def swap(layer: nn.Module, name: str) -> nn.Module:
         if not isinstance(layer, nn.SyncBatchNorm):
             return layer
-        original = layer.__dict__.get(_ORIGINAL_CLASS)
-        cls: type[_BatchNorm] = BatchNormNd
-        if (
-            isinstance(original, type)
-            and issubclass(original, _BatchNorm)
-            and not issubclass(original, nn.SyncBatchNorm)
-        ):
-            cls = original
+        # Only convert_sync_batchnorm sets it, to the plain BatchNorm class it replaced.
+        cls: type[_BatchNorm] = layer.__dict__.get(_ORIGINAL_CLASS, BatchNormNd)
         plain = cls.__new__(cls)
         _copy_module_state(layer, plain, drop=_SYNC_ONLY_ATTRS)
         return plain
@@ -361,13 +357,11 @@ def sync_batchnorm_stats(
             f"layers (names or sizes) than rank 0 (layers with running statistics: {counts}); "
             "every rank must build the same model and call sync_batchnorm_stats with it"
         )
-    if not layers:
-        return
+    # No layers (or no counters): _reduce_in_place has no device to reduce on, a no-op.
     floats = [t for _, m in layers for t in (m.running_mean, m.running_var) if t is not None]
     counters = [m.num_batches_tracked for _, m in layers if m.num_batches_tracked is not None]
     _reduce_in_place(floats, op, counts=False)
-    if counters:
-        _reduce_in_place(counters, op, counts=True)
+    _reduce_in_place(counters, op, counts=True)
 
 
 def warn_if_stats_differ(model: nn.Module, *, where: str, timeout: Optional[float] = None) -> None:
@@ -445,13 +439,10 @@ def warn_if_checksums_differ(model: nn.Module, gathered: list[Any], *, where: st
     if not differing or model in _WARNED:
         return
     _WARNED.add(model)
-    shown = ", ".join(map(repr, differing[:3])) + (
-        f" and {len(differing) - 3} more" if len(differing) > 3 else ""
-    )
     warn(
-        f"{where}: BatchNorm running statistics differ across ranks ({shown}), so the file "
-        f"holds rank 0's alone. Call ddpstate.sync_batchnorm_stats(model) on every rank before "
-        f"saving (and evaluating), or use SyncBatchNorm",
+        f"{where}: BatchNorm running statistics differ across ranks ({listed(differing)}), so "
+        f"the file holds rank 0's alone. Call ddpstate.sync_batchnorm_stats(model) on every rank "
+        f"before saving (and evaluating), or use SyncBatchNorm",
         rank=get_rank(),
     )
 
@@ -480,9 +471,7 @@ def wrapped_unsynced(model: nn.Module) -> bool:
 
 def _resolve_device(device: Union[str, int, torch.device, None]) -> torch.device:
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
-        return torch.device("cpu")
+        return device_for(None, get_local_rank())
     if isinstance(device, int):
         return torch.device("cuda", device)
     resolved = torch.device(device)
@@ -491,8 +480,9 @@ def _resolve_device(device: Union[str, int, torch.device, None]) -> torch.device
     return resolved
 
 
-def _explicit_buffer_sync(kwargs: dict[str, Any]) -> tuple[Optional[bool], list[str]]:
-    given = {k: kwargs[k] for k in BUFFER_SYNC_NAMES if kwargs.get(k) is not None}
+def _take_buffer_sync(kwargs: dict[str, Any]) -> tuple[Optional[bool], list[str]]:
+    """Pop both names of DDP's buffer-sync setting; the value passed (if any) and its names."""
+    given = {k: v for k in BUFFER_SYNC_NAMES if (v := kwargs.pop(k, None)) is not None}
     values = {bool(v) for v in given.values()}
     if len(values) > 1:
         raise BatchNormPolicyError(
@@ -500,15 +490,6 @@ def _explicit_buffer_sync(kwargs: dict[str, Any]) -> tuple[Optional[bool], list[
             f"different values ({given}); they are two names for one setting: pass only one"
         )
     return (values.pop() if values else None), sorted(given)
-
-
-def _sync_kwarg_name(names_given: list[str]) -> str:
-    # Keep the caller's own spelling where this torch takes it: on torch 2.13
-    # broadcast_buffers=False also skips the init-time buffer sync, which
-    # forward_sync_buffers=False does not.
-    if len(names_given) == 1 and names_given[0] in DDP_PARAMS:
-        return names_given[0]
-    return BUFFER_SYNC_KWARG
 
 
 def _resolve_policy(batchnorm: str, device: torch.device, has_bn: bool) -> str:
@@ -588,7 +569,7 @@ def wrap_ddp(
     target = _resolve_device(device)
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     policy = _resolve_policy(batchnorm, target, has_bn)
-    explicit, names_given = _explicit_buffer_sync(kwargs)
+    explicit, names_given = _take_buffer_sync(kwargs)
     chosen = f"batchnorm={batchnorm!r}" + (f" (chose {policy!r})" if batchnorm == "auto" else "")
 
     if policy == "sync" and target.type not in _SYNC_DEVICE_TYPES:
@@ -606,11 +587,13 @@ def wrap_ddp(
             "operation' error when the model runs forward twice before one backward)"
         )
 
-    for name in BUFFER_SYNC_NAMES:
-        kwargs.pop(name, None)
     buffer_sync = False if policy == "unsynced" else explicit
     if buffer_sync is not None:
-        kwargs[_sync_kwarg_name(names_given)] = buffer_sync
+        # Keep the caller's own spelling where this torch takes it: on torch 2.13
+        # broadcast_buffers=False also skips the init-time buffer sync, which
+        # forward_sync_buffers=False does not.
+        own = len(names_given) == 1 and names_given[0] in DDP_PARAMS
+        kwargs[names_given[0] if own else BUFFER_SYNC_KWARG] = buffer_sync
 
     if policy == "sync":
         model = convert_sync_batchnorm(model, kwargs.get("process_group"))

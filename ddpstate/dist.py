@@ -102,15 +102,11 @@ def _default_store() -> Any:
 
 def _group() -> _collectives.StoreGroup:
     """The store collectives' context for the current process group."""
-    store, rank, world = _default_store(), dist.get_rank(), dist.get_world_size()
+    key = (_default_store(), dist.get_rank(), dist.get_world_size())
     with _lock:
-        if _current and (_current[0].store, _current[0].rank, _current[0].world) == (
-            store,
-            rank,
-            world,
-        ):
+        if _current and (_current[0].store, _current[0].rank, _current[0].world) == key:
             return _current[0]
-    group = _collectives.StoreGroup.join(store, rank, world)
+    group = _collectives.StoreGroup.join(*key)
     with _lock:
         _current[:] = [group]
     return group
@@ -210,14 +206,9 @@ def all_gather_object(obj: Any, *, timeout: Timeout = None) -> list[Any]:
         [{'step': 3}]
     """
     with _calls.calling("ddpstate.all_gather_object()"):
-        if not is_distributed():
-            return [obj]
-        gathered = _collectives.gather(
-            _group(), pickle.dumps(obj), None, "all_gather_object", resolve_timeout(timeout)
-        )
-        assert gathered is not None
-        # Trusted input: these bytes come from this job's own ranks, never from a file.
-        return [pickle.loads(b) for b in gathered]
+        gathered = _gather(obj, None, "all_gather_object", timeout)
+    assert gathered is not None
+    return gathered
 
 
 def gather_object(
@@ -250,16 +241,18 @@ def gather_object(
         ["rank 0's note"]
     """
     with _calls.calling("ddpstate.gather_object()"):
-        if not is_distributed():
-            return [obj]
+        return _gather(obj, dst, name, timeout)
+
+
+def _gather(obj: Any, dst: Optional[int], name: str, timeout: Timeout) -> Optional[list[Any]]:
+    """Every rank's ``obj`` on ``dst`` (on every rank when ``dst`` is None), None elsewhere."""
+    if not is_distributed():
+        return [obj]
+    if dst is not None:
         _check_rank("gather_object", "dst", dst)
-        gathered = _collectives.gather(
-            _group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout)
-        )
-        if gathered is None:
-            return None
-        # Trusted input: these bytes come from this job's own ranks, never from a file.
-        return [pickle.loads(b) for b in gathered]
+    gathered = _collectives.gather(_group(), pickle.dumps(obj), dst, name, resolve_timeout(timeout))
+    # Trusted input: these bytes come from this job's own ranks, never from a file.
+    return None if gathered is None else [pickle.loads(b) for b in gathered]
 
 
 def gather_and_decide(
@@ -508,9 +501,7 @@ def rank_zero_only(fn: Callable[..., _R]) -> Callable[..., Optional[_R]]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Optional[_R]:
-        if is_main_process():
-            return fn(*args, **kwargs)
-        return None
+        return fn(*args, **kwargs) if is_main_process() else None
 
     return wrapper
 
@@ -540,23 +531,21 @@ def main_process_first(*, local: bool = False, timeout: Timeout = None) -> Itera
     if not is_distributed():
         yield
         return
-    name = "main_process_first"
-    call = "ddpstate.main_process_first()"
-    if not leader:
-        with _calls.calling(call):
-            share_outcome(None, name=name, timeout=timeout)
-        yield
-        return
-    try:
-        yield
-    except BaseException as exc:
-        told = RankFailedError(
-            f"rank {get_rank()}: the main process failed inside main_process_first "
-            f"({type(exc).__name__}: {exc}); not running this rank's block"
-        )
-        # Tell the waiting ranks, then raise this rank's own error, not the shared one.
-        with contextlib.suppress(DDPStateError), _calls.calling(call):
-            share_outcome(told, name=name, timeout=timeout)
-        raise
+    name, call = "main_process_first", "ddpstate.main_process_first()"
+    if leader:
+        try:
+            yield
+        except BaseException as exc:
+            told = RankFailedError(
+                f"rank {get_rank()}: the main process failed inside main_process_first "
+                f"({type(exc).__name__}: {exc}); not running this rank's block"
+            )
+            # Tell the waiting ranks, then raise this rank's own error, not the shared one.
+            with contextlib.suppress(DDPStateError), _calls.calling(call):
+                share_outcome(told, name=name, timeout=timeout)
+            raise
+    # The leaders after their block, the others before theirs.
     with _calls.calling(call):
         share_outcome(None, name=name, timeout=timeout)
+    if not leader:
+        yield

@@ -151,20 +151,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         # Leading entries of the epoch's global permutation consumed under an earlier
         # world size (0 unless this epoch was resumed with a different world size).
         self._offset = 0
-        # Where the pass in progress (or the next one) began and has reached; True
-        # after load_state_dict: the next pass starts at _position, not at 0.
-        self._position = self._pass_start = 0
-        self._resume_pending = False
-        # Samples the loop reported through advance() in the current pass.
-        self._consumed = 0
-        # The DataLoader iterator with workers that drives the current pass, if any:
-        # it prefetches, so under count="yielded" the position runs ahead of the loop.
-        self._prefetcher: Optional[weakref.ref[Any]] = None
-        # Under such a loader: the position after each batch it sent, the batches it
-        # had given the loop when last seen, and whether the pass was handed out whole.
-        self._batch_ends: list[int] = []
-        self._delivered = 0
-        self._exhausted = False
+        self._start_pass(0)
 
     # ----------------------------------------------------------------- sequence
 
@@ -179,22 +166,21 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         whole.set_epoch(self.epoch)
         return list(whole)
 
-    def _rest_len(self) -> int:
+    def _sequence_len(self) -> int:
+        # With no offset, the parent's num_samples (a drop_last epoch drops the tail).
         rest = max(self._dataset_len() - self._offset, 0)
         if self.drop_last:
             return rest // self.num_replicas
         return math.ceil(rest / self.num_replicas)
 
-    def _sequence_len(self) -> int:
-        return self.num_samples if self._offset == 0 else self._rest_len()
-
     def _sequence(self) -> list[int]:
-        """This rank's samples for the whole epoch (after any earlier-world offset)."""
-        if self._offset == 0:
-            return list(super().__iter__())
+        """This rank's samples for the whole epoch (after any earlier-world offset).
+
+        With no offset this is the parent's own split: the permutation, padded by
+        repeating it (or cut with drop_last), every ``num_replicas``-th entry.
+        """
         rest = self._permutation()[self._offset :]
-        per_rank = self._rest_len()
-        total = per_rank * self.num_replicas
+        total = self._sequence_len() * self.num_replicas
         if len(rest) < total:
             rest = (rest * math.ceil(total / len(rest)))[:total]
         return rest[:total][self.rank :: self.num_replicas]
@@ -209,11 +195,18 @@ class ResumableDistributedSampler(DistributedSampler[int]):
 
     def _start_pass(self, start: int, *, resume: bool = False) -> None:
         # The next (or this) pass begins at `start`; nothing of an earlier pass is kept.
+        # Where the pass in progress (or the next one) began and has reached; True
+        # after load_state_dict: the next pass starts at _position, not at 0.
         self._position = self._pass_start = start
         self._resume_pending = resume
+        # Samples the loop reported through advance() in the current pass.
         self._consumed = 0
-        self._prefetcher = None
-        self._batch_ends = []
+        # The DataLoader iterator with workers that drives the current pass, if any:
+        # it prefetches, so under count="yielded" the position runs ahead of the loop.
+        self._prefetcher: Optional[weakref.ref[Any]] = None
+        # Under such a loader: the position after each batch it sent, the batches it
+        # had given the loop when last seen, and whether the pass was handed out whole.
+        self._batch_ends: list[int] = []
         self._delivered = 0
         self._exhausted = False
 

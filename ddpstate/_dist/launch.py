@@ -60,11 +60,7 @@ def _first_slurm_host(nodelist: str) -> str:
     match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
         raise InvalidArgumentError(f"cannot read the first host of SLURM nodelist {nodelist!r}")
-    base, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return base
-    first = ranges.split(",")[0].split("-")[0]
-    return base + first
+    return match.group(1) + (match.group(2) or "").split(",")[0].split("-")[0]
 
 
 def _launched_env() -> Optional[str]:
@@ -93,7 +89,7 @@ def _slurm_to_env() -> None:
         os.environ["MASTER_ADDR"] = _first_slurm_host(nodelist)
     if "MASTER_PORT" not in os.environ:
         # A port derived from the job id: the same on every task, different per job.
-        job = _env_int("SLURM_JOB_ID") or 0
+        job = _env_int("SLURM_JOB_ID")
         os.environ["MASTER_PORT"] = str(15000 + job % 20000)
 
 
@@ -229,10 +225,7 @@ def init_distributed(
     """
     _check_given_ranks(rank, world_size, init_method)
     if _pg_ready():
-        used, local_rank = str(dist.get_backend()), get_local_rank()
-        return DistContext(
-            get_rank(), local_rank, get_world_size(), device_for(used, local_rank), used
-        )
+        return _joined(str(dist.get_backend()))
     launcher = "given" if rank is not None else _launched_env() if dist.is_available() else None
     if launcher is None:
         _refuse_unknown_rank()
@@ -246,16 +239,21 @@ def init_distributed(
         meet.update(rank=rank, world_size=world_size)
     elif launcher == "slurm":
         _slurm_to_env()
-    local_rank = get_local_rank()
-    backend = _chosen_backend(backend, local_rank)
+    backend = _chosen_backend(backend, get_local_rank())
     pg_timeout = timedelta(seconds=resolve_timeout(timeout))
     # Under torchrun's shared agent store, each restart attempt gets keys of its own.
     store = None if launcher == "given" else _elastic.attempt_store(pg_timeout)
     if store is not None:
         meet = {"store": store, "rank": get_rank(), "world_size": get_world_size()}
     dist.init_process_group(backend=backend, timeout=pg_timeout, **meet)
+    return _joined(backend)
+
+
+def _joined(backend: str) -> DistContext:
+    """The context of this rank of the initialised process group."""
+    local_rank = get_local_rank()
     return DistContext(
-        dist.get_rank(), local_rank, dist.get_world_size(), device_for(backend, local_rank), backend
+        get_rank(), local_rank, get_world_size(), device_for(backend, local_rank), backend
     )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -39,7 +38,7 @@ DEFAULT_TIMEOUT = 1800.0
 Timeout = float | timedelta | None
 
 
-def _env_int(*names: str) -> Optional[int]:
+def _env_int(*names: str, default: int = 0) -> int:
     for name in names:
         value = os.environ.get(name)
         if value is not None and value.strip() != "":
@@ -50,7 +49,7 @@ def _env_int(*names: str) -> Optional[int]:
                     f"environment variable {name}={value!r} is not an integer; "
                     f"unset it or set it to this process's {name.lower()}"
                 ) from None
-    return None
+    return default
 
 
 def _pg_ready() -> bool:
@@ -69,10 +68,7 @@ def get_rank() -> int:
         >>> ddpstate.get_rank()  # a plain single process
         0
     """
-    if _pg_ready():
-        return dist.get_rank()
-    value = _env_int("RANK", "SLURM_PROCID")
-    return 0 if value is None else value
+    return dist.get_rank() if _pg_ready() else _env_int("RANK", "SLURM_PROCID")
 
 
 def get_local_rank() -> int:
@@ -86,8 +82,7 @@ def get_local_rank() -> int:
         >>> ddpstate.get_local_rank()
         0
     """
-    value = _env_int("LOCAL_RANK", "SLURM_LOCALID")
-    return 0 if value is None else value
+    return _env_int("LOCAL_RANK", "SLURM_LOCALID")
 
 
 def get_world_size() -> int:
@@ -104,8 +99,7 @@ def get_world_size() -> int:
     """
     if _pg_ready():
         return dist.get_world_size()
-    value = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    return 1 if value is None else value
+    return _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
 
 
 def is_main_process() -> bool:
