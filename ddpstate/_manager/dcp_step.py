@@ -200,7 +200,7 @@ def _prepare(writer: StepWriter, step: int, rank: int) -> tuple[str, Optional[St
         except Exception as exc:
             failure = error_text(exc)
     path = None if staged is None else staged.path
-    path, failure = broadcast_object((path, failure), src_rank=0, timeout=writer.timeout)
+    path, failure = broadcast_object((path, failure), src_rank=0, timeout=writer.config.timeout)
     if path is None:
         target = writer.checkpoint_path(step)
         raise writer.write_failure(step, target, [(0, failure)])
@@ -243,7 +243,7 @@ def save_step(
         return _commit(writer, step, staged, kinds, infos, entries, rng_blobs, metrics, causes)
 
     try:
-        gather_and_decide(info, decide, dst=0, name=name, timeout=writer.timeout)
+        gather_and_decide(info, decide, dst=0, name=name, timeout=writer.config.timeout)
     except DDPStateError as shared:
         chained = cause or (causes[0] if causes else None)
         if chained is not None:
@@ -350,7 +350,7 @@ def start_async_step(
     """
     rank = get_rank() if is_distributed() else 0
     folder, staged = _prepare(writer, step, rank)
-    group = async_group(flight, writer.timeout)
+    group = async_group(flight, writer.config.timeout)
     copied = snapshot(state_dicts(state, kinds))  # before returning: training goes on
 
     def run() -> None:

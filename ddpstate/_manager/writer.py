@@ -108,11 +108,6 @@ class StepWriter(StepFolders):
     def __init__(self, config: ManagerConfig) -> None:
         super().__init__(config.directory, config.storage_options)
         self.config = config
-        # Read by the methods below and by save/restore as writer.<option>.
-        self.format, self.safe_globals = config.format, config.safe_globals
-        self.keep_last, self.keep_best = config.keep_last, config.keep_best
-        self.metric, self.mode, self.timeout = config.metric, config.mode, config.timeout
-        self.async_save, self.writers = config.async_save, config.writers
         self._metrics: dict[int, dict[str, float]] = {}
         self._warned_newer = False
 
@@ -170,7 +165,7 @@ class StepWriter(StepFolders):
             manifest_entries: dict[str, dict[str, str]] = dict(written[1]) if written else {}
             for name, entry in entries.items():
                 as_safetensors = (
-                    self.format == SAFETENSORS
+                    self.config.format == SAFETENSORS
                     and entry.kind == KIND_MODULE
                     and is_flat_tensor_dict(entry.value)
                 )
@@ -210,16 +205,16 @@ class StepWriter(StepFolders):
             self.remove_step(s, step, folder_too=False)
         for s in newer:
             self.remove_step(s, step)
-        dropped = self.rotate(step, self.keep_last, self.keep_best, self._score)
+        dropped = self.rotate(step, self.config.keep_last, self.config.keep_best, self._score)
         for s in (*newer, *dropped):
             self._metrics.pop(s, None)
 
     def _score(self, step: int) -> Optional[float]:
         """``step``'s value of ``metric`` for ``keep_best`` (lower is better), or None."""
-        value = self.metrics_for(step).get(str(self.metric))
+        value = self.metrics_for(step).get(str(self.config.metric))
         if value is None or math.isnan(value):
             return None
-        return value if self.mode == "min" else -value
+        return value if self.config.mode == "min" else -value
 
     def write_file(self, path: str, obj: Any, as_safetensors: bool, what: str) -> dict[str, Any]:
         """Write one entry's file atomically; return its size and CRC-32 for the manifest."""
@@ -228,7 +223,9 @@ class StepWriter(StepFolders):
             if as_safetensors:
                 write_safetensors(writer, obj, name=path)  # type: ignore[arg-type]
             else:
-                _savecheck.save_torch(obj, writer, what=what, where=path, extra=self.safe_globals)  # type: ignore[arg-type]
+                _savecheck.save_torch(
+                    obj, writer, what=what, where=path, extra=self.config.safe_globals
+                )  # type: ignore[arg-type]
 
         return write_listed_file(path, write, storage_options=self.storage_options)
 
@@ -292,7 +289,9 @@ class StepWriter(StepFolders):
                 raise error from cause
             return
         try:
-            share_outcome(error, name=f"CheckpointManager.save(step={step})", timeout=self.timeout)
+            share_outcome(
+                error, name=f"CheckpointManager.save(step={step})", timeout=self.config.timeout
+            )
         except DDPStateError as shared:
             if cause is not None and shared.__cause__ is error:
                 raise shared from cause
@@ -310,7 +309,7 @@ class StepWriter(StepFolders):
             f"every rank to see it: use a directory on shared storage (a shared filesystem or "
             f"an fsspec URL)",
             name=f"CheckpointManager.save(step={step})",
-            timeout=self.timeout,
+            timeout=self.config.timeout,
         )
 
     def start_async(
