@@ -48,7 +48,8 @@ def _listing(items: list[str]) -> str:
     return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
 
 
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """``optimizer``'s parameters, in ``param_groups`` order."""
     return [p for group in optimizer.param_groups for p in group[_PARAMS]]
 
 
@@ -61,7 +62,7 @@ def owner(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], where: str
         InvalidArgumentError: The parameters are spread over several model
             entries, or only some of them belong to a model entry.
     """
-    wanted = {id(p) for p in _params(optimizer)}
+    wanted = {id(p) for p in params(optimizer)}
     holders: dict[str, int] = {}
     for name, obj in state.items():
         if isinstance(obj, nn.Module):
