@@ -219,18 +219,6 @@ class LocalTier:
 
     # ------------------------------------------------------------------ restoring
 
-    def _newest_verified(self) -> Optional[tuple[int, str]]:
-        for step in reversed(self._folders.committed_steps()):
-            folder = self._folders.checkpoint_path(step)
-            check = _manifest.check_folder(folder, step, None)
-            if check.manifest is not None:
-                return step, folder
-            warn(
-                f"CheckpointManager.restore: skipping the local {folder}: "
-                f"{'; '.join(check.problems)}"
-            )
-        return None
-
     def _skip_restore(self, exc: BaseException) -> None:
         warn(
             f"CheckpointManager.restore: the node-local tier {self.directory} cannot be read "
@@ -259,26 +247,17 @@ class LocalTier:
             except Exception:
                 # The durable path below reads the folder again and raises the real error.
                 durable = math.inf
-        held: dict[int, Optional[int]] = {}
-        if not is_distributed():
-            mine = None
+        # Every rank of a node checks a share of the node's newest local step (one rank
+        # alone checks all of it, as verify_checkpoint does).
+        committed: Optional[list[int]] = None
+        try:
+            committed = self._folders.committed_steps()
+        except Exception as exc:  # an unreadable local tier is an empty one
             if is_local_main_process():
-                try:
-                    mine = self._newest_verified()
-                except Exception as exc:  # an unreadable local tier is an empty one
-                    self._skip_restore(exc)
-                held[0] = None if mine is None else mine[0]
-        else:
-            # Every rank of a node checks a share of the node's newest local step.
-            committed: Optional[list[int]] = None
-            try:
-                committed = self._folders.committed_steps()
-            except Exception as exc:  # an unreadable local tier is an empty one
-                if is_local_main_process():
-                    self._skip_restore(exc)
-            held, durable = local_check.newest_on_nodes(
-                self.directory, committed, durable, self.timeout
-            )
+                self._skip_restore(exc)
+        held, durable = local_check.newest_on_nodes(
+            self.directory, committed, durable, self.timeout
+        )
         steps = [s for s in held.values() if s is not None]
         if not steps or (durable is not None and durable > max(steps)):
             return None
