@@ -22,7 +22,7 @@ position as before.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -43,8 +43,8 @@ _LISTED = 8
 _COMPILED_SEGMENT = "_orig_mod"
 
 
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(repr(i) for i in items[:_LISTED])
+def _listing(items: list[str], show: Callable[[str], str] = repr) -> str:
+    shown = ", ".join(show(i) for i in items[:_LISTED])
     return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
 
 
@@ -268,12 +268,10 @@ def check_dtypes(
                 and value.dtype != param.dtype
             ]
     if changes:
-        shown = ", ".join(changes[:_LISTED])
-        more = f" and {len(changes) - _LISTED} more" if len(changes) > _LISTED else ""
         raise DTypeMismatchError(
             f"{where}: {len(changes)} optimizer state tensor(s) would change dtype: "
-            f"{shown}{more}. Cast the model to the saved dtype before restoring, or pass "
-            f"allow_dtype_change=True to cast the saved state to the parameters' dtypes"
+            f"{_listing(changes, str)}. Cast the model to the saved dtype before restoring, or "
+            f"pass allow_dtype_change=True to cast the saved state to the parameters' dtypes"
         )
 
 
