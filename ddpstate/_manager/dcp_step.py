@@ -81,10 +81,9 @@ def plan_entries(state: Mapping[str, Any], writers: str, where: str) -> dict[str
         InvalidArgumentError: A DCP optimizer's model is not in ``state``.
     """
     models = _models(state)
-    chosen: dict[str, str] = {}
-    for name, model in models.items():
-        if writers == "all" or _module_is_sharded(model):
-            chosen[name] = KIND_MODULE
+    chosen = {
+        n: KIND_MODULE for n, m in models.items() if writers == "all" or _module_is_sharded(m)
+    }
     for name, obj in state.items():
         if not isinstance(obj, torch.optim.Optimizer):
             continue
