@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import threading
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any, Optional
@@ -26,6 +25,7 @@ from ddpstate import _fs, storage
 from ddpstate._checksum import error_text
 from ddpstate._dcp import write as _dcp_write
 from ddpstate._io import savecheck as _savecheck
+from ddpstate._manager import optim_state
 from ddpstate._manager.entries import rng_states
 from ddpstate._manager.writer import InFlight, StepWriter
 from ddpstate._manifest import DCP_SUBDIR, METADATA_NAME
@@ -57,13 +57,9 @@ def _module_is_sharded(module: nn.Module) -> bool:
     )
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def _owner(optimizer: torch.optim.Optimizer, models: Mapping[str, nn.Module]) -> Optional[str]:
     """The entry name of the model whose parameters ``optimizer`` updates."""
-    wanted = {id(p) for p in _optimizer_params(optimizer)}
+    wanted = {id(p) for p in optim_state.params(optimizer)}
     for name, model in models.items():
         if wanted & {id(p) for p in model.parameters()}:
             return name
@@ -85,15 +81,14 @@ def plan_entries(state: Mapping[str, Any], writers: str, where: str) -> dict[str
         InvalidArgumentError: A DCP optimizer's model is not in ``state``.
     """
     models = _models(state)
-    chosen: dict[str, str] = {}
-    for name, model in models.items():
-        if writers == "all" or _module_is_sharded(model):
-            chosen[name] = KIND_MODULE
+    chosen = {
+        n: KIND_MODULE for n, m in models.items() if writers == "all" or _module_is_sharded(m)
+    }
     for name, obj in state.items():
         if not isinstance(obj, torch.optim.Optimizer):
             continue
         owner = _owner(obj, models)
-        sharded = _dcp_write.holds_sharded(_optimizer_params(obj))
+        sharded = _dcp_write.holds_sharded(optim_state.params(obj))
         if owner is None:
             if sharded or writers == "all":
                 raise (ShardedStateError if sharded else InvalidArgumentError)(
@@ -139,16 +134,20 @@ def state_dicts(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str,
     return out
 
 
-def load_entries(
-    state: MutableMapping[str, Any], kinds: Mapping[str, str], folder: str, where: str
+def restore_entries(
+    state: MutableMapping[str, Any],
+    kinds: Mapping[str, str],
+    step_folder: str,
+    ignore_mismatched: bool,
 ) -> None:
-    """Load the DCP entries ``kinds`` of a step into the live objects; resharded as needed.
+    """Load a step's DCP entries ``kinds`` into the live objects; resharded as needed.
 
     A collective where a process group exists (DCP's reader): the live objects'
     own layout (sharded or not, any world size) decides what each rank reads.
 
     Raises:
-        InvalidArgumentError: A live entry is not the kind of object that was saved.
+        InvalidArgumentError: ``ignore_mismatched`` was asked for (DCP entries must
+            fit), or a live entry is not the kind of object that was saved.
     """
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
@@ -156,6 +155,13 @@ def load_entries(
         set_optimizer_state_dict,
     )
 
+    where = storage.join(step_folder, DCP_SUBDIR)
+    if ignore_mismatched:
+        raise InvalidArgumentError(
+            f"{where}: ignore_mismatched=True is not available for entries saved with "
+            f"torch.distributed.checkpoint ({sorted(kinds)}); restore them into models of the "
+            f"saved shapes"
+        )
     for name, kind in kinds.items():
         want = nn.Module if kind == KIND_MODULE else torch.optim.Optimizer
         if not isinstance(state[name], want):
@@ -173,7 +179,7 @@ def load_entries(
     targets = state_dicts(state, kinds)
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    load(targets, storage_reader=FileSystemReader(folder))
+    load(targets, storage_reader=FileSystemReader(_fs.local_path(where)))
     models = _models(state)
     for name, kind in kinds.items():
         if kind == KIND_MODULE:
@@ -200,7 +206,7 @@ def _prepare(writer: StepWriter, step: int, rank: int) -> tuple[str, Optional[St
         except Exception as exc:
             failure = error_text(exc)
     path = None if staged is None else staged.path
-    path, failure = broadcast_object((path, failure), src_rank=0, timeout=writer.timeout)
+    path, failure = broadcast_object((path, failure), src_rank=0, timeout=writer.config.timeout)
     if path is None:
         target = writer.checkpoint_path(step)
         raise writer.write_failure(step, target, [(0, failure)])
@@ -243,7 +249,7 @@ def save_step(
         return _commit(writer, step, staged, kinds, infos, entries, rng_blobs, metrics, causes)
 
     try:
-        gather_and_decide(info, decide, dst=0, name=name, timeout=writer.timeout)
+        gather_and_decide(info, decide, dst=0, name=name, timeout=writer.config.timeout)
     except DDPStateError as shared:
         chained = cause or (causes[0] if causes else None)
         if chained is not None:
@@ -337,7 +343,7 @@ def start_async_step(
     events: list[Any],
     rng_blobs: list[bytes],
     metrics: dict[str, float],
-) -> threading.Thread:
+) -> None:
     """Snapshot the DCP entries, then write and commit the step in a background thread.
 
     Called by every rank from ``CheckpointManager.save`` (a collective: rank 0
@@ -350,7 +356,7 @@ def start_async_step(
     """
     rank = get_rank() if is_distributed() else 0
     folder, staged = _prepare(writer, step, rank)
-    group = async_group(flight, writer.timeout)
+    group = async_group(flight, writer.config.timeout)
     copied = snapshot(state_dicts(state, kinds))  # before returning: training goes on
 
     def run() -> None:
@@ -383,38 +389,11 @@ def start_async_step(
         flight.error = verdict
 
     def guarded() -> None:
+        # KeyboardInterrupt, SystemExit: left in flight.error as they are.
         try:
             run()
         except Exception as exc:  # the group broke (a rank died): raised at the next call
             target = writer.checkpoint_path(step)
-            failure = writer.write_failure(step, target, [(rank, error_text(exc))])
-            failure.__cause__ = exc
-            flight.error = failure
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit: raised as they are
-            flight.error = exc
+            raise writer.write_failure(step, target, [(rank, error_text(exc))]) from exc
 
-    flight.error = None
-    thread = threading.Thread(target=guarded, name=f"ddpstate-dcp-writer-step-{step}", daemon=False)
-    thread.start()
-    return thread
-
-
-def restore_entries(
-    state: MutableMapping[str, Any],
-    kinds: Mapping[str, str],
-    step_folder: str,
-    ignore_mismatched: bool,
-) -> None:
-    """Load a step's DCP entries into ``state`` (every rank; resharded to the live layout).
-
-    Raises:
-        InvalidArgumentError: ``ignore_mismatched`` was asked for (DCP entries must fit).
-    """
-    where = storage.join(step_folder, DCP_SUBDIR)
-    if ignore_mismatched:
-        raise InvalidArgumentError(
-            f"{where}: ignore_mismatched=True is not available for entries saved with "
-            f"torch.distributed.checkpoint ({sorted(kinds)}); restore them into models of the "
-            f"saved shapes"
-        )
-    load_entries(state, kinds, _fs.local_path(where), where)
+    flight.start(f"ddpstate-dcp-writer-step-{step}", [], guarded)

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import threading
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from ddpstate._manager import local_check
 from ddpstate._manager.config import ManagerConfig
 from ddpstate._manager.entries import Entry
 from ddpstate._manager.snapshot import Snapshot
-from ddpstate._manager.writer import start_thread
+from ddpstate._manager.writer import InFlight, write_entries
 from ddpstate._warn import warn
 from ddpstate.dist import (
     broadcast_object,
@@ -112,9 +111,8 @@ class LocalTier:
         self._reported = 0  # skips already told to the node's other ranks
         self._warned = False
         self._snapshot = Snapshot()  # its own buffers: a durable async write may read the manager's
-        self._thread: Optional[threading.Thread] = None
+        self._flight = InFlight()  # its own thread: at most one local write in flight
         self._thread_step = -1
-        self._thread_error: Optional[BaseException] = None
         if is_distributed():
             # One rank compares; the values travel to every rank only when they differ.
             settings = compare_across_ranks(
@@ -152,13 +150,11 @@ class LocalTier:
             started = False
             if entries is not None:
                 try:
-                    self._thread_error = None
                     self._thread_step = step
-                    self._thread = start_thread(
+                    self._flight.start(
                         f"ddpstate-local-tier-step-{step}",
                         events,
                         lambda: self._write(step, entries, rng_states),
-                        self._failed,
                     )
                     started = True
                 except Exception as exc:  # no thread to be had: still only a skipped step
@@ -180,27 +176,13 @@ class LocalTier:
             self.skipped.extend(news)
         return bool(started)
 
-    def _failed(self, exc: BaseException) -> None:
-        self._thread_error = exc
-
     def _write(self, step: int, entries: dict[str, Entry], rng_states: list[Any]) -> None:
         os.makedirs(self.directory, exist_ok=True)
         self._folders.clean_stale()
         # No fsync: the local tier is for surviving a crashed process, not a crashed node.
         with storage.staged_folder(self._folders.checkpoint_path(step), fsync=False) as staged:
-            files: dict[str, dict[str, Any]] = {}
-            manifest_entries: dict[str, dict[str, str]] = {}
-            for name, entry in entries.items():
-                filename = name + ".pt"
-                files[filename] = _write_file(os.path.join(staged.path, filename), entry.value)
-                manifest_entries[name] = {"file": filename, "kind": entry.kind}
-            rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
-            files[_manifest.RNG_FILE] = _write_file(
-                os.path.join(staged.path, _manifest.RNG_FILE), rng_payload
-            )
-            staged.commit(
-                _manifest.manifest_for(step, {}, len(rng_states), manifest_entries, files)
-            )
+            files, listed = write_entries(staged.path, entries, rng_states, _write_file)
+            staged.commit(_manifest.manifest_for(step, {}, len(rng_states), listed, files))
         self._folders.rotate(step, self.keep)
 
     def _skip(self, step: int, exc: BaseException) -> None:
@@ -218,17 +200,9 @@ class LocalTier:
 
     def wait(self) -> None:
         """Wait for the local write in flight; a failure is a warning, never an error."""
-        thread = self._thread
-        if thread is None:
-            return
-        thread.join()
-        self._thread = None
-        error, self._thread_error = self._thread_error, None
-        if error is None:
-            return
-        if not isinstance(error, Exception):
-            raise error  # KeyboardInterrupt or SystemExit inside the writer
-        self._skip(self._thread_step, error)
+        error = self._flight.join()
+        if error is not None:
+            self._skip(self._thread_step, error)
 
     def clear(self) -> None:
         """Wait for the write in flight, then delete the local folder (local main process)."""
@@ -244,18 +218,6 @@ class LocalTier:
             self._snapshot.buffers.clear()
 
     # ------------------------------------------------------------------ restoring
-
-    def _newest_verified(self) -> Optional[tuple[int, str]]:
-        for step in reversed(self._folders.committed_steps()):
-            folder = self._folders.checkpoint_path(step)
-            check = _manifest.check_folder(folder, step, None)
-            if check.manifest is not None:
-                return step, folder
-            warn(
-                f"CheckpointManager.restore: skipping the local {folder}: "
-                f"{'; '.join(check.problems)}"
-            )
-        return None
 
     def _skip_restore(self, exc: BaseException) -> None:
         warn(
@@ -285,26 +247,17 @@ class LocalTier:
             except Exception:
                 # The durable path below reads the folder again and raises the real error.
                 durable = math.inf
-        held: dict[int, Optional[int]] = {}
-        if not is_distributed():
-            mine = None
+        # Every rank of a node checks a share of the node's newest local step (one rank
+        # alone checks all of it, as verify_checkpoint does).
+        committed: Optional[list[int]] = None
+        try:
+            committed = self._folders.committed_steps()
+        except Exception as exc:  # an unreadable local tier is an empty one
             if is_local_main_process():
-                try:
-                    mine = self._newest_verified()
-                except Exception as exc:  # an unreadable local tier is an empty one
-                    self._skip_restore(exc)
-                held[0] = None if mine is None else mine[0]
-        else:
-            # Every rank of a node checks a share of the node's newest local step.
-            committed: Optional[list[int]] = None
-            try:
-                committed = self._folders.committed_steps()
-            except Exception as exc:  # an unreadable local tier is an empty one
-                if is_local_main_process():
-                    self._skip_restore(exc)
-            held, durable = local_check.newest_on_nodes(
-                self.directory, committed, durable, self.timeout
-            )
+                self._skip_restore(exc)
+        held, durable = local_check.newest_on_nodes(
+            self.directory, committed, durable, self.timeout
+        )
         steps = [s for s in held.values() if s is not None]
         if not steps or (durable is not None and durable > max(steps)):
             return None
@@ -441,7 +394,7 @@ class _Sink:
             self._guard(lambda: staged.commit(raw_manifest))
 
 
-def _write_file(path: str, obj: Any) -> dict[str, Any]:
+def _write_file(path: str, obj: Any, as_safetensors: bool, what: str) -> dict[str, Any]:
     # No fsync: the local tier is for surviving a crashed process, not a crashed node.
     return _manifest.write_listed_file(path, lambda f: torch.save(obj, f), fsync=False)  # type: ignore[arg-type]
 

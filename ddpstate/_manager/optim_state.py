@@ -22,7 +22,7 @@ position as before.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -43,12 +43,13 @@ _LISTED = 8
 _COMPILED_SEGMENT = "_orig_mod"
 
 
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(repr(i) for i in items[:_LISTED])
+def _listing(items: list[str], show: Callable[[str], str] = repr) -> str:
+    shown = ", ".join(show(i) for i in items[:_LISTED])
     return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
 
 
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """``optimizer``'s parameters, in ``param_groups`` order."""
     return [p for group in optimizer.param_groups for p in group[_PARAMS]]
 
 
@@ -61,7 +62,7 @@ def owner(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], where: str
         InvalidArgumentError: The parameters are spread over several model
             entries, or only some of them belong to a model entry.
     """
-    wanted = {id(p) for p in _params(optimizer)}
+    wanted = {id(p) for p in params(optimizer)}
     holders: dict[str, int] = {}
     for name, obj in state.items():
         if isinstance(obj, nn.Module):
@@ -267,12 +268,10 @@ def check_dtypes(
                 and value.dtype != param.dtype
             ]
     if changes:
-        shown = ", ".join(changes[:_LISTED])
-        more = f" and {len(changes) - _LISTED} more" if len(changes) > _LISTED else ""
         raise DTypeMismatchError(
             f"{where}: {len(changes)} optimizer state tensor(s) would change dtype: "
-            f"{shown}{more}. Cast the model to the saved dtype before restoring, or pass "
-            f"allow_dtype_change=True to cast the saved state to the parameters' dtypes"
+            f"{_listing(changes, str)}. Cast the model to the saved dtype before restoring, or "
+            f"pass allow_dtype_change=True to cast the saved state to the parameters' dtypes"
         )
 
 

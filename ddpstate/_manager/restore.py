@@ -8,6 +8,7 @@ entries into the live objects and restores its own RNG states.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, MutableMapping
 from typing import Any, NamedTuple, Optional
 
@@ -138,7 +139,6 @@ def load_into(
     allow_dtype_change: bool = False,
 ) -> None:
     """Every rank: load ``folder``'s entries (as ``manifest`` lists them) and RNG states."""
-    opts = writer.config.storage_options
     saved_entries: dict[str, Any] = manifest["entries"]
     # Entries in the step's DCP checkpoint load first, on every rank together.
     dcp_kinds = {
@@ -156,24 +156,15 @@ def load_into(
     # No mmap on the durable tier: a later rotation deletes these files, and on
     # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
     # A local file unlinked on this node keeps its pages while mapped.
+    opts = writer.config.storage_options
+    load = functools.partial(checkpoint.load, barrier=False, storage_options=opts)
+    safe = writer.config.safe_globals
     loaded = {
-        name: checkpoint.load(
-            path,
-            map_location=map_location,
-            mmap=mmap,
-            barrier=False,
-            storage_options=opts,
-            safe_globals=writer.config.safe_globals,
-        )
+        name: load(path, map_location=map_location, mmap=mmap, safe_globals=safe)
         for name, path in files.items()
     }
-    rng = checkpoint.load(
-        storage.join(folder, str(manifest.get("rng_file", RNG_FILE))),
-        map_location="cpu",
-        mmap=False,
-        barrier=False,
-        storage_options=opts,
-    )
+    rng_file = storage.join(folder, str(manifest.get("rng_file", RNG_FILE)))
+    rng = load(rng_file, map_location="cpu", mmap=False)
     policy: model_state.DTypePolicy = "allow" if allow_dtype_change else "refuse"
     # Everything that can refuse runs before anything is loaded, so a refusal leaves
     # every model and optimizer as it was: model keys adapted and dtypes checked,
@@ -333,13 +324,7 @@ def without_skipped(value: Any, optimizer: Any, skipped: set[int], where: str) -
     """
     if not isinstance(value, Mapping) or not isinstance(value.get("state"), Mapping):
         return value
-    positions: set[Any] = set()
-    index = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) in skipped:
-                positions.add(index)
-            index += 1
+    positions = {i for i, p in enumerate(optim_state.params(optimizer)) if id(p) in skipped}
     dropped = [k for k in value["state"] if k in positions]
     if not dropped:
         return value

@@ -221,7 +221,7 @@ def _write(
             plan.entries, plan.events = snapshot.collect(plan.rest, snapshot=async_save)
     if plan.dcp_kinds and async_save:  # written on the manager's own group
         flight.pending = Pending(step, folder, shared=True)
-        flight.thread = _dcp.start_async_step(
+        _dcp.start_async_step(
             writer, flight, step, state, plan.dcp_kinds, plan.entries, plan.events,
             rng_blobs, plan.metrics,
         )  # fmt: skip

@@ -21,7 +21,6 @@ from typing import Any, Optional
 from ddpstate import _checksum, _manifest, _visibility, storage
 from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.dist import Timeout, broadcast_object, gather_and_decide, get_rank, get_world_size
-from ddpstate.errors import CheckpointNotFoundError
 
 _NAME = "CheckpointManager.restore (verify)"
 
@@ -47,17 +46,6 @@ def _check_share(
     return seen, check_share(folder, manifest, opts, get_rank(), get_world_size())
 
 
-def _not_shared(folder: str, seen: list[Optional[int]]) -> Optional[CheckpointNotFoundError]:
-    return _visibility.not_shared(
-        storage.join(folder, MANIFEST_NAME),
-        0,
-        seen,
-        "sees",
-        "nothing is damaged; put the checkpoint folder on storage every rank sees (a shared "
-        "filesystem or an fsspec URL)",
-    )
-
-
 def verify(
     folder: str, step: int, opts: Optional[dict[str, Any]], timeout: Timeout
 ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
@@ -65,7 +53,7 @@ def verify(
     manifest, problem = _manifest.read_manifest(folder, opts)
     if manifest is None:
         return None, str(problem)
-    check = _manifest.FolderCheck(manifest, _manifest.manifest_problems(manifest, step), [])
+    head = _manifest.manifest_problems(manifest, step)
     listing = _manifest.FolderCheck(manifest, [], [])
     _manifest.check_listing(folder, manifest["files"], listing, opts)
     broadcast_object((folder, manifest), src_rank=0, timeout=timeout)
@@ -78,12 +66,19 @@ def verify(
 
     gather_and_decide(_check_share(folder, manifest, opts), collect, name=_NAME, timeout=timeout)
     # Some ranks cannot see the folder rank 0 reads: not damage (see restore.choose).
-    not_shared = _not_shared(folder, seen)
+    not_shared = _visibility.not_shared(
+        storage.join(folder, MANIFEST_NAME),
+        0,
+        seen,
+        "sees",
+        "nothing is damaged; put the checkpoint folder on storage every rank sees (a shared "
+        "filesystem or an fsspec URL)",
+    )
     if not_shared is not None:
         raise not_shared
     # Back in manifest order, so the text is what one rank checking the whole folder reports.
     found = _checksum.file_problems(_manifest.checked_files(manifest), shares)
-    problems = [*check.problems, *found, *listing.problems]
+    problems = [*head, *found, *listing.problems]
     return (None, "; ".join(problems)) if problems else (manifest, None)
 
 

@@ -66,6 +66,25 @@ class InFlight:
     #: Background DCP writes' own gloo group (``dcp_step.async_group``).
     dcp_group: Any = None
 
+    def start(self, name: str, events: list[Any], work: Callable[[], None]) -> None:
+        """Run ``work`` in a background thread (:func:`start_thread`); its failure: ``error``."""
+        self.error = None
+
+        def failed(exc: BaseException) -> None:
+            self.error = exc
+
+        self.thread = start_thread(name, events, work, failed)
+
+    def join(self) -> Optional[Exception]:
+        """Wait for the thread in flight and return its failure (an interrupt is raised here)."""
+        error: Optional[BaseException] = None
+        if self.thread is not None:
+            self.thread.join()
+            error, self.thread, self.error = self.error, None, None
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt or SystemExit inside the writer
+        return error
+
     def abandon(self, exc: Optional[BaseException]) -> None:
         """Let the write in flight complete without a collective (the ``with`` block failed).
 
@@ -102,17 +121,43 @@ def start_thread(
     return thread
 
 
+#: Writes one file (path, object, as safetensors, what it is); returns its manifest listing.
+FileWrite = Callable[[str, Any, bool, str], dict[str, Any]]
+
+
+def write_entries(
+    folder: str,
+    entries: dict[str, Entry],
+    rng_states: list[Any],
+    write: FileWrite,
+    safetensors: bool = False,
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
+    """Write a step's entries and every rank's RNG states into ``folder`` (durable or local).
+
+    Returns the manifest's ``files`` and ``entries``. With ``safetensors``, model
+    entries that are flat tensor dicts become ``.safetensors`` files.
+    """
+    files: dict[str, dict[str, Any]] = {}
+    listed: dict[str, dict[str, str]] = {}
+    for name, entry in entries.items():
+        as_safetensors = (
+            safetensors and entry.kind == KIND_MODULE and is_flat_tensor_dict(entry.value)
+        )
+        filename = name + (".safetensors" if as_safetensors else ".pt")
+        path = storage.join(folder, filename)
+        files[filename] = write(path, entry.value, as_safetensors, f"state[{name!r}]")
+        listed[name] = {"file": filename, "kind": entry.kind}
+    rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
+    files[RNG_FILE] = write(storage.join(folder, RNG_FILE), rng_payload, False, "RNG states")
+    return files, listed
+
+
 class StepWriter(StepFolders):
     """Write, commit and rotate a manager's step folders (see the module docstring)."""
 
     def __init__(self, config: ManagerConfig) -> None:
         super().__init__(config.directory, config.storage_options)
         self.config = config
-        # Read by the methods below and by save/restore as writer.<option>.
-        self.format, self.safe_globals = config.format, config.safe_globals
-        self.keep_last, self.keep_best = config.keep_last, config.keep_best
-        self.metric, self.mode, self.timeout = config.metric, config.mode, config.timeout
-        self.async_save, self.writers = config.async_save, config.writers
         self._metrics: dict[int, dict[str, float]] = {}
         self._warned_newer = False
 
@@ -166,27 +211,13 @@ class StepWriter(StepFolders):
         they wrote there."""
         staged = self.prepare_folder(step) if prepared is None else prepared
         try:
-            files: dict[str, dict[str, Any]] = dict(written[0]) if written else {}
-            manifest_entries: dict[str, dict[str, str]] = dict(written[1]) if written else {}
-            for name, entry in entries.items():
-                as_safetensors = (
-                    self.format == SAFETENSORS
-                    and entry.kind == KIND_MODULE
-                    and is_flat_tensor_dict(entry.value)
-                )
-                filename = name + (".safetensors" if as_safetensors else ".pt")
-                files[filename] = self.write_file(
-                    storage.join(staged.path, filename),
-                    entry.value,
-                    as_safetensors,
-                    f"state[{name!r}]",
-                )
-                manifest_entries[name] = {"file": filename, "kind": entry.kind}
-            rng_payload = {"world_size": len(rng_states), "ranks": rng_states}
-            files[RNG_FILE] = self.write_file(
-                storage.join(staged.path, RNG_FILE), rng_payload, False, "RNG states"
+            safetensors = self.config.format == SAFETENSORS
+            files, listed = write_entries(
+                staged.path, entries, rng_states, self.write_file, safetensors
             )
-            staged.commit(manifest_for(step, metrics, len(rng_states), manifest_entries, files))
+            if written:  # the DCP shards every rank wrote come first in the manifest
+                files, listed = {**written[0], **files}, {**written[1], **listed}
+            staged.commit(manifest_for(step, metrics, len(rng_states), listed, files))
         except BaseException as exc:
             staged.discard(exc)
             raise
@@ -210,16 +241,16 @@ class StepWriter(StepFolders):
             self.remove_step(s, step, folder_too=False)
         for s in newer:
             self.remove_step(s, step)
-        dropped = self.rotate(step, self.keep_last, self.keep_best, self._score)
+        dropped = self.rotate(step, self.config.keep_last, self.config.keep_best, self._score)
         for s in (*newer, *dropped):
             self._metrics.pop(s, None)
 
     def _score(self, step: int) -> Optional[float]:
         """``step``'s value of ``metric`` for ``keep_best`` (lower is better), or None."""
-        value = self.metrics_for(step).get(str(self.metric))
+        value = self.metrics_for(step).get(str(self.config.metric))
         if value is None or math.isnan(value):
             return None
-        return value if self.mode == "min" else -value
+        return value if self.config.mode == "min" else -value
 
     def write_file(self, path: str, obj: Any, as_safetensors: bool, what: str) -> dict[str, Any]:
         """Write one entry's file atomically; return its size and CRC-32 for the manifest."""
@@ -228,7 +259,8 @@ class StepWriter(StepFolders):
             if as_safetensors:
                 write_safetensors(writer, obj, name=path)  # type: ignore[arg-type]
             else:
-                _savecheck.save_torch(obj, writer, what=what, where=path, extra=self.safe_globals)  # type: ignore[arg-type]
+                extra = self.config.safe_globals
+                _savecheck.save_torch(obj, writer, what=what, where=path, extra=extra)  # type: ignore[arg-type]
 
         return write_listed_file(path, write, storage_options=self.storage_options)
 
@@ -292,7 +324,9 @@ class StepWriter(StepFolders):
                 raise error from cause
             return
         try:
-            share_outcome(error, name=f"CheckpointManager.save(step={step})", timeout=self.timeout)
+            share_outcome(
+                error, name=f"CheckpointManager.save(step={step})", timeout=self.config.timeout
+            )
         except DDPStateError as shared:
             if cause is not None and shared.__cause__ is error:
                 raise shared from cause
@@ -310,7 +344,7 @@ class StepWriter(StepFolders):
             f"every rank to see it: use a directory on shared storage (a shared filesystem or "
             f"an fsspec URL)",
             name=f"CheckpointManager.save(step={step})",
-            timeout=self.timeout,
+            timeout=self.config.timeout,
         )
 
     def start_async(
@@ -323,16 +357,10 @@ class StepWriter(StepFolders):
         events: list[Any],
     ) -> None:
         """Rank 0: write and commit ``step`` in a background thread (its error: ``flight``)."""
-        flight.error = None
-
-        def failed(exc: BaseException) -> None:
-            flight.error = exc
-
-        flight.thread = start_thread(
+        flight.start(
             f"ddpstate-checkpoint-writer-step-{step}",
             events,
             lambda: self.commit(step, entries, rng_states(rng_blobs), metrics),
-            failed,
         )
 
     def finish(self, flight: InFlight) -> None:
@@ -341,14 +369,7 @@ class StepWriter(StepFolders):
         if pending is None:
             return
         flight.pending = None
-        error: Optional[BaseException] = None
-        if flight.thread is not None:
-            flight.thread.join()
-            error = flight.error
-            flight.thread = None
-            flight.error = None
-        if error is not None and not isinstance(error, Exception):
-            raise error  # KeyboardInterrupt or SystemExit inside the writer
+        error = flight.join()
         failure = (
             None
             if error is None
