@@ -506,6 +506,50 @@ def test_no_import_cycle_among_ddpstate_modules() -> None:
     assert not cycles, f"import cycles (lazy imports count): {cycles}"
 
 
+def _top(module: str) -> str:
+    """ddpstate.x.y -> ddpstate.x: the top-level module or sub-package a module sits in."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_cycle_among_ddpstate_packages() -> None:
+    """Layers: the package graph (each sub-package one node, lazy imports counted) is a DAG."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in _dependencies().items():
+        node = _top(module)
+        packages.setdefault(node, set())
+        for target in targets:
+            if _top(target) not in (node, "ddpstate"):
+                packages[node].add(_top(target))
+    cycles = _cycles(packages)
+    assert not cycles, f"import cycles between packages (lazy imports count): {cycles}"
+
+
+def test_few_function_local_imports_each_with_a_reason() -> None:
+    """A ddpstate import inside a function hides a dependency: at most 10, each explained."""
+    local = []
+    for module, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom):
+                    targets = [node.module or ""] if not node.level else ["ddpstate."]
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                else:
+                    continue
+                if any(t == "ddpstate" or t.startswith("ddpstate.") for t in targets):
+                    said = lines[node.lineno - 1] + lines[node.lineno - 2]
+                    local.append((f"{module}:{node.lineno}", "#" in said))
+    assert len(local) <= 10, f"function-local ddpstate imports: {[m for m, _ in local]}"
+    unexplained = [m for m, explained in local if not explained]
+    assert not unexplained, (
+        f"function-local ddpstate imports without a reason comment: {unexplained}"
+    )
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -74,6 +74,7 @@ def verify_file(
         return verify_sharded(index_path, unsafe, progress, storage_options)
     if storage.isdir(text, storage_options=storage_options):
         if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
+            # DCP needs torch: imported only for a folder, so files stay torch-free.
             from ddpstate._convert.dcp import verify_dcp
 
             return verify_dcp(text, storage_options=storage_options)
