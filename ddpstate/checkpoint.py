@@ -67,7 +67,14 @@ from ddpstate.location import (
     resolve_map_location,
 )
 
-__all__ = ["IncompatibleKeys", "load", "load_model_state", "save", "save_model_state"]
+__all__ = [
+    "IncompatibleKeys",
+    "LoadOptions",
+    "load",
+    "load_model_state",
+    "save",
+    "save_model_state",
+]
 
 
 #: Barrier names, so a timeout message says which call a rank is missing from.

@@ -155,7 +155,14 @@ PUBLIC_SUBMODULES = [
 
 # Where each public name is documented to live (``from ddpstate.<module> import <name>``).
 PUBLIC_HOMES = {
-    "checkpoint": ["IncompatibleKeys", "load", "load_model_state", "save", "save_model_state"],
+    "checkpoint": [
+        "IncompatibleKeys",
+        "LoadOptions",
+        "load",
+        "load_model_state",
+        "save",
+        "save_model_state",
+    ],
     "manager": [
         "CheckpointManager",
         "CheckpointVerification",

@@ -108,8 +108,8 @@ def fold_legacy(
     if old:
         best = KeepBest(**{"count": 0, "metric": None, **old})
     old = {_LEGACY_LOCAL[k]: v for k, v in legacy.items() if k in _LEGACY_LOCAL}
-    if old:
-        local = NodeLocal(**{"directory": None, **old})
+    if old.get("directory") is not None:  # local_dir=None (or none given): the tier is off
+        local = NodeLocal(**old)
     return best, local
 
 
@@ -178,6 +178,12 @@ def make_config(
                 f"CheckpointManager: {name}={value!r} must be a ddpstate.manager."
                 f"{kind.__name__}(...) or None"
             )
+    if local is not None and local.directory is None:
+        raise InvalidArgumentError(
+            "CheckpointManager: local=NodeLocal(directory=None) names no folder; pass a "
+            "node-local folder such as NodeLocal('/dev/shm/ddpstate-<job id>'), or local=None "
+            "for no node-local tier"
+        )
     keep_best, metric, mode = (
         (0, None, "min") if best is None else (best.count, best.metric, best.mode)
     )

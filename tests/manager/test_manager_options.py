@@ -114,3 +114,15 @@ def test_the_new_options_are_checked_with_todays_messages(tmp_path: Path) -> Non
     for best, local, message in cases:
         with pytest.raises(DDPStateError, match=message):
             CheckpointManager(tmp_path, best=best, local=local)
+
+
+def test_a_node_local_tier_without_a_folder_is_refused(tmp_path: Path) -> None:
+    """NodeLocal(None) asks for a tier and names no folder: loud, not a silently absent tier."""
+    with pytest.raises(InvalidArgumentError, match=r"NodeLocal\(directory=None\)"):
+        CheckpointManager(tmp_path, local=NodeLocal(None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        # The old spelling's local_dir=None still means "no tier", as it always did.
+        manager = CheckpointManager(tmp_path, local_dir=None, local_every=5)
+    with manager, pytest.raises(InvalidArgumentError, match="local_dir"):
+        manager.save_local(1, {"w": torch.ones(1)})
