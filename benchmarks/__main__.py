@@ -1,8 +1,8 @@
 """``python -m benchmarks [--quick | --full]``: every ddpstate benchmark, one table, one plot.
 
 Runs the families in ``benchmarks/`` (save/load, safetensors vs its library, convert, async
-stall, 2-rank gloo, Hugging Face sharded folders, DCP saves) at every checkpoint size and
-tensor count, and writes
+stall, 2-rank gloo, Hugging Face sharded folders, DCP saves, CUDA state where a GPU is
+present) at every checkpoint size and tensor count, and writes
 ``results.md``, ``results.json`` and ``results.png`` to ``--out``
 (``benchmarks/results/`` by default). Ratios are ddpstate / baseline, measured
 side by side in the same run; see each module's docstring for what it
@@ -33,6 +33,7 @@ from benchmarks import (
     convert,
     dcp,
     distributed,
+    gpu,
     harness,
     hf_sharded,
     report,
@@ -48,6 +49,7 @@ FAMILIES: dict[str, Callable[[harness.Results, harness.Settings], None]] = {
     "dist": distributed.run,
     "hf_sharded": hf_sharded.run,
     "dcp": dcp.run,
+    "gpu": gpu.run,
 }
 
 PRESETS = {
