@@ -367,8 +367,9 @@ def seal_folder(folder: PathLike, *, format: str, world_size: int = 1) -> dict[s
     """
     text = os.path.abspath(_fs.local_path(os.fspath(folder)))
     files: dict[str, Any] = {}
+    names = storage.listdir(text)  # temporary files of crashed writers left out
     try:
-        for name in storage.listdir(text):  # temporary files of crashed writers left out
+        for name in names:
             path = os.path.join(text, name)
             if name == MANIFEST_NAME:
                 continue
