@@ -21,19 +21,19 @@ def missing_framework(module: str, extra: str) -> ImportError:
     )
 
 
-def _problem(path: str, storage_options: Optional[dict[str, Any]]) -> Optional[str]:
+def _problem(path: str, opts: Optional[dict[str, Any]]) -> Optional[str]:
     """Why ``path`` cannot be resumed from, or None when it verifies."""
     try:
-        if storage.isdir(path, storage_options=storage_options):
-            if not storage.exists(storage.join(path, MANIFEST_NAME), storage_options=storage_options):
+        if storage.isdir(path, storage_options=opts):
+            if not storage.exists(storage.join(path, MANIFEST_NAME), storage_options=opts):
                 return (
                     f"it has no {MANIFEST_NAME}, so it was never committed (a save interrupted "
                     f"before its commit, or a folder written without ddpstate)"
                 )
-            problems = verify_checkpoint(path, storage_options=storage_options).problems
+            problems = verify_checkpoint(path, storage_options=opts).problems
         else:
             # Integrity only: the pickle is scanned, never run, so unsafe globals are no problem.
-            problems = verify_file(path, weights_only=False, storage_options=storage_options).problems
+            problems = verify_file(path, weights_only=False, storage_options=opts).problems
     except DDPStateError as exc:
         return str(exc)
     return "; ".join(problems) or None

@@ -31,7 +31,7 @@ SEALED_FORMAT = "transformers-trainer"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
-class DDPStateCallback(TrainerCallback):  # type: ignore[misc]
+class DDPStateCallback(TrainerCallback):
     """A ``TrainerCallback`` that seals every ``checkpoint-N/`` the Trainer writes.
 
     On ``on_save`` (the Trainer calls it after the folder is written: model,
@@ -62,8 +62,12 @@ class DDPStateCallback(TrainerCallback):  # type: ignore[misc]
         if is_distributed():
             barrier()  # every rank's files (rng_state_<rank>.pth) are written
         if args.should_save:
-            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            seal_folder(folder, format=SEALED_FORMAT, world_size=args.world_size)
+            name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            seal_folder(
+                os.path.join(str(args.output_dir), name),
+                format=SEALED_FORMAT,
+                world_size=args.world_size,
+            )
 
 
 def last_verified_checkpoint(

@@ -34,7 +34,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
@@ -83,7 +83,7 @@ def test_a_ddp_run_saves_through_the_plugin_and_resumes_bitwise(
 def _checkpoint(step: int) -> dict[str, Any]:
     return {
         "state_dict": {"layer.weight": torch.full((4, 4), float(step))},
-        "optimizer_states": [{"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": []}],
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(float(step))}}}],
         "global_step": step,
         "epoch": 0,
         "hyper_parameters": {"lr": 0.1, "name": "tiny"},

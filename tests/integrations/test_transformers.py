@@ -1,4 +1,4 @@
-"""DDPStateCallback and last_verified_checkpoint with the real Hugging Face Trainer (one CPU process)."""
+"""DDPStateCallback and last_verified_checkpoint with the real Hugging Face Trainer (1 process)."""
 
 from __future__ import annotations
 
