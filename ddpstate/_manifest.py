@@ -20,6 +20,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -333,6 +334,16 @@ def manifest_for(
     return manifest_bytes(manifest)
 
 
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _size_and_crc(path: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        return storage.size_and_crc32(f)
+
+
 def seal_folder(folder: PathLike, *, format: str, world_size: int = 1) -> dict[str, Any]:
     """Make a local folder another program wrote durable and verifiable in place.
 
@@ -366,27 +377,29 @@ def seal_folder(folder: PathLike, *, format: str, world_size: int = 1) -> dict[s
         True
     """
     text = os.path.abspath(_fs.local_path(os.fspath(folder)))
-    files: dict[str, Any] = {}
-    names = storage.listdir(text)  # temporary files of crashed writers left out
+    names = [n for n in storage.listdir(text) if n != MANIFEST_NAME]  # no temporary files
+    for name in names:
+        if os.path.isdir(os.path.join(text, name)):
+            raise CheckpointFormatError(
+                f"{os.path.join(text, name)} is a folder: ddpstate seals flat folders of files "
+                f"only; move it out of {text}, or save without it"
+            )
     try:
-        for name in names:
-            path = os.path.join(text, name)
-            if name == MANIFEST_NAME:
-                continue
-            if os.path.isdir(path):
-                raise CheckpointFormatError(
-                    f"{path} is a folder: ddpstate seals flat folders of files only; move it "
-                    f"out of {text}, or save without it"
-                )
-            with open(path, "rb") as f:
-                size, crc = storage.size_and_crc32(f)
-                os.fsync(f.fileno())
-            files[name] = {"size": size, "crc32": checksum_hex(crc)}
+        # The disk's write-back (fsync) and the CPU's CRC-32 of the cached bytes overlap.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            synced = [pool.submit(_fsync_file, os.path.join(text, n)) for n in names]
+            sums = list(pool.map(_size_and_crc, [os.path.join(text, n) for n in names]))
+            for done in synced:
+                done.result()
         storage.fsync_dir(text)
     except OSError as exc:
         raise CheckpointWriteError(
             f"sealing {text} failed ({error_text(exc)}); it has no new {MANIFEST_NAME}"
         ) from exc
+    files = {
+        n: {"size": size, "crc32": checksum_hex(crc)}
+        for n, (size, crc) in zip(names, sums, strict=True)
+    }
     with storage.atomic_write(os.path.join(text, MANIFEST_NAME)) as f:
         f.write(manifest_for(None, {}, world_size, None, files, format))
     return files
