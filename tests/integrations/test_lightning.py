@@ -100,6 +100,7 @@ def test_save_load_round_trip_local_and_fsspec(lt: ModuleType, tmp_path: Path) -
     url = "memory://ddpstate-lightning/run/last.ckpt"
     io.save_checkpoint(_checkpoint(2), url, storage_options={})
     assert _same(io.load_checkpoint(url), _checkpoint(2))
+    assert lt.last_verified_checkpoint("memory://ddpstate-lightning/run") == url
     io.remove_checkpoint(url)
     io.remove_checkpoint(url)  # already gone: no error
     with pytest.raises(TypeError, match="storage_options"):
