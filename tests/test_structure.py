@@ -635,10 +635,19 @@ def test_integration_modules_keep_their_public_names(module: str) -> None:
 
 def test_the_integrations_package_imports_no_framework() -> None:
     code = (
-        "import sys, ddpstate.integrations, ddpstate.integrations._common; "
-        "print(sorted({'lightning', 'transformers', 'accelerate'} & set(sys.modules)))"
+        "import sys, ddpstate.integrations; "
+        "print(sorted({'torch', 'lightning', 'transformers', 'accelerate'} & set(sys.modules)))"
     )
     shown = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert shown.strip() == "[]"
+    shared = ast.parse(MODULES["ddpstate.integrations._common"].read_text())
+    imported = {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(shared)
+        if isinstance(node, ast.ImportFrom)
+    } | {
+        a.name.split(".")[0] for n in ast.walk(shared) if isinstance(n, ast.Import) for a in n.names
+    }
+    assert not imported & {"lightning", "transformers", "accelerate"}
