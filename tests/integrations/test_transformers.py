@@ -6,8 +6,9 @@ import copy
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.cli import main
 from tests.integrations.test_lightning import _same
+from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow  # importing transformers alone takes seconds
 
@@ -107,6 +109,26 @@ def test_sealed_checkpoints_verify_and_a_resume_skips_incomplete_ones_bitwise(
     assert _same(first["optimizer"], second["optimizer"])
     for folder in folders:  # the resumed run saved (and sealed) 4 and 6 again
         assert main(["verify", str(folder)]) == 0
+
+
+def _save_on_two_ranks(rank: int, world_size: int, out: str) -> list[str]:
+    from ddpstate.integrations.transformers import DDPStateCallback
+
+    folder = os.path.join(out, "checkpoint-7")
+    os.makedirs(folder, exist_ok=True)
+    if rank == 1:
+        time.sleep(1.0)  # the Trainer has no barrier before on_save: rank 1 writes late
+    torch.save({"cpu": torch.random.get_rng_state()}, os.path.join(folder, f"rng_state_{rank}.pth"))
+    # The TrainingArguments fields on_save reads, as the Trainer sets them on each rank.
+    args = SimpleNamespace(output_dir=out, should_save=rank == 0, world_size=world_size)
+    DDPStateCallback().on_save(args, SimpleNamespace(global_step=7), None)
+    return sorted(os.listdir(folder))
+
+
+def test_on_save_waits_for_every_rank_before_sealing(hf: ModuleType, tmp_path: Path) -> None:
+    listed = run_ranks(_save_on_two_ranks, 2, args=(str(tmp_path),), timeout=120)
+    assert listed[0] == ["manifest.json", "rng_state_0.pth", "rng_state_1.pth"]
+    assert main(["verify", str(tmp_path / "checkpoint-7")]) == 0
 
 
 def test_no_checkpoint_is_a_fresh_start(hf: ModuleType, tmp_path: Path) -> None:
