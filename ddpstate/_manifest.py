@@ -20,6 +20,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -306,7 +307,8 @@ def manifest_for(
 ) -> bytes:
     """A step's manifest (the commit marker) as written, its own CRC-32 included.
 
-    With ``format`` (a ``save()`` DCP folder, see ``_dcp``) it has no entries and no RNG file.
+    With ``format`` (a ``save()`` DCP folder, see ``_dcp``, or a :func:`seal_folder` one) it
+    has no step, no entries and no RNG file.
     """
     import torch  # only writers get here; verifying stays torch-free
 
@@ -330,6 +332,77 @@ def manifest_for(
         del manifest["entries"], manifest["rng_file"], manifest["step"]
     manifest[MANIFEST_CRC_FIELD] = manifest_crc(manifest)
     return manifest_bytes(manifest)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _size_and_crc(path: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        return storage.size_and_crc32(f)
+
+
+def seal_folder(folder: PathLike, *, format: str, world_size: int = 1) -> dict[str, Any]:
+    """Make a local folder another program wrote durable and verifiable in place.
+
+    Every file is read once (its size and CRC-32) and fsynced, then the folder, and a
+    ``manifest.json`` listing them is written last (atomically, fsynced): the folder
+    then passes :func:`verify_checkpoint` (and ``ddpstate verify``) until a byte of
+    it changes. A previous manifest is replaced. Not a collective: call it once per
+    copy of the folder, after every file in it is written.
+
+    Args:
+        folder: A local folder of files (e.g. a Hugging Face ``checkpoint-N``).
+        format: What wrote it, recorded as the manifest's ``format``.
+        world_size: The number of ranks of the run, recorded in the manifest.
+
+    Returns:
+        The manifest's ``files``: ``{name: {"size": ..., "crc32": ...}}``.
+
+    Raises:
+        CheckpointNotFoundError: ``folder`` does not exist.
+        CheckpointFormatError: It holds a sub-folder (only flat folders are sealed).
+        CheckpointWriteError: Reading, syncing or writing failed.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate._manifest import seal_folder, verify_checkpoint
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = open(os.path.join(folder, "weights.bin"), "wb").write(b"abc")
+        >>> seal_folder(folder, format="example")
+        {'weights.bin': {'size': 3, 'crc32': '352441c2'}}
+        >>> verify_checkpoint(folder).ok
+        True
+    """
+    text = os.path.abspath(_fs.local_path(os.fspath(folder)))
+    names = [n for n in storage.listdir(text) if n != MANIFEST_NAME]  # no temporary files
+    for name in names:
+        if os.path.isdir(os.path.join(text, name)):
+            raise CheckpointFormatError(
+                f"{os.path.join(text, name)} is a folder: ddpstate seals flat folders of files "
+                f"only; move it out of {text}, or save without it"
+            )
+    try:
+        # The disk's write-back (fsync) and the CPU's CRC-32 of the cached bytes overlap.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            synced = [pool.submit(_fsync_file, os.path.join(text, n)) for n in names]
+            sums = list(pool.map(_size_and_crc, [os.path.join(text, n) for n in names]))
+            for done in synced:
+                done.result()
+        storage.fsync_dir(text)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"sealing {text} failed ({error_text(exc)}); it has no new {MANIFEST_NAME}"
+        ) from exc
+    files = {
+        n: {"size": size, "crc32": checksum_hex(crc)}
+        for n, (size, crc) in zip(names, sums, strict=True)
+    }
+    with storage.atomic_write(os.path.join(text, MANIFEST_NAME)) as f:
+        f.write(manifest_for(None, {}, world_size, None, files, format))
+    return files
 
 
 def manifest_crc(manifest: Mapping[str, Any]) -> str:
@@ -403,8 +476,8 @@ def manifest_problems(manifest: dict[str, Any], step: Optional[int]) -> list[str
         for name in files
         if name not in readable
     ]
-    if manifest.get("format") == FOLDER_FORMAT and step is None:
-        return unreadable  # a save() DCP folder: files only
+    if manifest.get("format") is not None and step is None:
+        return unreadable  # a save() DCP folder or a sealed one (seal_folder): files only
     entries = manifest.get("entries")
     if not isinstance(entries, dict):
         return [*problems, f"its {MANIFEST_NAME} has no entries"]

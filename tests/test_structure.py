@@ -603,3 +603,51 @@ def test_storage_all_is_small_and_the_names_that_left_still_import() -> None:
         namespace: dict[str, object] = {}
         exec(f"from ddpstate.storage import {name}", namespace)
         assert namespace[name] is getattr(storage, name), name
+
+
+# ``ddpstate.integrations``: each framework module's ``__all__``, read from its source
+# (importing it imports the framework, seconds); the package's ``__init__`` imports none.
+INTEGRATIONS = {
+    "ddpstate.integrations.lightning": {"DDPStateCheckpointIO", "last_verified_checkpoint"},
+    "ddpstate.integrations.transformers": {"DDPStateCallback", "last_verified_checkpoint"},
+}
+
+
+def _all_of(module: str) -> set[str]:
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+@pytest.mark.parametrize("module", sorted(INTEGRATIONS))
+def test_integration_modules_keep_their_public_names(module: str) -> None:
+    assert _all_of(module) == INTEGRATIONS[module]
+    defined = {
+        node.name
+        for node in ast.parse(MODULES[module].read_text()).body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+    }
+    assert INTEGRATIONS[module] <= defined
+
+
+def test_the_integrations_package_imports_no_framework() -> None:
+    code = (
+        "import sys, ddpstate.integrations; "
+        "print(sorted({'torch', 'lightning', 'transformers', 'accelerate'} & set(sys.modules)))"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert shown.strip() == "[]"
+    shared = ast.parse(MODULES["ddpstate.integrations._common"].read_text())
+    imported = {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(shared)
+        if isinstance(node, ast.ImportFrom)
+    } | {
+        a.name.split(".")[0] for n in ast.walk(shared) if isinstance(n, ast.Import) for a in n.names
+    }
+    assert not imported & {"lightning", "transformers", "accelerate"}

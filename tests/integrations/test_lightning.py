@@ -1,0 +1,155 @@
+"""DDPStateCheckpointIO and last_verified_checkpoint with the real Lightning (2 CPU ranks, gloo)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from ddpstate.convert import verify_file
+from ddpstate.errors import CheckpointCorruptError, UnsafeCheckpointError
+
+pytestmark = pytest.mark.slow  # importing Lightning alone takes seconds
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def lt() -> ModuleType:
+    pytest.importorskip("lightning")
+    return importlib.import_module("ddpstate.integrations.lightning")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal bitwise: tensors by value and dtype, containers item by item."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_ddp_run_saves_through_the_plugin_and_resumes_bitwise(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    # 2 ranks under torchrun: Lightning saves on rank 0 alone, so a collective save would
+    # wait for rank 1 until DDPSTATE_TIMEOUT; the run finishing shows none is made.
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        str(ROOT / "tests" / "integrations" / "lightning_run.py"),
+        str(tmp_path),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DDPSTATE_TIMEOUT": "60"}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = torch.load(tmp_path / "result.pt", weights_only=True)
+    folder = tmp_path / "checkpoints"
+    # The newest checkpoint was truncated: skipped and named, the one before used.
+    assert result["resumed_from"] == str(folder / "epoch=1-step=8.ckpt")
+    assert len(result["warnings"]) == 1
+    assert "epoch=2-step=12.ckpt" in result["warnings"][0]
+    # The resumed Trainer starts at the checkpoint's step and ends where the first run did.
+    assert result["start_step"] == 8
+    first, second = result["first"], result["second"]
+    assert first["global_step"] == second["global_step"] == 12
+    assert _same(first["model"], second["model"])
+    assert _same(first["optimizer"], second["optimizer"])
+    # Every checkpoint written is whole and opens with plain torch, weights-only.
+    for name in ("epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12-v1.ckpt"):
+        assert verify_file(folder / name).ok
+        assert torch.load(folder / name, weights_only=True)["hyper_parameters"] == {"lr": 0.01}
+
+
+def _checkpoint(step: int) -> dict[str, Any]:
+    return {
+        "state_dict": {"layer.weight": torch.full((4, 4), float(step))},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(float(step))}}}],
+        "global_step": step,
+        "epoch": 0,
+        "hyper_parameters": {"lr": 0.1, "name": "tiny"},
+        "pytorch-lightning_version": "2.6.0",
+    }
+
+
+def test_save_load_round_trip_local_and_fsspec(lt: ModuleType, tmp_path: Path) -> None:
+    io = lt.DDPStateCheckpointIO()
+    path = tmp_path / "sub" / "epoch=0-step=1.ckpt"
+    io.save_checkpoint(_checkpoint(1), path)
+    assert _same(io.load_checkpoint(path), _checkpoint(1))
+    assert io.load_checkpoint(path, map_location=torch.device("cpu"))["global_step"] == 1
+    url = "memory://ddpstate-lightning/run/last.ckpt"
+    io.save_checkpoint(_checkpoint(2), url, storage_options={})
+    assert _same(io.load_checkpoint(url), _checkpoint(2))
+    assert lt.last_verified_checkpoint("memory://ddpstate-lightning/run") == url
+    io.remove_checkpoint(url)
+    io.remove_checkpoint(url)  # already gone: no error
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(_checkpoint(3), path, storage_options="s3")
+
+
+def test_unsafe_objects_are_refused_at_save_and_damage_at_load(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    io = lt.DDPStateCheckpointIO()
+    path = tmp_path / "a.ckpt"
+    io.save_checkpoint(_checkpoint(1), path)
+    before = path.read_bytes()
+    bad = {**_checkpoint(2), "hyper_parameters": {"loss": torch.nn.MSELoss()}}
+    with pytest.raises(UnsafeCheckpointError, match="hyper_parameters"):
+        io.save_checkpoint(bad, path)
+    assert path.read_bytes() == before  # the previous checkpoint is untouched
+    trusting = lt.DDPStateCheckpointIO(weights_only=False)
+    trusting.save_checkpoint(bad, path)
+    with pytest.raises(UnsafeCheckpointError):
+        io.load_checkpoint(path)
+    assert isinstance(trusting.load_checkpoint(path)["hyper_parameters"]["loss"], torch.nn.MSELoss)
+    path.write_bytes(before[: len(before) // 2])
+    with pytest.raises(CheckpointCorruptError, match=r"a\.ckpt"):
+        io.load_checkpoint(path)
+
+
+def test_last_verified_checkpoint_takes_the_newest_whole_file(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    assert lt.last_verified_checkpoint(tmp_path / "absent") is None
+    assert lt.last_verified_checkpoint(tmp_path) is None
+    io = lt.DDPStateCheckpointIO()
+    names = ["epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt"]
+    for mtime, name in enumerate(names, start=1000):
+        io.save_checkpoint(_checkpoint(mtime), tmp_path / name)
+        os.utime(tmp_path / name, (mtime, mtime))
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert lt.last_verified_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
+    os.truncate(tmp_path / "last.ckpt", 200)
+    with pytest.warns(UserWarning, match=r"last\.ckpt"):
+        assert lt.last_verified_checkpoint(tmp_path) == str(tmp_path / "epoch=1-step=20.ckpt")
+    os.utime(tmp_path / "epoch=0-step=10.ckpt", (1001, 1001))  # same time: the step decides
+    with pytest.warns(UserWarning, match=r"last\.ckpt"):
+        assert lt.last_verified_checkpoint(tmp_path) == str(tmp_path / "epoch=1-step=20.ckpt")
+
+
+def test_a_missing_lightning_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "ddpstate.integrations.lightning", raising=False)
+    monkeypatch.setitem(sys.modules, "lightning.fabric.plugins.io.checkpoint_io", None)
+    with pytest.raises(ImportError, match=r'pip install "ddpstate\[lightning\]"'):
+        importlib.import_module("ddpstate.integrations.lightning")
