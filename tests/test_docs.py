@@ -9,7 +9,8 @@
   whose first line is ``# file: NAME`` is written to ``NAME`` instead; each line of a
   ```bash block is a ``python ...`` or ``torchrun ...`` command, run there and then. A block
   whose first line is ``# illustrative: tests/<file>`` is skipped: it shows code that runs
-  in that test (which must exist), in a setting the guide cannot make (GPUs, a framework).
+  in that test (which must exist), where the guide would repeat a launch or needs an older
+  torch. Python written under another fence (```py, a code-block directive) fails the test.
 - ``help(ddpstate)`` lists the public names, which load lazily.
 """
 
@@ -58,6 +59,8 @@ for kind, where, text in json.load(open(sys.argv[1])):
 
 def _events(page: Path) -> list[tuple[str, str, object]]:
     text = page.read_text()
+    hidden = re.findall(r"^```(?:py|python3|\{code-block\} *python)\s*$", text, flags=re.M)
+    assert not hidden, f"{page.name}: write ```python, so the code runs: {hidden}"
     events: list[tuple[str, str, object]] = []
     for match in _FENCE.finditer(text):
         lang, body = match.groups()
