@@ -37,7 +37,6 @@ release = version = ddpstate.__version__
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -56,7 +55,6 @@ autodoc_default_options = {"members": True, "undoc-members": True, "show-inherit
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
-autosummary_generate = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 # Attributes as fields of their class (a NamedTuple's fields are documented once).

@@ -90,7 +90,11 @@ def test_guide_code_runs(page: Path, tmp_path: Path) -> None:
     events = _events(page)
     assert any(kind != "file" for kind, _, _ in events), f"{page.name} runs nothing"
     (tmp_path / "events.json").write_text(json.dumps(events))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MASTER_", "RANK", "WORLD_", "LOCAL_", "TORCHELASTIC"))
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-c", _RUNNER, "events.json"],
