@@ -1,38 +1,38 @@
 """ddpstate: safe, durable PyTorch checkpoints and model state under DDP.
 
-The public names (``ddpstate.__all__``), by area:
+The public names (``ddpstate.__all__``), by area::
 
-Save and load (every rank calls; rank 0 writes; ``weights_only`` loads)
-    save, load                  -- a state dict or any checkpoint, atomically written
-    save_model_state            -- a model's weights, unwrapped, keys normalized
-    load_model_state            -- weights into a model, across any wrapping
-Training state over time
-    CheckpointManager           -- rotation, verified auto-resume, async saves, SIGTERM
-    RestoreSource               -- which tier and step ``restore`` took the state from
-    verify_checkpoint           -- check a manager folder's steps, without torch
-    ResumableDistributedSampler -- exact mid-epoch resume of the data order
-    capture_rng_state, restore_rng_state -- every RNG a training step touches
-Processes and ranks
-    init_distributed            -- torchrun / srun / mp.spawn aware process group
-    barrier                     -- all ranks meet, with a deadline
-    get_rank, get_world_size, get_local_rank, is_main_process
-    main_process_first, rank_zero_only -- rank 0 first, or rank 0 only
-Models under DDP
-    wrap_ddp                    -- device, DDP and a BatchNorm policy in one call
-    convert_sync_batchnorm, revert_sync_batchnorm, sync_batchnorm_stats
-    explain_ddp_errors          -- names the cause of DDP's in-place BatchNorm error
-State-dict keys
-    strip_prefix, add_prefix, normalize_keys -- ``module.`` / ``_orig_mod.`` prefixes
-    adapt_state_dict            -- keys matched to a target model's structure
-    find_state_dict, replace_state_dict -- the state dict inside a checkpoint
-    unwrap_model                -- the model inside DDP / DataParallel / torch.compile
-Files
-    detect_format               -- a checkpoint's format from its bytes
-    convert_file                -- the ``ddpstate convert`` command as a function
-Errors (all derive from DDPStateError)
-    DDPStateError, InvalidArgumentError, CheckpointNotFoundError,
-    CheckpointFormatError, CheckpointCorruptError, UnsafeCheckpointError,
-    KeyMismatchError, BarrierTimeoutError
+    Save and load (every rank calls; rank 0 writes; weights_only loads)
+        save, load                  -- a state dict or any checkpoint, atomically written
+        save_model_state            -- a model's weights, unwrapped, keys normalized
+        load_model_state            -- weights into a model, across any wrapping
+    Training state over time
+        CheckpointManager           -- rotation, verified auto-resume, async saves, SIGTERM
+        RestoreSource               -- which tier and step restore took the state from
+        verify_checkpoint           -- check a manager folder's steps, without torch
+        ResumableDistributedSampler -- exact mid-epoch resume of the data order
+        capture_rng_state, restore_rng_state -- every RNG a training step touches
+    Processes and ranks
+        init_distributed            -- torchrun / srun / mp.spawn aware process group
+        barrier                     -- all ranks meet, with a deadline
+        get_rank, get_world_size, get_local_rank, is_main_process
+        main_process_first, rank_zero_only -- rank 0 first, or rank 0 only
+    Models under DDP
+        wrap_ddp                    -- device, DDP and a BatchNorm policy in one call
+        convert_sync_batchnorm, revert_sync_batchnorm, sync_batchnorm_stats
+        explain_ddp_errors          -- names the cause of DDP's in-place BatchNorm error
+    State-dict keys
+        strip_prefix, add_prefix, normalize_keys -- module. / _orig_mod. prefixes
+        adapt_state_dict            -- keys matched to a target model's structure
+        find_state_dict, replace_state_dict -- the state dict inside a checkpoint
+        unwrap_model                -- the model inside DDP / DataParallel / torch.compile
+    Files
+        detect_format               -- a checkpoint's format from its bytes
+        convert_file                -- the ddpstate convert command as a function
+    Errors (all derive from DDPStateError)
+        DDPStateError, InvalidArgumentError, CheckpointNotFoundError,
+        CheckpointFormatError, CheckpointCorruptError, UnsafeCheckpointError,
+        KeyMismatchError, BarrierTimeoutError
 
 Every other name stays importable from ``ddpstate`` and lives in its submodule:
 ``ddpstate.errors``, ``ddpstate.dist``, ``ddpstate.keys``, ``ddpstate.batchnorm``,

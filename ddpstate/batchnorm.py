@@ -54,6 +54,7 @@ __all__ = [
     "wrap_ddp",
 ]
 
+#: What :func:`wrap_ddp` does with BatchNorm layers (its ``batchnorm=`` argument).
 BatchNormPolicy = Literal["auto", "sync", "unsynced", "keep"]
 _POLICIES: tuple[str, ...] = ("auto", "sync", "unsynced", "keep")
 _STATS_OPS: tuple[str, ...] = ("mean", "broadcast")

@@ -1,7 +1,7 @@
 """File-to-file checkpoint conversion, inspection, comparison and verification, streaming.
 
 The public names of the ``ddpstate`` file commands; each lives in its own module of
-:mod:`ddpstate._convert` (``rewrite``: :func:`convert_file`, ``inspect``:
+``ddpstate._convert`` (``rewrite``: :func:`convert_file`, ``inspect``:
 :func:`inspect_file`, ``diff``: :func:`diff_files`, ``verify``: :func:`verify_file`,
 ``results``: the result types; ``common``: :class:`StateEdit`, what a conversion
 changes), which import torch only where tensors are needed.

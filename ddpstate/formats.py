@@ -41,25 +41,27 @@ __all__ = [
     "sniff_format",
 ]
 
-#: torch.save's zip container (torch >= 1.6): ``<root>/data.pkl`` + ``<root>/data/<key>``.
+#: torch.save's zip container (torch >= 1.6), ``<root>/data.pkl`` + ``<root>/data/<key>``.
 TORCH_ZIP: Final = "pt"
-#: torch.save's pre-1.6 format: a stream of pickles starting with a magic number.
+#: torch.save's pre-1.6 format, a stream of pickles starting with a magic number.
 LEGACY: Final = "pt_legacy"
-#: The safetensors format: 8-byte little-endian header length, JSON header, raw data.
+#: The safetensors format (8-byte little-endian header length, JSON header, raw data).
 SAFETENSORS: Final = "safetensors"
-#: A TorchScript archive (``torch.jit.save``): a zip with ``code/`` and ``constants.pkl``.
+#: A TorchScript archive (``torch.jit.save``), a zip with ``code/`` and ``constants.pkl``.
 TORCHSCRIPT: Final = "torchscript"
 #: A ``torch.distributed.checkpoint`` folder (has a ``.metadata`` file).
 DCP: Final = "dcp"
 #: A :class:`ddpstate.CheckpointManager` folder (step folders committed by a manifest).
 MANAGER: Final = "manager"
-#: A Hugging Face sharded checkpoint: ``*.safetensors.index.json`` or
+#: A Hugging Face sharded checkpoint, ``*.safetensors.index.json`` or
 #: ``*.bin.index.json`` (a ``weight_map`` of key -> shard file) and its shards.
 HF_SHARDED: Final = "hf_sharded"
 #: Clearer names for the two torch.save formats (same values).
 PT: Final = TORCH_ZIP
+#: The clearer name of :data:`LEGACY` (the same value).
 PT_LEGACY: Final = LEGACY
 
+#: The name of a format, one of :data:`FORMATS`.
 FormatName = Literal[
     "pt", "pt_legacy", "safetensors", "torchscript", "dcp", "manager", "hf_sharded"
 ]
@@ -112,7 +114,7 @@ class Format:
     sniff: Optional[Callable[[bytes, Optional[int]], bool]] = None
 
 
-#: Every format, by name: adding a format adds a row here (and its reader).
+#: Every format by its name; adding a format adds a row here (and its reader).
 TABLE: dict[FormatName, Format] = {
     f.name: f
     for f in (
@@ -127,6 +129,7 @@ TABLE: dict[FormatName, Format] = {
         Format(HF_SHARDED, "Hugging Face sharded checkpoint", folder=True, torch_free=True),
     )
 }  # fmt: skip
+#: Every format's name, in the order of :data:`TABLE`.
 FORMATS: tuple[FormatName, ...] = tuple(TABLE)
 #: How each format is named to a person (the CLI's output).
 DESCRIPTIONS: dict[FormatName, str] = {name: f.description for name, f in TABLE.items()}

@@ -1,6 +1,6 @@
 """State-dict key conversion between plain, DataParallel, DDP and torch.compile models.
 
-The public face of :mod:`ddpstate._keys`: renaming (``strip_prefix``, ``add_prefix``,
+The public face of ``ddpstate._keys``: renaming (``strip_prefix``, ``add_prefix``,
 ``normalize_keys``) lives in ``_keys/rename.py``, matching a state dict to a model
 (``match_keys``, ``adapt_state_dict``) in ``_keys/match.py``, finding the state dict in
 a checkpoint in ``_keys/find.py``, and recognising wrappers in ``_keys/wrappers.py``.

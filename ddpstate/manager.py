@@ -478,7 +478,7 @@ class CheckpointManager:
         restore the newest local step any node holds (a node that lacks it
         receives it from one that has it, over the process group), unless the
         durable tier has a newer committed step or no node has a complete
-        local step. :attr:`restored_from` says, on each rank, which tier and
+        local step. ``restored_from`` says, on each rank, which tier and
         step it came from.
 
         If the world size changed since the save, a warning says so and ranks

@@ -1,7 +1,7 @@
 """Bytes to durable places: atomic, fsynced writes to local paths and fsspec URLs.
 
 This module chooses the writer and holds the folder swap and the fsspec read/list/remove
-calls; the writers live in :mod:`ddpstate._storage` (``local.py``: locked temp file, fsync,
+calls; the writers live in ``ddpstate._storage`` (``local.py``: locked temp file, fsync,
 rename; ``remote.py``: object-store commit or temp name and rename; ``temps.py``: the
 temporary names every writer and listing agrees on).
 """
@@ -103,7 +103,7 @@ def replace_folder(staging: PathLike, target: PathLike) -> None:
     Where Linux can swap the two names in one step (``renameat2`` with
     ``RENAME_EXCHANGE``), no moment exists without a complete ``target``.
     Elsewhere the old folder is first renamed to ``.<name>.ddpstate-old-<hex>``
-    (:func:`retired_original` names its target, so a crash between the two
+    (``retired_original`` names its target, so a crash between the two
     renames can be undone), then ``staging`` takes the name. The parent folder
     is fsynced before the old copy is deleted.
 
@@ -418,7 +418,7 @@ def makedirs(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None
 class StagedFolder:
     """A folder being written that takes ``target``'s place only at :meth:`commit`.
 
-    Made by :func:`stage_folder` (or :func:`staged_folder`). ``path`` is the folder to
+    Made by ``stage_folder`` (or :func:`staged_folder`). ``path`` is the folder to
     write into: locally a fresh hidden ``.<name>.ddpstate-tmp-<hex>`` folder beside
     ``target`` (or, with ``in_place``, a ``target`` that does not exist yet); on fsspec
     URLs ``target`` itself, whose old copy was uncommitted (manifest first) and
