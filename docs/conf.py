@@ -66,6 +66,8 @@ nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|typing|typing_extensions|collections|os|pathlib|datetime|enum)\..*"),
     (r"py:.*", r"(fsspec|safetensors|numpy|concurrent|io|types|threading|signal)\..*"),
+    # The frameworks ddpstate.integrations plugs into (their base classes and arguments).
+    (r"py:.*", r"(lightning|transformers|accelerate)\..*"),
     # Names shown as they are written in the docstrings and signatures: `nn.Module` (torch),
     # private type variables of overloads.
     (r"py:.*", r"nn\..*"),
