@@ -403,8 +403,8 @@ def manifest_problems(manifest: dict[str, Any], step: Optional[int]) -> list[str
         for name in files
         if name not in readable
     ]
-    if manifest.get("format") == FOLDER_FORMAT and step is None:
-        return unreadable  # a save() DCP folder: files only
+    if manifest.get("format") is not None and step is None:
+        return unreadable  # a save() DCP folder or a framework's folder: files only
     entries = manifest.get("entries")
     if not isinstance(entries, dict):
         return [*problems, f"its {MANIFEST_NAME} has no entries"]

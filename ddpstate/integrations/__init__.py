@@ -1,0 +1,1 @@
+"""ddpstate's guarantees inside training frameworks: one module per framework, each an extra."""
