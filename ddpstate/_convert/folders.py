@@ -25,10 +25,13 @@ from ddpstate.errors import DDPStateError, UnsafeCheckpointError
 _SHARD_ROLE = "model weights shard"
 
 
-def describe(path: str, kind: str, unit: str, opts: Optional[dict[str, Any]]) -> list[str]:
+def describe(
+    path: str, kind: str, unit: Optional[str], opts: Optional[dict[str, Any]]
+) -> list[str]:
     """``inspect``'s lines about a training folder: its kind, manifest, files and their roles."""
     what = formats.DESCRIPTIONS[kind]  # type: ignore[index]
-    lines = [f"{path} is a {what}; shown: its model weights {unit}"]
+    shown = f"shown: its model weights {unit}" if unit else "no model weights picked"
+    lines = [f"{path} is a {what}; {shown}"]
     manifest, problem = _manifest.read_manifest(path, opts)
     roles: dict[str, str] = {}
     if manifest is None:

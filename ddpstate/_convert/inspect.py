@@ -32,6 +32,7 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
 )
 from ddpstate._streaming.progress import human_bytes
+from ddpstate.errors import StateDictNotFoundError
 
 
 def _summary(value: Any, role: Optional[str]) -> str:
@@ -103,7 +104,13 @@ def inspect_file(
     if _storage.isdir(text, storage_options=storage_options):
         kind = formats.detect_format(text, storage_options=storage_options)
         if kind in formats.TRAINING_FOLDERS:
-            unit, _ = model_unit(text, kind, None, storage_options)
+            try:
+                unit, _ = model_unit(text, kind, None, storage_options)
+            except StateDictNotFoundError as exc:  # no model, or several: the folder alone
+                about = folders.describe(text, kind, None, storage_options)
+                return InspectResult(
+                    text, kind, 0, 0, 0, {}, {}, (), None, (), (), notes=(*about, str(exc))
+                )
             found = inspect_file(unit, weights_only=weights_only, storage_options=storage_options)
             about = folders.describe(text, kind, unit, storage_options)
             return dataclasses.replace(found, notes=(*about, *found.notes))

@@ -24,6 +24,10 @@ from ddpstate.errors import (
 
 __all__ = ["model_unit", "read_checkpoint"]
 
+# Among several models, the one so named is the model (a manager's "model" beside "ema";
+# Accelerate's model.safetensors beside model_1.safetensors).
+_MODEL = "model"
+
 
 def _pick(path: str, choices: dict[str, str], key: Optional[str], what: str) -> tuple[str, str]:
     """``(choice, key left)``: the one choice, or the one ``key`` names (whole or first part)."""
@@ -31,8 +35,8 @@ def _pick(path: str, choices: dict[str, str], key: Optional[str], what: str) -> 
         for name in (key, key.split(".", 1)[0]):
             if name in choices:
                 return name, key[len(name) + 1 :]
-    if len(choices) == 1 and key is None:
-        return next(iter(choices)), ""
+    if key is None and (len(choices) == 1 or _MODEL in choices):
+        return (_MODEL if _MODEL in choices else next(iter(choices))), ""
     listed = ", ".join(choices) or "none"
     error = AmbiguousStateDictError if len(choices) > 1 else StateDictNotFoundError
     named = f"key={key!r} names none of them" if key is not None else "which one is meant?"
@@ -46,10 +50,11 @@ def model_unit(
 ) -> tuple[str, Optional[str]]:
     """The model weights of a training folder, and what is left of ``key`` inside them.
 
-    A CheckpointManager step folder: its manifest's module entry (or the entry
-    ``key`` names; a manager directory: its newest committed step). An
-    Accelerate or Hugging Face Trainer folder: its sharded index, or its one
-    model weights file (or the one ``key`` names).
+    A CheckpointManager step folder: its manifest's module entry, the one named
+    ``model`` among several, or the entry ``key`` names (a manager directory:
+    its newest committed step). An Accelerate or Hugging Face Trainer folder:
+    its sharded index, or its model weights file (``model.*`` among several, or
+    the one ``key`` names).
 
     Args:
         path: The folder.
