@@ -78,6 +78,7 @@ def verify_file(
         try:
             kind = formats.detect_format(text, storage_options=storage_options)
         except CheckpointFormatError:
+            find_index(text, storage_options)  # raises for two indexes, naming them
             kind = formats.MANAGER  # verify_checkpoint says what a manager folder lacks
         if kind == formats.DCP:
             # DCP needs torch: imported only for a folder, so files stay torch-free.
