@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -198,3 +199,26 @@ def test_rotation_after_commit_only(tmp_path: Path) -> None:
     assert "lambda" in error or "pickle" in error.lower(), error
     assert iteration == 2  # the failed save's number is free again
     assert _complete(str(tmp_path)) == 2
+
+
+def test_example_under_torchrun_on_two_ranks_resumes(tmp_path: Path) -> None:
+    example = Path(__file__).parents[2] / "examples" / "accelerate_ddpstate.py"
+    project = tmp_path / "run"
+
+    def launch(steps: int) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(example),
+             "--project", str(project), "--steps", str(steps)],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    launch(40)
+    out = launch(60)
+    assert f"resumed from {project / 'checkpoints' / 'checkpoint_1'} at step 40" in out, out
+    # total_limit=2 kept the two newest; each holds both ranks' RNG states
+    assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
+    names = os.listdir(project / "checkpoints" / "checkpoint_2")
+    assert {"random_states_0.pkl", "random_states_1.pkl", "manifest.json"} <= set(names)
