@@ -222,3 +222,28 @@ def test_example_under_torchrun_on_two_ranks_resumes(tmp_path: Path) -> None:
     assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
     names = os.listdir(project / "checkpoints" / "checkpoint_2")
     assert {"random_states_0.pkl", "random_states_1.pkl", "manifest.json"} <= set(names)
+
+
+def _rank1_fails(rank: int, world: int, root: str) -> str:
+    from ddpstate.integrations.accelerate import save_state
+
+    acc, *_ = _setup(root)
+    save_state(acc)
+
+    def hook(models: Any, weights: Any, output_dir: str) -> None:
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+
+    acc.register_save_state_pre_hook(hook)
+    try:
+        save_state(acc)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("the save should fail on every rank")
+
+
+def test_one_rank_failing_fails_every_rank_and_commits_nothing(tmp_path: Path) -> None:
+    for error in run_ranks(_rank1_fails, 2, args=(str(tmp_path),), timeout=180):
+        assert "rank 1" in error and "No space left" in error, error
+    # no checkpoint_1, no staging folder left
+    assert os.listdir(tmp_path / "checkpoints") == ["checkpoint_0"]
