@@ -31,7 +31,7 @@ def describe(
     """``inspect``'s lines about a training folder: its kind, manifest, files and their roles."""
     what = formats.DESCRIPTIONS[kind]  # type: ignore[index]
     shown = f"shown: its model weights {unit}" if unit else "no model weights picked"
-    lines = [f"{path} is a {what}; {shown}"]
+    lines = [f"{path}: {what}; {shown}"]
     manifest, problem = _manifest.read_manifest(path, opts)
     roles: dict[str, str] = {}
     if manifest is None:

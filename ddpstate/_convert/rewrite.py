@@ -221,7 +221,7 @@ def _model_of_folder(
         return src, edit, None
     if in_place:
         raise concerning("in_place", InvalidArgumentError(
-            f"{src}: in_place=True would rewrite a file inside a {formats.DESCRIPTIONS[kind]} "
+            f"{src}: in_place=True would rewrite a file inside this {formats.DESCRIPTIONS[kind]} "
             f"(its other files and manifest would no longer match it); name DST"
         ))  # fmt: skip
     unit, key = model_unit(src, kind, edit.key, storage_options)

@@ -91,7 +91,7 @@ def read(
         return load_sharded(text, how)
     if kind in TRAINING_FOLDERS:
         raise CheckpointFormatError(
-            f"{text}: a {TABLE[kind].description}, not a checkpoint file; load one of its files "
+            f"{text}: {TABLE[kind].description}, not a checkpoint file; load one of its files "
             f"(`ddpstate inspect {text}` shows its model weights), or resume with the "
             f"framework's own load"
         )

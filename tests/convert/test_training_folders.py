@@ -107,7 +107,7 @@ def test_detect_inspect_verify_convert_take_the_folder_as_a_unit(
     assert formats.detect_format(folder) == KINDS[name]
     info = inspect_file(folder)
     assert sorted(t.name for t in info.tensors) == sorted(state)
-    assert info.notes[0].startswith(f"{folder} is a {formats.DESCRIPTIONS[KINDS[name]]}")
+    assert info.notes[0].startswith(f"{folder}: {formats.DESCRIPTIONS[KINDS[name]]}; shown")
     found = verify_file(folder)
     assert found.ok, found.problems
     assert found.format == KINDS[name]
