@@ -89,8 +89,10 @@ def model_unit(
             raise CheckpointFormatError(f"{path}: a CheckpointManager folder, but {problem}")
         return model_unit(storage.join(path, _manifest.step_name(steps[-1])), kind, key, opts)
     entries = manifest.get("entries") or {}
-    modules = {n: e for n, e in entries.items() if e.get("kind") == "module"}
-    picked, rest = _pick(path, entries if key is not None else modules, key, "model entries")
+    # "module", or "dcp_module" for a model saved sharded into the step's DCP folder
+    modules = {n: e for n, e in entries.items() if str(e.get("kind")).endswith("module")}
+    choices = modules if key is None and modules else entries
+    picked, rest = _pick(path, choices, key, "model entries" if choices is modules else "entries")
     file = str(entries[picked]["file"])
     if file.startswith(_manifest.DCP_SUBDIR + "/"):  # sharded entries share one DCP folder
         return storage.join(path, _manifest.DCP_SUBDIR), ".".join(filter(None, (picked, rest)))

@@ -213,3 +213,21 @@ def test_cli_verify_on_framework_folders_is_torch_free(
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[0, 0, 0] []", done.stdout
+
+
+def _dcp_step(rank: int, world: int, root: str) -> dict[str, Any]:
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+    with CheckpointManager(root, writers="all") as manager:
+        manager.save(1, {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)})
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def test_manager_step_with_sharded_entries_reads_its_dcp_folder(tmp_path: Path) -> None:
+    [state, _] = run_ranks(_dcp_step, 2, args=(str(tmp_path / "run"),))
+    folder = tmp_path / "run" / "step_0000000001"
+    info = inspect_file(folder)
+    assert info.state_dict_path == "model" and sorted(t.name for t in info.tensors) == sorted(state)
+    out = convert_file(folder, tmp_path / "model.safetensors")
+    loaded = load_file(out.dst)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert verify_file(folder).ok
