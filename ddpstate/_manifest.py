@@ -377,6 +377,22 @@ def seal_folder(folder: PathLike, *, format: str, world_size: int = 1) -> dict[s
         True
     """
     text = os.path.abspath(_fs.local_path(os.fspath(folder)))
+    files = synced_files(text)
+    with storage.atomic_write(os.path.join(text, MANIFEST_NAME)) as f:
+        f.write(manifest_for(None, {}, world_size, None, files, format))
+    return files
+
+
+def synced_files(text: str) -> dict[str, dict[str, Any]]:
+    """Each file of the flat local folder ``text`` but a manifest: fsynced, its size and CRC-32.
+
+    The folder is fsynced too. The manifest's ``files`` for :func:`seal_folder` and for a
+    folder staged for :meth:`ddpstate.storage.StagedFolder.commit`.
+
+    Raises:
+        CheckpointFormatError: It holds a sub-folder.
+        CheckpointWriteError: Reading or syncing failed.
+    """
     names = [n for n in storage.listdir(text) if n != MANIFEST_NAME]  # no temporary files
     for name in names:
         if os.path.isdir(os.path.join(text, name)):
@@ -396,13 +412,10 @@ def seal_folder(folder: PathLike, *, format: str, world_size: int = 1) -> dict[s
         raise CheckpointWriteError(
             f"sealing {text} failed ({error_text(exc)}); it has no new {MANIFEST_NAME}"
         ) from exc
-    files = {
+    return {
         n: {"size": size, "crc32": checksum_hex(crc)}
         for n, (size, crc) in zip(names, sums, strict=True)
     }
-    with storage.atomic_write(os.path.join(text, MANIFEST_NAME)) as f:
-        f.write(manifest_for(None, {}, world_size, None, files, format))
-    return files
 
 
 def manifest_crc(manifest: Mapping[str, Any]) -> str:
@@ -477,7 +490,7 @@ def manifest_problems(manifest: dict[str, Any], step: Optional[int]) -> list[str
         if name not in readable
     ]
     if manifest.get("format") is not None and step is None:
-        return unreadable  # a save() DCP folder or a sealed one (seal_folder): files only
+        return unreadable  # a save() DCP folder, or a framework's folder (seal_folder): files only
     entries = manifest.get("entries")
     if not isinstance(entries, dict):
         return [*problems, f"its {MANIFEST_NAME} has no entries"]

@@ -46,6 +46,8 @@ examples:
   ddpstate convert ckpt.pt --drop-optimizer --in-place     # shrink a checkpoint for release
   ddpstate convert ckpt.pt model.safetensors --dtype bf16  # floating tensors -> bfloat16
   ddpstate convert ckpt.pt out_dir --to safetensors --max-shard-size 2GB  # HF sharded folder
+  ddpstate convert runs/step_0000000100 --key ema --to safetensors   # a manager step's entry
+  ddpstate convert out/checkpoint-500 model.pt             # an HF Trainer or Accelerate folder
 
 The model state dict is found the way ddpstate.keys.find_state_dict finds it
 (state_dict, model, model_state_dict, ...; --key names it); everything else
@@ -60,6 +62,7 @@ examples:
   ddpstate inspect ckpt.pt
   ddpstate inspect model.safetensors --json | python -m json.tool
   ddpstate inspect dcp_folder/                     # keys, shapes, dtypes from .metadata only
+  ddpstate inspect out/checkpoint-500              # a training folder: model, files and roles
 """
 
 _DIFF_EPILOG = """\
@@ -78,6 +81,7 @@ examples:
   ddpstate verify runs/exp1/step_0000001200        # one CheckpointManager checkpoint
   ddpstate verify runs/exp1                         # every committed step, and `latest`
   ddpstate verify dcp_folder/                       # .metadata parses, every shard file whole
+  ddpstate verify out/checkpoint-500                # HF Trainer / Accelerate: each file, manifest
 
 Exit status: 0 when intact, 1 when something is wrong (one line per problem).
 """
@@ -132,7 +136,8 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--key", metavar="PATH",
-        help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'",
+        help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'; in a "
+        "training folder, first the entry or weights file (a manager step's 'ema')",
     )  # fmt: skip
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import posixpath
 import struct
 import zipfile
 from collections.abc import Callable, Iterable
-from typing import IO, Any, Final, Literal, Optional, Union
+from typing import IO, Any, Final, Literal, Optional, Union, cast
 
 from ddpstate import _fs, storage
+from ddpstate._layout.folders import folder_kind
 from ddpstate._layout.hf_index import find_index, is_index_name
 from ddpstate._layout.safetensors import SAFETENSORS_MAX_HEADER
 from ddpstate._layout.zip import LOCAL_MAGIC, ZipEnd, read_directory
@@ -22,10 +24,12 @@ from ddpstate.errors import (
 )
 
 __all__ = [
+    "ACCELERATE",
     "DCP",
     "DESCRIPTIONS",
     "FORMATS",
     "HF_SHARDED",
+    "HF_TRAINER",
     "LEGACY",
     "MANAGER",
     "PT",
@@ -34,6 +38,7 @@ __all__ = [
     "TABLE",
     "TORCHSCRIPT",
     "TORCH_ZIP",
+    "TRAINING_FOLDERS",
     "Format",
     "FormatName",
     "detect_format",
@@ -56,6 +61,15 @@ MANAGER: Final = "manager"
 #: A Hugging Face sharded checkpoint, ``*.safetensors.index.json`` or
 #: ``*.bin.index.json`` (a ``weight_map`` of key -> shard file) and its shards.
 HF_SHARDED: Final = "hf_sharded"
+#: An Accelerate ``save_state`` folder (``model.safetensors``, ``optimizer.bin``,
+#: ``random_states_<i>.pkl``...), with or without ddpstate's manifest.
+ACCELERATE: Final = "accelerate"
+#: A Hugging Face Trainer ``checkpoint-N`` folder (weights, ``optimizer.pt``,
+#: ``trainer_state.json``...), with or without ddpstate's manifest.
+HF_TRAINER: Final = "hf_trainer"
+#: The folders whose model weights are one file (or sharded set) among a training
+#: run's other files; ``ddpstate inspect``/``verify``/``convert`` take them as units.
+TRAINING_FOLDERS: Final = (MANAGER, ACCELERATE, HF_TRAINER)
 #: Clearer names for the two torch.save formats (same values).
 PT: Final = TORCH_ZIP
 #: The clearer name of :data:`LEGACY` (the same value).
@@ -63,7 +77,15 @@ PT_LEGACY: Final = LEGACY
 
 #: The name of a format, one of :data:`FORMATS`.
 FormatName = Literal[
-    "pt", "pt_legacy", "safetensors", "torchscript", "dcp", "manager", "hf_sharded"
+    "pt",
+    "pt_legacy",
+    "safetensors",
+    "torchscript",
+    "dcp",
+    "manager",
+    "hf_sharded",
+    "accelerate",
+    "hf_trainer",
 ]
 
 #: torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
@@ -127,6 +149,9 @@ TABLE: dict[FormatName, Format] = {
         Format(DCP, "torch.distributed.checkpoint folder", folder=True),
         Format(MANAGER, "CheckpointManager folder", folder=True, torch_free=True),
         Format(HF_SHARDED, "Hugging Face sharded checkpoint", folder=True, torch_free=True),
+        Format(ACCELERATE, "Accelerate save_state folder", folder=True, torch_free=True),
+        Format(HF_TRAINER, "Hugging Face Trainer checkpoint folder", folder=True,
+               torch_free=True),
     )
 }  # fmt: skip
 #: Every format's name, in the order of :data:`TABLE`.
@@ -319,10 +344,7 @@ def detect_format(
     elif not storage.exists(name, storage_options=storage_options):
         raise CheckpointNotFoundError(f"{name}: no such file or folder")
     if storage.isdir(name, storage_options=storage_options):
-        if find_index(name, storage_options) is not None:
-            return HF_SHARDED
-        metadata = storage.join(name, ".metadata")
-        return _folder_kind(name, storage.exists(metadata, storage_options=storage_options))
+        return _folder_kind(name, storage_options)
     try:
         opened: IO[bytes]
         if remote:
@@ -342,13 +364,20 @@ def _is_index(name: str, head: bytes) -> bool:
     return is_index_name(name) and head.lstrip().startswith(b"{")
 
 
-def _folder_kind(name: str, has_dcp_metadata: bool) -> FormatName:
-    if has_dcp_metadata:
+def _folder_kind(name: str, storage_options: Optional[dict[str, Any]]) -> FormatName:
+    """The one place a folder's kind is told, from the names in it."""
+    names = storage.listdir(name, storage_options=storage_options)
+    if ".metadata" in names:
         return DCP
+    kind = folder_kind(posixpath.basename(name.replace(os.sep, "/").rstrip("/")), names)
+    if kind is not None:
+        return cast(FormatName, kind)
+    if find_index(name, storage_options) is not None:
+        return HF_SHARDED
     raise CheckpointFormatError(
-        f"{name}: a folder, not a checkpoint file (no torch.distributed.checkpoint .metadata "
-        f"in it); for a CheckpointManager folder use CheckpointManager.restore or "
-        f"`ddpstate verify`"
+        f"{name}: a folder, not a checkpoint file: no torch.distributed.checkpoint .metadata "
+        f"or sharded index in it, and not a CheckpointManager, Accelerate save_state or Hugging "
+        f"Face Trainer checkpoint folder; pass a checkpoint file in it"
     )
 
 

@@ -232,6 +232,7 @@ PUBLIC_HOMES = {
         "all_reduce_flag",
     ],
     "cli": ["main"],
+    "integrations.accelerate": ["load_state", "save_state"],
 }
 
 # Every option of every subcommand (``ddpstate <command> --help``).

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from ddpstate import keys
+from ddpstate import formats, keys
+from ddpstate import storage as _storage
+from ddpstate._convert import folders
 from ddpstate._convert.common import (
     counted,
     describe,
@@ -20,7 +23,7 @@ from ddpstate._convert.common import (
 )
 from ddpstate._convert.results import InspectResult, TensorInfo
 from ddpstate._fs import PathLike
-from ddpstate._streaming.opener import read_checkpoint
+from ddpstate._streaming.opener import model_unit, read_checkpoint
 from ddpstate._streaming.pickle_scan import (
     TensorRecord,
     is_pickled_module,
@@ -29,6 +32,7 @@ from ddpstate._streaming.pickle_scan import (
     opaque_name,
 )
 from ddpstate._streaming.progress import human_bytes
+from ddpstate.errors import StateDictNotFoundError
 
 
 def _summary(value: Any, role: Optional[str]) -> str:
@@ -60,10 +64,13 @@ def inspect_file(
 
     A ``torch.distributed.checkpoint`` folder is described from its ``.metadata``
     (read with an unpickler that allows only DCP's metadata classes): keys, whole
-    shapes, dtypes and sizes, whatever the sharding.
+    shapes, dtypes and sizes, whatever the sharding. A training folder (a
+    CheckpointManager step, an Accelerate ``save_state`` folder, a Hugging Face
+    Trainer ``checkpoint-N``) is described by its model weights, with notes
+    listing its files and their roles, and the manifest's step, metrics and entries.
 
     Args:
-        src: The checkpoint file or DCP folder.
+        src: The checkpoint file, DCP folder or training folder.
         weights_only: ``False`` also reads pickles that name unsafe globals (still
             never run).
         storage_options: fsspec options for URLs.
@@ -93,8 +100,22 @@ def inspect_file(
         from ddpstate._convert.dcp import inspect_dcp
 
         return inspect_dcp(os.fspath(src), storage_options=storage_options)
+    text = os.fspath(src)
+    if _storage.isdir(text, storage_options=storage_options):
+        kind = formats.detect_format(text, storage_options=storage_options)
+        if kind in formats.TRAINING_FOLDERS:
+            try:
+                unit, _ = model_unit(text, kind, None, storage_options)
+            except StateDictNotFoundError as exc:  # no model, or several: the folder alone
+                about = folders.describe(text, kind, None, storage_options)
+                return InspectResult(
+                    text, kind, 0, 0, 0, {}, {}, (), None, (), (), notes=(*about, str(exc))
+                )
+            found = inspect_file(unit, weights_only=weights_only, storage_options=storage_options)
+            about = folders.describe(text, kind, unit, storage_options)
+            return dataclasses.replace(found, notes=(*about, *found.notes))
     unsafe = not weights_only
-    with read_checkpoint(os.fspath(src), unsafe=unsafe, storage_options=storage_options) as ckpt:
+    with read_checkpoint(text, unsafe=unsafe, storage_options=storage_options) as ckpt:
         root = ckpt.obj
         notes: list[str] = []
         path: Optional[tuple[Any, ...]] = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from typing import Any, NamedTuple, Optional, Union
@@ -12,6 +13,7 @@ from ddpstate._convert.common import (
     Edited,
     StateEdit,
     apply_edit,
+    default_destination,
     destination,
     format_from_name,
     is_dcp_folder,
@@ -33,7 +35,7 @@ from ddpstate._gc import gc_paused
 from ddpstate._layout.hf_index import folder_of
 from ddpstate._streaming.cast import Casts, target_dtype
 from ddpstate._streaming.hf_write import parse_size
-from ddpstate._streaming.opener import read_checkpoint
+from ddpstate._streaming.opener import model_unit, read_checkpoint
 from ddpstate._streaming.pickle_scan import is_pickled_module, iter_tensors
 from ddpstate._streaming.progress import Progress
 from ddpstate._streaming.reader import Checkpoint
@@ -150,6 +152,13 @@ def convert_file(
         shard_limit, shard_dst = _check_sharded_output(dst, format, what, in_place, max_shard_size)
     _check_in_place(dst, in_place, fsync)
     src_text = os.fspath(src)
+    src_text, edit, folder = _model_of_folder(src_text, edit, in_place, storage_options)
+    if (
+        folder is not None
+        and dst is None
+        and storage.isdir(src_text, storage_options=storage_options)
+    ):
+        dst = default_destination(folder, format or PT)  # a manager's DCP entries: beside the step
     from_dcp = is_dcp_folder(src_text, storage_options)
     if from_dcp or format == formats.DCP:
         if in_place:
@@ -195,10 +204,28 @@ def convert_file(
             dst_text = src_text
         else:
             # A sharded source is named after its folder, not its index file.
-            base = folder_of(ckpt.path) if ckpt.format == HF_SHARDED else None
+            base = folder or (folder_of(ckpt.path) if ckpt.format == HF_SHARDED else None)
             dst_text = destination(src_text, dst, dst_format, overwrite, storage_options, base)
         output = _Output(dst_text, dst_format, cast_to, shard_limit, in_place, overwrite, fsync)
         return _convert(ckpt, edit, output, progress=progress, storage_options=storage_options)
+
+
+def _model_of_folder(
+    src: str, edit: StateEdit, in_place: bool, storage_options: Optional[dict[str, Any]]
+) -> tuple[str, StateEdit, Optional[str]]:
+    """A training folder's model weights (``edit.key`` may pick them), the edit, the folder."""
+    if not storage.isdir(src, storage_options=storage_options):
+        return src, edit, None
+    kind = formats.detect_format(src, storage_options=storage_options)
+    if kind not in formats.TRAINING_FOLDERS:
+        return src, edit, None
+    if in_place:
+        raise concerning("in_place", InvalidArgumentError(
+            f"{src}: in_place=True would rewrite a file inside this {formats.DESCRIPTIONS[kind]} "
+            f"(its other files and manifest would no longer match it); name DST"
+        ))  # fmt: skip
+    unit, key = model_unit(src, kind, edit.key, storage_options)
+    return unit, dataclasses.replace(edit, key=key), src.rstrip("/\\") or src
 
 
 def _kind(ckpt: Checkpoint) -> FormatName:

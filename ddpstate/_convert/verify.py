@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from ddpstate import formats, storage
 from ddpstate._convert.common import extent_problems, old_arguments
+from ddpstate._convert.folders import verify_training_folder
 from ddpstate._convert.results import VerifyResult
 from ddpstate._fs import PathLike
 from ddpstate._layout.hf_index import find_index, key_problems, read_index
@@ -17,7 +18,7 @@ from ddpstate._streaming.opener import read_checkpoint
 from ddpstate._streaming.pickle_scan import TensorRecord, iter_tensors
 from ddpstate._streaming.progress import Progress
 from ddpstate._streaming.reader import Checkpoint, zip_entry_bytes
-from ddpstate.errors import CheckpointCorruptError, DDPStateError
+from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, DDPStateError
 
 
 def verify_file(
@@ -38,12 +39,16 @@ def verify_file(
     A folder is checked as a CheckpointManager step folder or directory by
     :func:`ddpstate.manager.verify_checkpoint` (manifest, sizes, CRC-32s,
     commit marker, ``latest`` pointer); the result's format is ``"manager"``.
+    An Accelerate ``save_state`` or Hugging Face Trainer ``checkpoint-N`` folder
+    (format ``"accelerate"``/``"hf_trainer"``): its ddpstate manifest when it has
+    one, then each file on its own (weights-only; files that pickle other
+    objects, such as RNG states, read as structure with nothing run; JSON parsed).
     A ``torch.distributed.checkpoint`` folder: its ``.metadata`` must parse, and
     every file it names must exist and reach its largest offset + length (DCP
     records no checksums); a ddpstate ``manifest.json`` in it adds its CRC-32s.
 
     Args:
-        src: The checkpoint file, or a CheckpointManager folder.
+        src: The checkpoint file, or a CheckpointManager, Accelerate or Trainer folder.
         weights_only: ``False`` also reads pickles naming unsafe globals (never run).
         progress: Draw a progress bar on stderr (only on a terminal).
         storage_options: fsspec options for URLs.
@@ -69,16 +74,31 @@ def verify_file(
     """
     unsafe = not old_arguments("verify_file", legacy, weights_only=weights_only)[0]
     text = os.fspath(src)
-    index_path = find_index(text, storage_options)
-    if index_path is not None:
-        return verify_sharded(index_path, unsafe, progress, storage_options)
     if storage.isdir(text, storage_options=storage_options):
-        if storage.exists(storage.join(text, ".metadata"), storage_options=storage_options):
+        try:
+            kind = formats.detect_format(text, storage_options=storage_options)
+        except CheckpointFormatError:
+            find_index(text, storage_options)  # raises for two indexes, naming them
+            kind = formats.MANAGER  # verify_checkpoint says what a manager folder lacks
+        if kind == formats.DCP:
             # DCP needs torch: imported only for a folder, so files stay torch-free.
             from ddpstate._convert.dcp import verify_dcp
 
             return verify_dcp(text, storage_options=storage_options)
-        return _verify_folder(text, storage_options)
+        if kind in (formats.ACCELERATE, formats.HF_TRAINER):
+
+            def verify_one(path: str, weights_only: bool) -> VerifyResult:
+                return verify_file(
+                    path, weights_only=weights_only and not unsafe, progress=progress,
+                    storage_options=storage_options,
+                )  # fmt: skip
+
+            return verify_training_folder(text, kind, verify_one, storage_options)
+        if kind == formats.MANAGER:
+            return _verify_folder(text, storage_options)
+    index_path = find_index(text, storage_options)
+    if index_path is not None:
+        return verify_sharded(index_path, unsafe, progress, storage_options)
     try:
         ckpt = read_checkpoint(text, unsafe=unsafe, storage_options=storage_options)
     except CheckpointCorruptError as exc:

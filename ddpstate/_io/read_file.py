@@ -28,6 +28,7 @@ from ddpstate.formats import (
     TABLE,
     TORCH_ZIP,
     TORCHSCRIPT,
+    TRAINING_FOLDERS,
     FormatName,
     detect_format,
 )
@@ -88,6 +89,12 @@ def read(
         )
     if kind == HF_SHARDED:
         return load_sharded(text, how)
+    if kind in TRAINING_FOLDERS:
+        raise CheckpointFormatError(
+            f"{text}: {TABLE[kind].description}, not a checkpoint file; load one of its files "
+            f"(`ddpstate inspect {text}` shows its model weights), or resume with the "
+            f"framework's own load"
+        )
     if kind == DCP:
         if mmap:
             raise _mmap_refused(text, "a torch.distributed.checkpoint folder")

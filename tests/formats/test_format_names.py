@@ -26,6 +26,8 @@ def test_format_name_lists_every_constant() -> None:
         "dcp",
         "manager",
         "hf_sharded",
+        "accelerate",
+        "hf_trainer",
     )
     assert (formats.PT, formats.PT_LEGACY) == (formats.TORCH_ZIP, formats.LEGACY)
     assert set(formats.DESCRIPTIONS) == set(FORMATS)

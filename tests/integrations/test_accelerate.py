@@ -1,0 +1,249 @@
+"""ddpstate.integrations.accelerate with the real Accelerate, on 1 and 2 gloo CPU ranks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.multiproc import run_ranks
+
+pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.slow
+
+
+def _setup(root: str, total_limit: Any = None, custom: Any = None) -> tuple[Any, ...]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import ProjectConfiguration
+
+    AcceleratorState._reset_state(True)  # a fresh Accelerator, as a new run has
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    config = ProjectConfiguration(
+        project_dir=root, automatic_checkpoint_naming=True, total_limit=total_limit
+    )
+    acc = Accelerator(cpu=True, project_config=config)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    if custom is not None:
+        acc.register_for_checkpointing(custom)
+    return acc, model, opt, sched
+
+
+def _train(acc: Any, model: Any, opt: Any, sched: Any, steps: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(5, 4)  # from the restored RNG: the same batches after a resume
+        loss = model(x).pow(2).mean()
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        acc.step += 1
+
+
+def _state(model: Any, opt: Any, acc: Any) -> dict[str, Any]:
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": str(opt.state_dict()),
+        "step": acc.step,
+        "iteration": acc.project_configuration.iteration,
+    }
+
+
+def _resume(rank: int, world: int, root: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    from ddpstate.integrations.accelerate import load_state, save_state
+
+    acc, model, opt, sched = _setup(root)
+    assert acc.num_processes == world
+    _train(acc, model, opt, sched, 3)
+    saved = save_state(acc)
+    _train(acc, model, opt, sched, 2)
+    expected = _state(model, opt, acc)
+    acc, model, opt, sched = _setup(root)
+    loaded = load_state(acc)
+    assert loaded == saved
+    _train(acc, model, opt, sched, 2)
+    return expected, _state(model, opt, acc), saved
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_save_and_resume_bitwise(tmp_path: Path, world: int) -> None:
+    results = run_ranks(_resume, world, args=(str(tmp_path),), timeout=180)
+    for expected, got, saved in results:
+        assert got["opt"] == expected["opt"]
+        assert got["step"] == expected["step"] == 5
+        assert got["iteration"] == 1  # the next save is checkpoint_1, not a collision
+        for k, v in expected["model"].items():
+            assert torch.equal(got["model"][k], v), k
+        assert os.path.basename(saved) == "checkpoint_0"
+    folder = tmp_path / "checkpoints" / "checkpoint_0"
+    names = sorted(os.listdir(folder))
+    assert "manifest.json" in names and "model.safetensors" in names and "optimizer.bin" in names
+    assert [n for n in names if n.startswith("random_states_")] == [
+        f"random_states_{i}.pkl" for i in range(world)
+    ]
+    assert not [n for n in os.listdir(folder.parent) if n.startswith(".")]  # no staging left
+    out = subprocess.run(
+        [shutil.which("ddpstate") or "ddpstate", "verify", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _three(rank: int, world: int, root: str) -> None:
+    from ddpstate.integrations.accelerate import save_state
+
+    acc, model, opt, sched = _setup(root)
+    for _ in range(3):
+        _train(acc, model, opt, sched, 1)
+        save_state(acc)
+
+
+def _load_newest(rank: int, world: int, root: str) -> tuple[str, list[str], int]:
+    from ddpstate.integrations.accelerate import load_state
+
+    acc, *_ = _setup(root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = load_state(acc)
+    return chosen, [str(w.message) for w in caught], acc.step
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("three")
+    run_ranks(_three, 1, args=(str(root),))
+    return root
+
+
+@pytest.mark.parametrize("damage", ["truncated", "removed", "no manifest"])
+def test_incomplete_checkpoint_is_skipped(three: Path, tmp_path: Path, damage: str) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(three, root)
+    newest = root / "checkpoints" / "checkpoint_2"
+    if damage == "truncated":
+        with open(newest / "optimizer.bin", "r+b") as f:
+            f.truncate(100)
+    elif damage == "removed":
+        os.remove(newest / "model.safetensors")
+    else:
+        os.remove(newest / "manifest.json")
+    [(chosen, messages, step)] = run_ranks(_load_newest, 1, args=(str(root),))
+    assert chosen.endswith("checkpoint_1")
+    assert step == 2
+    assert any("checkpoint_2" in m for m in messages), messages
+
+
+class _Failing:
+    """A custom object whose state cannot be pickled on its second save."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.saves = 0
+        self.seen: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.seen.append(_complete(self.root))  # counted midway through the save
+        self.saves += 1
+        return {"n": self.saves} if self.saves < 3 else {"f": lambda: 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saves = state["n"]
+
+
+def _complete(root: str) -> int:
+    from ddpstate._manifest import verify_checkpoint
+
+    parent = os.path.join(root, "checkpoints")
+    names = [n for n in os.listdir(parent) if n.startswith("checkpoint_")]
+    return sum(verify_checkpoint(os.path.join(parent, n)).ok for n in names)
+
+
+def _fail_midway(rank: int, world: int, root: str) -> tuple[list[int], list[str], str, int]:
+    from ddpstate.integrations.accelerate import save_state
+
+    custom = _Failing(root)
+    acc, *_ = _setup(root, total_limit=2, custom=custom)
+    save_state(acc)
+    save_state(acc)
+    try:
+        save_state(acc)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        raise AssertionError("the third save should fail")
+    return (
+        custom.seen,
+        sorted(os.listdir(os.path.join(root, "checkpoints"))),
+        error,
+        (acc.project_configuration.iteration),
+    )
+
+
+def test_rotation_after_commit_only(tmp_path: Path) -> None:
+    [(seen, listed, error, iteration)] = run_ranks(_fail_midway, 1, args=(str(tmp_path),))
+    assert seen == [0, 1, 2]  # two complete checkpoints while the third was being written
+    assert listed == ["checkpoint_0", "checkpoint_1"]  # nothing removed, nothing half-written
+    assert "lambda" in error or "pickle" in error.lower(), error
+    assert iteration == 2  # the failed save's number is free again
+    assert _complete(str(tmp_path)) == 2
+
+
+def test_example_under_torchrun_on_two_ranks_resumes(tmp_path: Path) -> None:
+    example = Path(__file__).parents[2] / "examples" / "accelerate_ddpstate.py"
+    project = tmp_path / "run"
+
+    def launch(steps: int) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(example),
+             "--project", str(project), "--steps", str(steps)],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    launch(40)
+    out = launch(60)
+    assert f"resumed from {project / 'checkpoints' / 'checkpoint_1'} at step 40" in out, out
+    # total_limit=2 kept the two newest; each holds both ranks' RNG states
+    assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
+    names = os.listdir(project / "checkpoints" / "checkpoint_2")
+    assert {"random_states_0.pkl", "random_states_1.pkl", "manifest.json"} <= set(names)
+
+
+def _rank1_fails(rank: int, world: int, root: str) -> str:
+    from ddpstate.integrations.accelerate import save_state
+
+    acc, *_ = _setup(root)
+    save_state(acc)
+
+    def hook(models: Any, weights: Any, output_dir: str) -> None:
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+
+    acc.register_save_state_pre_hook(hook)
+    try:
+        save_state(acc)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("the save should fail on every rank")
+
+
+def test_one_rank_failing_fails_every_rank_and_commits_nothing(tmp_path: Path) -> None:
+    for error in run_ranks(_rank1_fails, 2, args=(str(tmp_path),), timeout=180):
+        assert "rank 1" in error and "No space left" in error, error
+    # no checkpoint_1, no staging folder left
+    assert os.listdir(tmp_path / "checkpoints") == ["checkpoint_0"]
