@@ -265,8 +265,9 @@ class DurableWriter(FileSystemWriter):
             are durable once a file is closed).
 
     Raises:
-        CheckpointWriteError: From ``dcp.save`` (inside torch's ``CheckpointException``)
-            when ``overwrite=False`` finds a checkpoint, or the commit fails.
+        CheckpointWriteError: ``overwrite=False`` and ``path`` holds a committed
+            checkpoint; from ``dcp.save`` (inside torch's ``CheckpointException``)
+            when the commit fails.
 
     Example:
         >>> import os, tempfile, torch
@@ -319,6 +320,13 @@ class DurableWriter(FileSystemWriter):
         staging = self.target if self.remote else _staging_for(self.target)
         self.fs = _Checksummed(_file_system(text, self.storage_options), self.target)
         self.path = staging
+        if not self.overwrite and storage.exists(
+            storage.join(self.target, MANIFEST_NAME), **self._opts()
+        ):
+            raise CheckpointWriteError(
+                f"{self.target} holds a committed checkpoint and overwrite=False; save "
+                f"elsewhere or pass overwrite=True"
+            )
 
     @property
     def checkpoint_id(self) -> Union[str, os.PathLike[str]]:
@@ -341,14 +349,7 @@ class DurableWriter(FileSystemWriter):
         return {"storage_options": self.storage_options}
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        if not self.overwrite and storage.exists(
-            storage.join(self.target, MANIFEST_NAME), **self._opts()
-        ):
-            raise CheckpointWriteError(
-                f"{self.target} holds a committed checkpoint and overwrite=False; save "
-                f"elsewhere or pass overwrite=True"
-            )
-        return plan
+        return plan  # the coordinator makes the staging folder (prepare_global_plan)
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         if not self.remote:  # a fresh staging folder, before any rank writes into it
