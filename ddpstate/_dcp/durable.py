@@ -105,6 +105,7 @@ class _Checksummed(FileSystemBase):
         self.pieces: dict[str, list[tuple[int, int, int]]] = {}
         self.whole: dict[str, dict[str, Any]] = {}
         self.chunks: dict[str, Chunks] = {}
+        self.rank: Optional[int] = None  # DCP's rank of this process, once it says
 
     @contextlib.contextmanager
     def create_stream(self, path: Union[str, os.PathLike[str]], mode: str) -> Iterator[Any]:
@@ -115,9 +116,9 @@ class _Checksummed(FileSystemBase):
                 if chunks is None:
                     yield raw
                 elif name.endswith(SHARD_SUFFIX):  # DCP reads items through views of it
-                    yield _VerifiedFile(raw, chunks, self.folder, name)
+                    yield _VerifiedFile(raw, chunks, self, name)
                 else:  # .metadata, which pickle reads in small pieces
-                    yield io.BufferedReader(_VerifiedFile(raw, chunks, self.folder, name))
+                    yield io.BufferedReader(_VerifiedFile(raw, chunks, self, name))
                 return
             writer = _manifest.ChecksumWriter(raw, pieces=name.endswith(SHARD_SUFFIX))
             yield writer
@@ -161,13 +162,14 @@ class _VerifiedFile(io.RawIOBase):
     at a time, and each item is one chunk) and compares its CRC-32.
     """
 
-    def __init__(self, raw: Any, chunks: Chunks, folder: str, name: str) -> None:
+    def __init__(self, raw: Any, chunks: Chunks, fs: _Checksummed, name: str) -> None:
         super().__init__()
         self._raw = raw
+        self._fs = fs
         self._chunks = chunks
         self._starts = sorted(chunks)
         self._end = max((o + n for o, (n, _) in chunks.items()), default=0)
-        self._where = f"{storage.join(folder, name)}"
+        self._where = storage.join(fs.folder, name)
         self._pos = 0
         self._buf = memoryview(b"")
         self._buf_start = -1
@@ -216,7 +218,8 @@ class _VerifiedFile(io.RawIOBase):
 
     def _error(self, what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(
-            f"{self._where}: {what}; rank {_rank()} refused it. Restore an older checkpoint or "
+            f"{self._where}: {what}; rank {self._fs.rank if self._fs.rank is not None else _rank()} "
+            f"refused it. Restore an older checkpoint or "
             f"re-save this one (`ddpstate verify` lists every damaged file)"
         )
 
@@ -500,6 +503,10 @@ class VerifiedReader(FileSystemReader):
         self.fs.chunks = self._committed_chunks(text)
         with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "rb") as f:
             f.read()  # a damaged .metadata is refused here, not as DCP's AssertionError text
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.fs.rank = self.rank
 
     def _committed_chunks(self, text: str) -> dict[str, Chunks]:
         opts = self.storage_options

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import warnings
 from collections.abc import Iterator
@@ -327,7 +328,7 @@ def test_a_rank_killed_mid_save_on_s3_leaves_the_previous_checkpoint_intact(
     # intact checkpoint under a fresh name, which verify names; the next save deletes it.
     assert all("is not listed in manifest.json" in p for p in found.problems), found.problems
     manifest = json.loads(s3_server.filesystem().cat(f"{url}/manifest.json"))
-    assert len([n for n in manifest["files"] if n.endswith(".distcp")]) == 2
+    assert len([n for n in manifest["files"] if n.endswith(".distcp")]) == 4  # 2 threads a rank
 
 
 def _load_damaged(rank: int, world: int, url: str) -> str:
@@ -359,4 +360,4 @@ def test_a_damaged_shard_is_refused_on_every_rank_naming_the_file(
     shard.write_bytes(bytes(data))
     out = run_ranks(_load_damaged, 2, args=(url,), timeout=150)
     for message in out:
-        assert "__1_0.distcp" in message and "rank 1 refused it" in message, message
+        assert re.search(r"__1_0\.distcp: .* rank \d refused it", message), message
