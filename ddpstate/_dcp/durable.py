@@ -37,13 +37,13 @@ import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional, Union
 
-from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
     FileSystemBase,
     FileSystemReader,
     FileSystemWriter,
 )
+from torch.futures import Future
 
 from ddpstate import _fs, _manifest, storage
 from ddpstate._checksum import checksum_hex
@@ -106,6 +106,8 @@ class _Checksummed(FileSystemBase):
         self.whole: dict[str, dict[str, Any]] = {}
         self.chunks: dict[str, Chunks] = {}
         self.rank: Optional[int] = None  # DCP's rank of this process, once it says
+        self.buffer = bytearray()  # the chunk being read (readers)
+        self.holder: Optional[_VerifiedFile] = None  # whose chunk the buffer holds
 
     @contextlib.contextmanager
     def create_stream(self, path: Union[str, os.PathLike[str]], mode: str) -> Iterator[Any]:
@@ -197,11 +199,12 @@ class _VerifiedFile(io.RawIOBase):
         if start < 0 or self._pos >= start + self._chunks[start][0]:
             raise self._error(f"byte {self._pos} is outside every range the manifest records")
         length, crc = self._chunks[start]
-        buf = bytearray(length)
         self._raw.seek(start)
-        view, got = memoryview(buf), 0
+        if len(self._fs.buffer) < length:  # one buffer for the reader: no fresh pages per item
+            self._fs.buffer = bytearray(length)
+        buf, got = memoryview(self._fs.buffer)[:length], 0
         while got < length:
-            n = self._raw.readinto(view[got:])
+            n = self._raw.readinto(buf[got:])
             if not n:
                 raise self._error(
                     f"it ends at byte {start + got}, inside bytes {start}..{start + length} "
@@ -214,13 +217,13 @@ class _VerifiedFile(io.RawIOBase):
                 f"bytes {start}..{start + length} have CRC-32 {checksum_hex(found)}, but the "
                 f"manifest records {checksum_hex(crc)} (the file is damaged)"
             )
-        self._buf, self._buf_start = memoryview(buf), start
+        self._buf, self._buf_start, self._fs.holder = buf, start, self
 
     def _error(self, what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(
-            f"{self._where}: {what}; rank {self._fs.rank if self._fs.rank is not None else _rank()} "
-            f"refused it. Restore an older checkpoint or "
-            f"re-save this one (`ddpstate verify` lists every damaged file)"
+            f"{self._where}: {what}; rank {_rank() if self._fs.rank is None else self._fs.rank} "
+            f"refused it. Restore an older checkpoint or re-save this one (`ddpstate verify` "
+            f"lists every damaged file)"
         )
 
     def readinto(self, b: Any) -> int:
@@ -228,7 +231,7 @@ class _VerifiedFile(io.RawIOBase):
         if self._pos >= self._end:
             return 0
         offset = self._pos - self._buf_start
-        if self._buf_start < 0 or not 0 <= offset < len(self._buf):
+        if self._fs.holder is not self or not 0 <= offset < len(self._buf):
             self._load()
             offset = self._pos - self._buf_start
         n = min(len(out), len(self._buf) - offset)
@@ -309,6 +312,8 @@ class DurableWriter(FileSystemWriter):
         )
         self.storage_options = storage_options
         self._sync_asked = sync_files
+        #: After a save, on the coordinator: the manifest's files (name -> size, CRC-32...).
+        self.files: dict[str, dict[str, Any]] = {}
         self.reset(path)
 
     def reset(self, checkpoint_id: Union[str, os.PathLike[str], None] = None) -> None:
@@ -356,6 +361,11 @@ class DurableWriter(FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         if not self.remote:  # a fresh staging folder, before any rank writes into it
+            if os.path.lexists(self.target) and not os.path.isdir(self.target):
+                raise CheckpointWriteError(
+                    f"{self.target} exists and is a file; a DCP checkpoint is a folder. Give "
+                    f"another path (ddpstate never deletes files it did not write)"
+                )
             storage.remove(self.path, recursive=True, missing_ok=True)
             storage.makedirs(self.path)
         return super().prepare_global_plan(plans)
@@ -401,12 +411,17 @@ class DurableWriter(FileSystemWriter):
                 chunks.setdefault(c.info.relative_path, []).append(
                     (c.info.offset, c.info.length, c.crc)
                 )
-            plain.append([dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank_results])
+            plain.append(
+                [dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank_results]
+            )
         files = {name: _file_entry(name, sorted(pieces)) for name, pieces in chunks.items()}
         if self.remote:  # uncommit the checkpoint this one replaces before its .metadata goes
-            storage.remove(storage.join(self.target, MANIFEST_NAME), missing_ok=True, **self._opts())
+            storage.remove(
+                storage.join(self.target, MANIFEST_NAME), missing_ok=True, **self._opts()
+            )
         super().finish(metadata, plain)  # torch writes .metadata: torch's own objects only
         files[METADATA_NAME] = fs.whole[METADATA_NAME + ".tmp"]
+        self.files = files
         manifest = _manifest.manifest_for(None, {}, len(results), None, files, FOLDER_FORMAT)
         storage.StagedFolder(
             self.target, str(self.path), fsync=self.sync_files, storage_options=self.storage_options
@@ -504,7 +519,9 @@ class VerifiedReader(FileSystemReader):
         with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "rb") as f:
             f.read()  # a damaged .metadata is refused here, not as DCP's AssertionError text
 
-    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.fs.rank = self.rank
 
@@ -518,7 +535,8 @@ class VerifiedReader(FileSystemReader):
         if manifest is not None:
             return _chunk_table(manifest["files"], prefix)
         has_metadata = storage.exists(storage.join(text, METADATA_NAME), storage_options=opts)
-        if has_metadata and not storage.exists(storage.join(folder, MANIFEST_NAME), storage_options=opts):
+        manifest_path = storage.join(folder, MANIFEST_NAME)
+        if has_metadata and not storage.exists(manifest_path, storage_options=opts):
             raise CheckpointFormatError(
                 f"{text}: written by plain torch.distributed.checkpoint (it has {METADATA_NAME} "
                 f"but no {MANIFEST_NAME}), so nothing records its checksums and VerifiedReader "

@@ -20,8 +20,8 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 import ddpstate
 from ddpstate.convert import convert_file, inspect_file, verify_file
@@ -255,7 +255,8 @@ def test_fsdp2_round_trip_bitwise_resharded_2_to_4(tmp_path: Path, how: str) -> 
     url = str(tmp_path / "ckpt")
     saved = run_ranks(_save_fsdp, 2, args=(url, None, 0, how), timeout=150)
     listed = sorted(os.listdir(url))
-    assert listed == [".metadata", *(f"__{r}_{n}.distcp" for r in (0, 1) for n in (0, 1)), "manifest.json"]
+    shards = [f"__{r}_{n}.distcp" for r in (0, 1) for n in (0, 1)]  # 2 threads a rank
+    assert listed == [".metadata", *shards, "manifest.json"]
     assert ddpstate.verify_checkpoint(url).ok
     for world, plain in ((4, False), (2, True)):
         loaded = run_ranks(_load_fsdp, world, args=(url, None, plain), timeout=150)
