@@ -42,7 +42,7 @@ from typing import Any, Optional
 from ddpstate._checksum import error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.torch_io import dcp_failure
-from ddpstate.errors import DDPStateError, ShardedStateError
+from ddpstate.errors import CheckpointWriteError, DDPStateError, ShardedStateError
 
 _REFUSED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
@@ -91,14 +91,23 @@ def write_shards(
         "crc32", "chunks"}``); elsewhere ``{}``.
 
     Raises:
-        Exception: What DCP raised (its ``CheckpointException`` holds each rank's).
+        DDPStateError: The first failure inside DCP's ``CheckpointException`` (a
+            ddpstate error as it is, anything else as ``CheckpointWriteError``).
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
     from ddpstate._dcp.durable import DurableWriter  # imports DCP (seconds): sharded saves only
 
     writer = DurableWriter(folder, storage_options=storage_options)
-    save(dict(state_dict), storage_writer=writer, process_group=process_group)
+    try:
+        save(dict(state_dict), storage_writer=writer, process_group=process_group)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        inner = dcp_failure(exc)
+        if inner is None or not isinstance(inner, Exception):
+            raise
+        if isinstance(inner, DDPStateError):
+            raise inner from exc
+        raise CheckpointWriteError(f"{folder}: dcp.save failed ({error_text(inner)})") from exc
     return writer.files
 
 
