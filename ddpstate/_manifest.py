@@ -188,7 +188,9 @@ class StepFolders:
         """
         opts = self.storage_options
         kw: dict[str, Any] = {"storage_options": opts}
-        found = []
+        found: list[int] = []
+        if not storage.isdir(self.directory, **kw):  # an object store's empty prefix
+            return found
         for name in storage.listdir(self.directory, include_temp=True, **kw):
             path = storage.join(self.directory, name)
             original = storage.retired_original(name)

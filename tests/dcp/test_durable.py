@@ -362,3 +362,34 @@ def test_a_damaged_shard_is_refused_on_every_rank_naming_the_file(
     out = run_ranks(_load_damaged, 2, args=(url,), timeout=150)
     for message in out:
         assert re.search(r"__1_0\.distcp: .* rank \d refused it", message), message
+
+
+# --------------------------------------------------------------------------- CheckpointManager
+
+
+def _manager_on_s3(
+    rank: int, world: int, url: str, opts: dict[str, Any], seed: int
+) -> dict[str, Any]:
+    model, opt = _fsdp(world, seed)
+    with ddpstate.CheckpointManager(url, keep_last=1, storage_options=opts) as manager:
+        if seed == 0:
+            manager.save(1, {"model": model, "optimizer": opt})
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            opt.step()
+            manager.save(2, {"model": model, "optimizer": opt})
+        else:
+            assert manager.restore({"model": model, "optimizer": opt}) == 2
+        steps = manager.steps()
+    return {"full": _full(model, opt), "steps": steps}
+
+
+@pytest.mark.slow
+def test_the_manager_keeps_sharded_steps_on_s3(s3_server: S3Server) -> None:  # noqa: F811
+    opts = s3_server.storage_options
+    url = f"s3://{s3_server.new_bucket()}/run"
+    saved = run_ranks(_manager_on_s3, 2, args=(url, opts, 0), timeout=150)
+    assert saved[0]["steps"] == [2]  # rotation: step 1 deleted once step 2 committed
+    assert s3_server.filesystem().cat(f"{url}/latest") == b"step_0000000002\n"
+    assert ddpstate.verify_checkpoint(url, storage_options=opts).ok
+    restored = run_ranks(_manager_on_s3, 2, args=(url, opts, 1), timeout=150)
+    _assert_bitwise(saved[0]["full"], restored[0]["full"])
