@@ -142,6 +142,7 @@ PUBLIC_SUBMODULES = [
     "checkpoint",
     "cli",
     "convert",
+    "dcp",
     "dist",
     "errors",
     "formats",
@@ -232,6 +233,7 @@ PUBLIC_HOMES = {
         "all_reduce_flag",
     ],
     "cli": ["main"],
+    "dcp": ["DurableWriter", "VerifiedReader"],
 }
 
 # Every option of every subcommand (``ddpstate <command> --help``).

@@ -86,7 +86,7 @@ def _file_system(path: str, storage_options: Optional[dict[str, Any]]) -> FileSy
     """torch's file system for ``path``: the local one, or fsspec's with ``storage_options``."""
     if not _fs.is_remote(path):
         return FileSystem()
-    fs = FsspecFileSystem()
+    fs: FileSystemBase = FsspecFileSystem()
     fs.init_path(path, **(storage_options or {}))
     return fs
 
@@ -326,7 +326,8 @@ class DurableWriter(FileSystemWriter):
         self.target = text if self.remote else os.path.abspath(_fs.local_path(text))
         self.sync_files = self._sync_asked and not self.remote
         staging = self.target if self.remote else _staging_for(self.target)
-        self.fs = _Checksummed(_file_system(text, self.storage_options), self.target)
+        self.checked = _Checksummed(_file_system(text, self.storage_options), self.target)
+        self.fs = self.checked  # type: ignore[assignment]  # torch annotates its own class
         self.path = staging
         if not self.overwrite and storage.exists(
             storage.join(self.target, MANIFEST_NAME), **self._opts()
@@ -371,7 +372,7 @@ class DurableWriter(FileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[Any]]:
-        fs: _Checksummed = self.fs
+        fs = self.checked
         if self.remote:  # fresh names: the files of a checkpoint already there stay as they are
             fresh = f"{plan.storage_data.prefix}{os.urandom(4).hex()}_"
             plan = dataclasses.replace(
@@ -402,7 +403,7 @@ class DurableWriter(FileSystemWriter):
         return done
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
-        fs: _Checksummed = self.fs
+        fs = self.checked
         chunks: dict[str, list[tuple[int, int, int]]] = {}
         plain = []
         for rank_results in results:
@@ -514,8 +515,9 @@ class VerifiedReader(FileSystemReader):
             return
         text = os.fspath(checkpoint_id)
         self.path = text if _fs.is_remote(text) else _fs.local_path(text)
-        self.fs = _Checksummed(_file_system(text, self.storage_options), text)
-        self.fs.chunks = self._committed_chunks(text)
+        self.checked = _Checksummed(_file_system(text, self.storage_options), text)
+        self.checked.chunks = self._committed_chunks(text)
+        self.fs = self.checked  # type: ignore[assignment]  # torch annotates its own class
         with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "rb") as f:
             f.read()  # a damaged .metadata is refused here, not as DCP's AssertionError text
 
@@ -523,7 +525,7 @@ class VerifiedReader(FileSystemReader):
         self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self.fs.rank = self.rank
+        self.checked.rank = self.rank
 
     def _committed_chunks(self, text: str) -> dict[str, Chunks]:
         opts = self.storage_options
