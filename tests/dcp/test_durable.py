@@ -393,3 +393,25 @@ def test_the_manager_keeps_sharded_steps_on_s3(s3_server: S3Server) -> None:  # 
     assert ddpstate.verify_checkpoint(url, storage_options=opts).ok
     restored = run_ranks(_manager_on_s3, 2, args=(url, opts, 1), timeout=150)
     _assert_bitwise(saved[0]["full"], restored[0]["full"])
+
+
+# --------------------------------------------------------------------------- ddpstate.save / load
+
+
+def _ddpstate_on_s3(rank: int, world: int, url: str, opts: dict[str, Any]) -> bool:
+    model, _ = _fsdp(world, seed=3)
+    ddpstate.save({"model": model.state_dict()}, url, storage_options=opts)
+    fresh, _ = _fsdp(world, seed=4)
+    assert ddpstate.load_model_state(fresh, url, storage_options=opts) == ([], [])
+    return all(
+        torch.equal(a.full_tensor(), b.full_tensor())
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+
+
+@pytest.mark.slow
+def test_ddpstate_save_and_load_of_sharded_state_on_s3(s3_server: S3Server) -> None:  # noqa: F811
+    opts = s3_server.storage_options
+    url = f"s3://{s3_server.new_bucket()}/model_dcp"
+    assert run_ranks(_ddpstate_on_s3, 2, args=(url, opts), timeout=150) == [True, True]
+    assert ddpstate.verify_checkpoint(url, storage_options=opts).ok
