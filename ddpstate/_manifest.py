@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from ddpstate import _checksum, _fs, storage
 from ddpstate._checksum import checksum_hex, error_text
+from ddpstate._crc import crc32
 from ddpstate._fs import PathLike
 from ddpstate._version import __version__
 from ddpstate.errors import (
@@ -102,7 +103,7 @@ class ChecksumWriter(io.RawIOBase):
             self.error = exc
             raise
         count = view.nbytes if written is None else int(written)
-        self.crc = zlib.crc32(view[:count], self.crc)
+        self.crc = crc32(view[:count], self.crc)
         self.size += count
         return count
 

@@ -33,7 +33,6 @@ import dataclasses
 import hashlib
 import io
 import os
-import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional, Union
 
@@ -47,7 +46,7 @@ from torch.futures import Future
 
 from ddpstate import _fs, _manifest, storage
 from ddpstate._checksum import checksum_hex
-from ddpstate._crc import crc32_of_pieces
+from ddpstate._crc import crc32, crc32_combine, crc32_of_pieces
 from ddpstate._manifest import FOLDER_FORMAT, MANIFEST_NAME, METADATA_NAME, SHARD_SUFFIX
 from ddpstate.dist import get_rank, is_distributed
 from ddpstate.errors import (
@@ -106,8 +105,6 @@ class _Checksummed(FileSystemBase):
         self.whole: dict[str, dict[str, Any]] = {}
         self.chunks: dict[str, Chunks] = {}
         self.rank: Optional[int] = None  # DCP's rank of this process, once it says
-        self.buffer = bytearray()  # the chunk being read (readers)
-        self.holder: Optional[_VerifiedFile] = None  # whose chunk the buffer holds
 
     @contextlib.contextmanager
     def create_stream(self, path: Union[str, os.PathLike[str]], mode: str) -> Iterator[Any]:
@@ -117,10 +114,14 @@ class _Checksummed(FileSystemBase):
                 chunks = self.chunks.get(name)
                 if chunks is None:
                     yield raw
-                elif name.endswith(SHARD_SUFFIX):  # DCP reads items through views of it
-                    yield _VerifiedFile(raw, chunks, self, name)
-                else:  # .metadata, which pickle reads in small pieces
-                    yield io.BufferedReader(_VerifiedFile(raw, chunks, self, name))
+                    return
+                verified = _VerifiedFile(raw, chunks, self, name)
+                try:  # .metadata: pickle reads in small pieces; shards: DCP reads item views
+                    yield verified if name.endswith(SHARD_SUFFIX) else io.BufferedReader(verified)
+                except BaseException as exc:  # torch choked on damaged bytes: say which
+                    verified.check()
+                    raise exc
+                verified.check()
                 return
             writer = _manifest.ChecksumWriter(raw, pieces=name.endswith(SHARD_SUFFIX))
             yield writer
@@ -158,10 +159,14 @@ class _Checksummed(FileSystemBase):
 
 
 class _VerifiedFile(io.RawIOBase):
-    """A shard file read through its recorded chunks, each CRC-checked before use.
+    """A shard file whose reads are CRC-checked against its recorded chunks (items).
 
-    A read that lands in a chunk reads the whole chunk once (DCP reads one item
-    at a time, and each item is one chunk) and compares its CRC-32.
+    Each read goes straight from the file into the caller's buffer and is
+    CRC-32'd there, no copy; :meth:`check` (when the stream closes, or fails)
+    puts each touched chunk's CRC together from those pieces
+    (``_crc.crc32_combine``), reading only the bytes torch skipped, and raises
+    if it differs from the manifest's. DCP closes a shard's stream before it
+    returns from ``read_data``, so a damaged range fails the load on every rank.
     """
 
     def __init__(self, raw: Any, chunks: Chunks, fs: _Checksummed, name: str) -> None:
@@ -173,8 +178,7 @@ class _VerifiedFile(io.RawIOBase):
         self._end = max((o + n for o, (n, _) in chunks.items()), default=0)
         self._where = storage.join(fs.folder, name)
         self._pos = 0
-        self._buf = memoryview(b"")
-        self._buf_start = -1
+        self._seen: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (pos, n, crc) read
 
     def readable(self) -> bool:
         return True
@@ -193,31 +197,58 @@ class _VerifiedFile(io.RawIOBase):
         self._pos = offset
         return offset
 
-    def _load(self) -> None:
-        at = bisect.bisect_right(self._starts, self._pos) - 1
+    def _chunk(self, pos: int) -> int:
+        at = bisect.bisect_right(self._starts, pos) - 1
         start = self._starts[at] if at >= 0 else -1
-        if start < 0 or self._pos >= start + self._chunks[start][0]:
-            raise self._error(f"byte {self._pos} is outside every range the manifest records")
-        length, crc = self._chunks[start]
-        self._raw.seek(start)
-        if len(self._fs.buffer) < length:  # one buffer for the reader: no fresh pages per item
-            self._fs.buffer = bytearray(length)
-        buf, got = memoryview(self._fs.buffer)[:length], 0
-        while got < length:
-            n = self._raw.readinto(buf[got:])
-            if not n:
-                raise self._error(
-                    f"it ends at byte {start + got}, inside bytes {start}..{start + length} "
-                    f"(the file is truncated)"
-                )
-            got += n
-        found = zlib.crc32(buf)
-        if found != crc:
+        if start < 0 or pos >= start + self._chunks[start][0]:
+            raise self._error(f"byte {pos} is outside every range the manifest records")
+        return start
+
+    def _read(self, pos: int, out: memoryview) -> int:
+        self._raw.seek(pos)
+        got = self._raw.readinto(out)
+        if not got:
+            start = self._chunk(pos)
             raise self._error(
-                f"bytes {start}..{start + length} have CRC-32 {checksum_hex(found)}, but the "
-                f"manifest records {checksum_hex(crc)} (the file is damaged)"
+                f"it ends at byte {pos}, inside bytes {start}..{start + self._chunks[start][0]} "
+                f"(the file is truncated)"
             )
-        self._buf, self._buf_start, self._fs.holder = buf, start, self
+        return int(got)
+
+    def readinto(self, b: Any) -> int:
+        if self._pos >= self._end:
+            return 0
+        start = self._chunk(self._pos)
+        out = memoryview(b).cast("B")
+        out = out[: min(len(out), start + self._chunks[start][0] - self._pos)]
+        got = self._read(self._pos, out)
+        self._seen.setdefault(start, []).append((self._pos, got, crc32(out[:got], 0)))
+        self._pos += got
+        return got
+
+    def check(self) -> None:
+        """Raise if a chunk read so far differs from its recorded CRC-32."""
+        for start, seen in sorted(self._seen.items()):
+            length, want = self._chunks[start]
+            pieces = {pos: (n, c) for pos, n, c in sorted(seen, key=lambda p: p[1])}  # longest
+            crc, pos, end = 0, start, start + length
+            while pos < end:
+                if pos in pieces and pos + pieces[pos][0] <= end:
+                    n, c = pieces[pos]
+                else:  # bytes torch did not read (or read in overlapping pieces): read them
+                    n = min([p for p in pieces if p > pos] + [end]) - pos
+                    gap = memoryview(bytearray(n))
+                    got = 0
+                    while got < n:
+                        got += self._read(pos + got, gap[got:])
+                    c = crc32(gap, 0)
+                crc, pos = crc32_combine(crc, c, n), pos + n
+            if crc != want:
+                raise self._error(
+                    f"bytes {start}..{end} have CRC-32 {checksum_hex(crc)}, but the manifest "
+                    f"records {checksum_hex(want)} (the file is damaged)"
+                )
+        self._seen.clear()
 
     def _error(self, what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(
@@ -225,19 +256,6 @@ class _VerifiedFile(io.RawIOBase):
             f"refused it. Restore an older checkpoint or re-save this one (`ddpstate verify` "
             f"lists every damaged file)"
         )
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        if self._pos >= self._end:
-            return 0
-        offset = self._pos - self._buf_start
-        if self._fs.holder is not self or not 0 <= offset < len(self._buf):
-            self._load()
-            offset = self._pos - self._buf_start
-        n = min(len(out), len(self._buf) - offset)
-        out[:n] = self._buf[offset : offset + n]
-        self._pos += n
-        return n
 
 
 def _staging_for(target: str) -> str:
