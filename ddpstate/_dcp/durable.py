@@ -468,14 +468,13 @@ def _file_entry(name: str, pieces: list[tuple[int, int, int]]) -> dict[str, Any]
     }
 
 
-def _chunk_table(files: Mapping[str, Any], prefix: str) -> dict[str, Chunks]:
+def _chunk_table(files: Mapping[str, Any]) -> dict[str, Chunks]:
     """Each listed file's ranges (offset -> (length, crc)); a file without chunks is one range."""
     table: dict[str, Chunks] = {}
     for listed, entry in files.items():
-        if not listed.startswith(prefix) or not isinstance(entry, dict):
-            continue
-        rows = entry.get("chunks") or [[0, entry.get("size"), entry.get("crc32")]]
-        table[listed[len(prefix) :]] = {int(o): (int(n), int(str(c), 16)) for o, n, c in rows}
+        if isinstance(entry, dict):
+            rows = entry.get("chunks") or [[0, entry.get("size"), entry.get("crc32")]]
+            table[listed] = {int(o): (int(n), int(str(c), 16)) for o, n, c in rows}
     return table
 
 
@@ -519,11 +518,9 @@ class VerifiedReader(FileSystemReader):
         path: Union[str, os.PathLike[str]],
         *,
         storage_options: Optional[dict[str, Any]] = None,
-        _manifest_folder: Optional[str] = None,
     ) -> None:
         super().__init__(os.getcwd())  # replaced by reset(path) below
         self.storage_options = storage_options
-        self._manifest_folder = _manifest_folder
         self.reset(path)
 
     def reset(self, checkpoint_id: Union[str, os.PathLike[str], None] = None) -> None:
@@ -547,15 +544,19 @@ class VerifiedReader(FileSystemReader):
 
     def _committed_chunks(self, text: str) -> dict[str, Chunks]:
         opts = self.storage_options
-        folder = self._manifest_folder or text
-        prefix = "" if folder == text else f"{os.path.basename(text.rstrip('/'))}/"
         if not storage.exists(text, storage_options=opts):
             raise CheckpointNotFoundError(f"{text}: no such checkpoint folder")
-        manifest, problem = _manifest.read_manifest(folder, opts)
+        manifest, problem = _manifest.read_manifest(text, opts)
         if manifest is not None:
-            return _chunk_table(manifest["files"], prefix)
+            try:
+                return _chunk_table(manifest["files"])
+            except (TypeError, ValueError) as exc:
+                raise CheckpointCorruptError(
+                    f"{text}: its {MANIFEST_NAME} records ranges that are not numbers ({exc}); "
+                    f"re-save the checkpoint"
+                ) from exc
         has_metadata = storage.exists(storage.join(text, METADATA_NAME), storage_options=opts)
-        manifest_path = storage.join(folder, MANIFEST_NAME)
+        manifest_path = storage.join(text, MANIFEST_NAME)
         if has_metadata and not storage.exists(manifest_path, storage_options=opts):
             raise CheckpointFormatError(
                 f"{text}: written by plain torch.distributed.checkpoint (it has {METADATA_NAME} "
