@@ -160,9 +160,9 @@ def _gate_dcp_writes() -> threading.Event:
     gate = threading.Event()
     real = _dcp.write_shards
 
-    def gated(state_dict: Any, folder: str, process_group: Any = None) -> Any:
+    def gated(state_dict: Any, folder: str, *args: Any, **kwargs: Any) -> Any:
         gate.wait()
-        return real(state_dict, folder, process_group)
+        return real(state_dict, folder, *args, **kwargs)
 
     _dcp.write_shards = gated  # type: ignore[assignment]
     return gate
@@ -258,9 +258,9 @@ def _kill_rank_one_mid_save(rank: int, world: int, folder: str) -> str:
     if rank == 1:
         real = _dcp.write_shards
 
-        def die_after_writing(state_dict: Any, folder: str, process_group: Any = None) -> Any:
+        def die_after_writing(state_dict: Any, folder: str, *args: Any, **kwargs: Any) -> Any:
             # Rank 1's shard is on disk (DCP's save returned); die before reporting it.
-            real(state_dict, folder, process_group)
+            real(state_dict, folder, *args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 
