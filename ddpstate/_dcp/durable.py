@@ -21,8 +21,9 @@ before torch writes ``.metadata``, then writes ddpstate's ``manifest.json`` last
   new manifest does not list.
 
 :class:`VerifiedReader` is ``FileSystemReader`` (``FsspecReader``) whose file system
-returns, for each shard file, a stream that reads a whole recorded chunk (one DCP
-item) when a read first lands in it and checks its CRC-32 before handing out bytes.
+returns, for each shard file, a :class:`_VerifiedFile`: reads go straight into
+torch's buffers and are CRC-32'd there, and each item read is compared with its
+recorded CRC-32 when DCP closes the file.
 """
 
 from __future__ import annotations
@@ -484,8 +485,8 @@ class VerifiedReader(FileSystemReader):
     ``dcp.load(state, storage_reader=VerifiedReader(path))`` loads a checkpoint
     :class:`DurableWriter` (or ``ddpstate.save``) committed, resharding as DCP
     does. The folder's manifest is read and ``.metadata`` checked when the
-    reader is made; each shard byte range is checked against its recorded
-    CRC-32 as it is read (no second pass). A damaged or truncated shard raises
+    reader is made; each shard byte range is CRC-32'd as it is read (no second
+    pass) and compared with the recorded one before ``dcp.load`` returns. A damaged or truncated shard raises
     :class:`~ddpstate.errors.CheckpointCorruptError` naming the file and the
     rank; ``dcp.load`` hands it to every rank inside its ``CheckpointException``
     (``failures[rank][0]``; ``ddpstate.load`` raises it as is).
