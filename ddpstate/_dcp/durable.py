@@ -486,10 +486,11 @@ class VerifiedReader(FileSystemReader):
     :class:`DurableWriter` (or ``ddpstate.save``) committed, resharding as DCP
     does. The folder's manifest is read and ``.metadata`` checked when the
     reader is made; each shard byte range is CRC-32'd as it is read (no second
-    pass) and compared with the recorded one before ``dcp.load`` returns. A damaged or truncated shard raises
-    :class:`~ddpstate.errors.CheckpointCorruptError` naming the file and the
-    rank; ``dcp.load`` hands it to every rank inside its ``CheckpointException``
-    (``failures[rank][0]``; ``ddpstate.load`` raises it as is).
+    pass) and compared with the recorded one before ``dcp.load`` returns. A
+    damaged or truncated shard raises :class:`~ddpstate.errors.CheckpointCorruptError`
+    naming the file and the rank; ``dcp.load`` hands it to every rank inside its
+    ``CheckpointException`` (``failures[rank][0]``; ``ddpstate.load_model_state``
+    into a sharded model raises it as is).
 
     Args:
         path: The checkpoint folder (local path or fsspec URL).
