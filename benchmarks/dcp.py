@@ -20,7 +20,10 @@ its time is the slowest rank's (a collective waits for it), median over repeats:
   every file's CRC-32, each rank a share) vs ``dcp.load`` + ``set_model_state_dict``.
   Target: <= 1.15x. And the time ``save`` blocks training with
   ``async_save=True`` (the CPU snapshot; the write is waited for untimed) vs
-  the synchronous ``save``.
+  the synchronous ``save``;
+* FSDP2 storage: ``dcp.save`` with ``ddpstate.dcp.DurableWriter`` vs torch's
+  ``FileSystemWriter(sync_files=True)``, and ``dcp.load`` with ``VerifiedReader`` vs
+  ``FileSystemReader`` (target <= 1.10x; ``--storage-only`` runs only these).
 
 ``keep_last=1``: each manager save also deletes the previous step, as in training.
 """
@@ -109,6 +112,32 @@ def _child(rank: int, world: int, port: int, opts: dict[str, Any], out: Any) -> 
             },
             opts["repeats"],
         )
+    elif opts["kind"] == "storage":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from ddpstate.dcp import DurableWriter, VerifiedReader
+
+        model = _model(opts["size_mib"])
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        sd = get_model_state_dict(model)
+        durable, plain = str(base / "durable"), str(base / "plain")
+        run(
+            {
+                "durable_save": lambda: dcp.save(sd, storage_writer=DurableWriter(durable)),
+                "fs_save": lambda: dcp.save(
+                    sd, storage_writer=dcp.FileSystemWriter(plain, sync_files=True)
+                ),
+            },
+            opts["repeats"],
+        )
+        run(
+            {
+                "verified_load": lambda: dcp.load(sd, storage_reader=VerifiedReader(durable)),
+                "fs_load": lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(plain)),
+            },
+            opts["repeats"],
+        )
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -192,6 +221,7 @@ def run(results: Results, settings: Settings) -> None:
         try:
             ddp = measure("ddp", 2, size, settings.repeats, root / "ddp")
             fsdp = measure("fsdp", 2, size, settings.repeats, root / "fsdp")
+            ours = measure("storage", 2, size, settings.repeats, root / "storage")
         finally:
             if place == "/dev/shm":
                 shutil.rmtree(root, ignore_errors=True)
@@ -206,6 +236,10 @@ def run(results: Results, settings: Settings) -> None:
              fsdp["manager_restore"], "dcp.load", fsdp["dcp_load"], 1.15),
             (f"2-rank FSDP2 save, time save() blocks ({place})", "async_save=True",
              fsdp["manager_async_save"], "async_save=False", fsdp["manager_save"], None),
+            (f"2-rank FSDP2 dcp.save ({place})", "DurableWriter", ours["durable_save"],
+             "FileSystemWriter(sync_files=True)", ours["fs_save"], 1.10),
+            (f"2-rank FSDP2 dcp.load ({place})", "VerifiedReader", ours["verified_load"],
+             "FileSystemReader", ours["fs_load"], 1.10),
         ]  # fmt: skip
         for case, ours_name, ours_s, base_name, base_s, target in pairs:
             ours = results.add(Timing(case, "size_mib", size, ours_name, ours_s, None, [], True))
@@ -221,6 +255,10 @@ def main() -> None:
     parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", type=Path, default=None, help="disk folder (default: a temp one)")
+    parser.add_argument(
+        "--storage-only", action="store_true",
+        help="only DurableWriter/VerifiedReader vs FileSystemWriter/FileSystemReader",
+    )  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ddpstate-dcp-", dir=args.work))
     print(f"{args.size_mib} MiB of float32 parameters, median of {args.repeats}, slowest rank")
@@ -230,12 +268,20 @@ def main() -> None:
         for world in [int(w) for w in args.worlds.split(",")]:
             for place, root in _places(work).items():
                 try:
-                    ddp = measure("ddp", world, args.size_mib, args.repeats, root / "ddp")
-                    fsdp = measure("fsdp", world, args.size_mib, args.repeats, root / "fsdp")
+                    ours = measure("storage", world, args.size_mib, args.repeats, root / "st")
+                    if not args.storage_only:
+                        ddp = measure("ddp", world, args.size_mib, args.repeats, root / "ddp")
+                        fsdp = measure("fsdp", world, args.size_mib, args.repeats, root / "fsdp")
                 finally:
                     if place == "/dev/shm":
                         shutil.rmtree(root, ignore_errors=True)
                 rows = [
+                    ("dcp.save", "DurableWriter", ours["durable_save"],
+                     "FileSystemWriter(sync_files=True)", ours["fs_save"]),
+                    ("dcp.load", "VerifiedReader", ours["verified_load"], "FileSystemReader",
+                     ours["fs_load"]),
+                ]  # fmt: skip
+                rows += [] if args.storage_only else [
                     ("DDP save", "writers='all'", ddp["manager_all"], "writers='rank0'",
                      ddp["manager_rank0"]),
                     ("DDP save", "writers='all'", ddp["manager_all"], "dcp.save", ddp["dcp_save"]),
@@ -246,9 +292,9 @@ def main() -> None:
                     ("FSDP2 save() blocks", "async_save=True", fsdp["manager_async_save"],
                      "async_save=False", fsdp["manager_save"]),
                 ]  # fmt: skip
-                for case, ours, ours_s, base, base_s in rows:
+                for case, mine, ours_s, base, base_s in rows:
                     print(
-                        f"| {world} | {place} | {case} | {ours} | {ours_s:.2f} | {base} | "
+                        f"| {world} | {place} | {case} | {mine} | {ours_s:.2f} | {base} | "
                         f"{base_s:.2f} | {ours_s / base_s:.2f}x |",
                         flush=True,
                     )

@@ -169,6 +169,7 @@ _SUBMODULES = frozenset(
         "checkpoint",
         "cli",
         "convert",
+        "dcp",
         "dist",
         "errors",
         "formats",

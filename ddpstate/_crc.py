@@ -13,9 +13,22 @@ a 1 TiB piece. Torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
 
-__all__ = ["crc32_combine", "crc32_of_pieces"]
+__all__ = ["crc32", "crc32_combine", "crc32_of_pieces"]
+
+#: ``zlib.crc32``, or zlib-ng's (the same function, about 2.5x faster here) where the
+#: optional ``zlib-ng`` package is installed: what checkpoints are checksummed with as
+#: they are written and read (``ddpstate.dcp``).
+crc32: Callable[[Any, int], int] = zlib.crc32
+try:
+    from zlib_ng import zlib_ng  # type: ignore[import-not-found,unused-ignore]
+
+    crc32 = zlib_ng.crc32
+except ImportError:
+    pass
 
 # zlib's CRC-32 polynomial, bit-reversed: bit 31 stands for x^0, bit 0 for x^31.
 _POLY = 0xEDB88320

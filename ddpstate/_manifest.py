@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from ddpstate import _checksum, _fs, storage
 from ddpstate._checksum import checksum_hex, error_text
+from ddpstate._crc import crc32
 from ddpstate._fs import PathLike
 from ddpstate._version import __version__
 from ddpstate.errors import (
@@ -75,14 +76,19 @@ class ChecksumWriter(io.RawIOBase):
     """A write-only stream that counts bytes and CRC-32s them on their way to ``raw``.
 
     Used by ``torch.save`` (a step's files) and DCP's writer (a shard's stream:
-    ``tell`` and ``fileno`` are the file's).
+    ``tell`` and ``fileno`` are the file's). With ``pieces``, ``crc`` covers the bytes
+    since the last :meth:`tell` and each ``tell`` ends a piece, recorded in ``pieces`` as
+    ``(offset, length, crc)``: DCP calls ``tell`` before and after each item it writes,
+    so the pieces are its items' byte ranges, each checkable on its own.
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, *, pieces: bool = False) -> None:
         super().__init__()
         self._raw = raw
         self.size = 0
         self.crc = 0
+        self.pieces: Optional[list[tuple[int, int, int]]] = [] if pieces else None
+        self._start = 0
         # torch.save's C++ writer replaces an exception from write() with its own
         # "unexpected pos" error; the real cause (disk full...) is kept here.
         self.error: Optional[BaseException] = None
@@ -98,11 +104,14 @@ class ChecksumWriter(io.RawIOBase):
             self.error = exc
             raise
         count = view.nbytes if written is None else int(written)
-        self.crc = zlib.crc32(view[:count], self.crc)
+        self.crc = crc32(view[:count], self.crc)
         self.size += count
         return count
 
     def tell(self) -> int:
+        if self.pieces is not None and self.size > self._start:
+            self.pieces.append((self._start, self.size - self._start, self.crc))
+            self._start, self.crc = self.size, 0
         return int(self._raw.tell())
 
     def fileno(self) -> int:
@@ -181,7 +190,9 @@ class StepFolders:
         """
         opts = self.storage_options
         kw: dict[str, Any] = {"storage_options": opts}
-        found = []
+        found: list[int] = []
+        if not storage.isdir(self.directory, **kw):  # an object store's empty prefix
+            return found
         for name in storage.listdir(self.directory, include_temp=True, **kw):
             path = storage.join(self.directory, name)
             original = storage.retired_original(name)

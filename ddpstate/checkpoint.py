@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, TypedDict, Union
@@ -38,7 +37,6 @@ from ddpstate._streaming.hf_write import parse_size
 from ddpstate.batchnorm import warn_if_stats_differ
 from ddpstate.dist import (
     Timeout,
-    broadcast_object,
     compare_across_ranks,
     gather_and_decide,
     get_rank,
@@ -275,7 +273,7 @@ def save(
             )
             _dcp.check_sharded_types(obj, text)
             _check_rank(src_rank, "src_rank")
-            _save_sharded(obj, text, src_rank, timeout)
+            _save_sharded(obj, text, src_rank, timeout, storage_options)
             return
         fmt = HF_SHARDED if max_shard_size is not None else _save_format(text, format)
         if max_shard_size is not None:
@@ -327,61 +325,44 @@ def save(
             _visibility.check_written(text, src_rank, name=SAVE_COLLECTIVE, timeout=timeout)
 
 
-def _save_sharded(obj: Any, text: str, src_rank: int, timeout: Timeout) -> None:
+def _save_sharded(
+    obj: Any, text: str, src_rank: int, timeout: Timeout, storage_options: Optional[dict[str, Any]]
+) -> None:
     """Every rank writes its shards of ``obj`` into a DCP folder at ``text``; see ``_dcp``.
 
-    Three rounds: the ranks agree on the call (``src_rank`` makes the temporary
-    folder beside ``text``) and learn the folder; every rank writes and
-    checksums its part; ``src_rank`` gathers the outcome, writes the manifest
-    last and swaps the folder into place. A failure anywhere removes the
-    temporary folder and raises on every rank; ``text`` is untouched.
+    ``_dcp.write_shards`` is ``dcp.save`` through :class:`ddpstate.dcp.DurableWriter`,
+    which stages the folder, checksums every item as it is written and commits
+    (manifest last, swapped in). Around it, two rounds: the ranks agree on the
+    call, then share the outcome, so that every rank raises the same error;
+    ``text`` is untouched by a failed save.
     """
-    distributed = is_distributed()
-    rank = get_rank() if distributed else src_rank
-    world = get_world_size() if distributed else 1
-    made: list[str] = []
-
-    def prepare(seen: list[tuple[Any, ...]]) -> Optional[DDPStateError]:
-        disagreement = _disagreement(SAVE_COLLECTIVE, seen)
-        if disagreement is not None:
-            return disagreement
-        try:
-            made.append(_dcp.prepare_temp(text))
-        except BaseException as exc:
-            return _save_error(exc, text, src_rank)
-        return None
-
     gather_and_decide(
-        (text, DCP, src_rank), prepare, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout
+        (text, DCP, src_rank),
+        lambda seen: _disagreement(SAVE_COLLECTIVE, seen),
+        dst=src_rank,
+        name=SAVE_COLLECTIVE,
+        timeout=timeout,
     )
-    temp = made[0] if made else None
-    if distributed:
-        temp = broadcast_object(temp, src_rank=src_rank, timeout=timeout)
     info: dict[str, Any] = {}
     cause: Optional[BaseException] = None
     try:
-        info["files"] = _dcp.write_shards(obj, str(temp))
+        _dcp.write_shards(obj, text, storage_options=storage_options)
     except Exception as exc:
         cause = exc
         info["error"] = _dcp.failure_text(exc)
 
-    def commit(infos: list[Any]) -> Optional[DDPStateError]:
-        files, failures = _dcp.merge_files(infos)
-        try:
-            if failures:
-                detail = "; ".join(f"rank {r}: {m}" for r, m in failures)
-                raise CheckpointWriteError(f"writing the shards failed ({detail})")
-            _dcp.commit_folder(str(temp), text, files, world)
-        except BaseException as exc:
-            shutil.rmtree(str(temp), ignore_errors=True)
-            error = _save_error(exc, text, src_rank)
-            return with_message(error, str(error).replace(" (the writer)", " (the committer)"))
-        return None
+    def outcome(infos: list[Any]) -> Optional[DDPStateError]:
+        failures = [(r, i["error"]) for r, i in enumerate(infos) if i.get("error")]
+        if not failures:
+            return None
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failures)
+        error = CheckpointWriteError(f"writing the shards failed ({detail})")
+        return _save_error(error, text, src_rank)
 
     try:
-        gather_and_decide(info, commit, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout)
+        gather_and_decide(info, outcome, dst=src_rank, name=SAVE_COLLECTIVE, timeout=timeout)
     except DDPStateError as shared:
-        if cause is not None and rank != src_rank:
+        if cause is not None:
             raise shared from cause
         raise
 

@@ -142,6 +142,7 @@ PUBLIC_SUBMODULES = [
     "checkpoint",
     "cli",
     "convert",
+    "dcp",
     "dist",
     "errors",
     "formats",
@@ -233,6 +234,7 @@ PUBLIC_HOMES = {
     ],
     "cli": ["main"],
     "integrations.accelerate": ["load_state", "save_state"],
+    "dcp": ["DurableWriter", "VerifiedReader"],
 }
 
 # Every option of every subcommand (``ddpstate <command> --help``).

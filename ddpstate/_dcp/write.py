@@ -2,16 +2,13 @@
 
 DCP has every rank write its own part of the state into one folder (FSDP2
 ``DTensor`` shards; replicated DDP tensors split across ranks by its dedup
-planner) and reshards on load. What it does not give is ddpstate's commit
-protocol, so this module adds it around DCP's writer:
-
-1. every rank writes its files with ``FileSystemWriter(sync_files=True)`` (each
-   file fsynced before DCP's coordinator writes ``.metadata``);
-2. every rank checksums the files it wrote itself (``__<rank>_*.distcp``; rank 0
-   also ``.metadata``) and sends name, size and CRC-32 to rank 0 in one
-   ``gather_and_decide`` round, so the ranks agree on the outcome;
-3. rank 0 fsyncs the folder and writes ddpstate's ``manifest.json`` listing
-   every file: the commit marker, last, after every rank's files are durable.
+planner) and reshards on load. ddpstate's commit protocol comes with
+:class:`ddpstate.dcp.DurableWriter` (``_dcp/durable.py``): every rank CRC-32s its
+items as it writes them into a staging folder (fresh names on object stores),
+DCP gathers the CRCs with its write results, and the coordinator writes
+``.metadata``, then ddpstate's ``manifest.json`` last and swaps the folder in.
+:func:`write_shards` is ``dcp.save`` with that writer; the rest of this module
+decides when a ``save()`` is a sharded one and what it may be given.
 
 Layouts (the names below are this module's constants):
 
@@ -38,30 +35,15 @@ and optimizer with ``writers="all"``) in one DCP checkpoint below ``dcp/``::
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Optional
 
-from ddpstate import _fs, _manifest, storage
-from ddpstate._checksum import checksum_hex, error_text
+from ddpstate._checksum import error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.torch_io import dcp_failure
-from ddpstate._manifest import (
-    FOLDER_FORMAT,
-    MANIFEST_NAME,
-    METADATA_NAME,
-    SHARD_SUFFIX,
-)
-from ddpstate.dist import get_rank, is_distributed
-from ddpstate.errors import (
-    CheckpointWriteError,
-    DDPStateError,
-    ShardedStateError,
-)
+from ddpstate.errors import CheckpointWriteError, DDPStateError, ShardedStateError
 
-_READ_CHUNK = 8 << 20
 _REFUSED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
 
@@ -86,93 +68,47 @@ def holds_sharded(obj: Any) -> bool:
     return _first_sharded(obj) is not None
 
 
-def _local_only(path: str) -> str:
-    """``path``'s local form; a URL is refused (DCP's local writer, no fsspec one yet).
-
-    Raises:
-        CheckpointWriteError: ``path`` is an fsspec URL.
-    """
-    if _fs.is_remote(path):
-        raise CheckpointWriteError(
-            f"{path}: sharded (torch.distributed.checkpoint) saves go to local or shared "
-            f"filesystem paths only in this version; save to a mounted folder and copy it"
-        )
-    return _fs.local_path(path)
-
-
 # ------------------------------------------------------------------------- writing
 
 
-def _own_files(folder: str, rank: int, coordinator: bool) -> list[str]:
-    """The files this rank wrote: DCP prefixes each rank's files with ``__<rank>_``."""
-    names = [os.path.basename(p) for p in glob.glob(os.path.join(folder, f"__{rank}_*"))]
-    names = [n for n in names if n.endswith(SHARD_SUFFIX)]
-    if coordinator:
-        names.append(METADATA_NAME)
-    return sorted(names)
-
-
-def _checksum(path: str) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        size, crc = storage.size_and_crc32(f, _READ_CHUNK)
-    return {"size": size, "crc32": checksum_hex(crc)}
-
-
-def _checksumming_fs(sums: dict[str, dict[str, Any]]) -> Any:
-    """DCP's local FileSystem, recording each data file's size and CRC-32 as it is written."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class ChecksummingFileSystem(FileSystem):
-        @contextlib.contextmanager
-        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            name = os.path.basename(os.fspath(path))
-            with super().create_stream(path, mode) as raw:
-                if mode != "wb" or not name.endswith(SHARD_SUFFIX):
-                    yield raw
-                    return
-                stream = _manifest.ChecksumWriter(raw)
-                yield stream
-                sums[name] = {"size": stream.size, "crc32": checksum_hex(stream.crc)}
-
-    return ChecksummingFileSystem()
-
-
 def write_shards(
-    state_dict: Mapping[str, Any], folder: str, process_group: Any = None
+    state_dict: Mapping[str, Any],
+    folder: str,
+    process_group: Any = None,
+    storage_options: Optional[dict[str, Any]] = None,
 ) -> dict[str, dict[str, Any]]:
-    """Write this rank's part of ``state_dict`` into the local ``folder`` with DCP; checksum it.
+    """``dcp.save`` ``state_dict`` to ``folder`` through :class:`ddpstate.dcp.DurableWriter`.
 
-    A collective where a process group exists (``dcp.save``). Every file is
-    fsynced by DCP's writer (``sync_files=True``) before its coordinator
-    writes ``.metadata``.
+    A collective where a process group exists. The folder is committed (its
+    manifest written last, swapped into place on local disks) when this returns.
 
     Args:
         process_group: DCP's group (None: the default one); async saves pass their own.
+        storage_options: fsspec options for a URL.
 
     Returns:
-        The files this rank wrote (name -> ``{"size", "crc32"}``), ``.metadata`` on rank 0.
+        On DCP's coordinator, the files the manifest lists (name -> ``{"size",
+        "crc32", "chunks"}``); elsewhere ``{}``.
 
     Raises:
-        Exception: What DCP raised (the caller shares it with every rank).
+        DDPStateError: The first failure inside DCP's ``CheckpointException`` (a
+            ddpstate error as it is, anything else as ``CheckpointWriteError``).
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    local = _local_only(folder)
-    os.makedirs(local, exist_ok=True)
-    writer = FileSystemWriter(local, single_file_per_rank=True, sync_files=True)
-    sums: dict[str, dict[str, Any]] = {}
-    writer.fs = _checksumming_fs(sums)
-    save(dict(state_dict), storage_writer=writer, process_group=process_group)
-    rank = get_rank() if is_distributed() else 0
-    files = {}
-    for name in _own_files(local, rank, rank == 0):
-        path = os.path.join(local, name)
-        known = sums.get(name)
-        # Read back only what was not seen whole on its way out (.metadata, or a stream
-        # that seeked): the size on disk must be what passed through.
-        files[name] = known if known and known["size"] == os.path.getsize(path) else _checksum(path)
-    return files
+    from ddpstate._dcp.durable import DurableWriter  # imports DCP (seconds): sharded saves only
+
+    writer = DurableWriter(folder, storage_options=storage_options)
+    try:
+        save(dict(state_dict), storage_writer=writer, process_group=process_group)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        inner = dcp_failure(exc)
+        if inner is None or not isinstance(inner, Exception):
+            raise
+        if isinstance(inner, DDPStateError):
+            raise inner from exc
+        raise CheckpointWriteError(f"{folder}: dcp.save failed ({error_text(inner)})") from exc
+    return writer.files
 
 
 def merge_files(
@@ -249,28 +185,3 @@ def check_sharded_types(obj: Any, path: str) -> None:
                 f"torch.distributed._shard), which ddpstate does not write; move to FSDP2 "
                 f"(fully_shard, DTensor state) or save it with torch.distributed.checkpoint"
             )
-
-
-def prepare_temp(path: str) -> str:
-    """Rank 0: stage a fresh local folder beside ``path`` for a sharded ``save()``.
-
-    Raises:
-        CheckpointWriteError: ``path`` is a URL, or an existing file (a folder is replaced whole).
-    """
-    local = _local_only(path)
-    if os.path.lexists(local) and not os.path.isdir(local):
-        raise CheckpointWriteError(
-            f"{path} exists and is a file; a sharded save writes a folder there. Give another "
-            f"path (ddpstate never deletes files it did not write)"
-        )
-    return storage.stage_folder(local).path
-
-
-def commit_folder(temp: str, path: str, files: Mapping[str, Any], world_size: int) -> None:
-    """Rank 0: write the manifest last into ``temp`` (from :func:`prepare_temp`), swap it in.
-
-    The manifest has a step manifest's shape with ``format`` and no entries.
-    """
-    target = os.path.abspath(_fs.local_path(path))
-    staged = storage.StagedFolder(target, temp, manifest_name=MANIFEST_NAME)
-    staged.commit(_manifest.manifest_for(None, {}, world_size, None, dict(files), FOLDER_FORMAT))

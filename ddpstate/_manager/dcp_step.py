@@ -12,7 +12,6 @@ background thread on the manager's own gloo group (:func:`async_group`).
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any, Optional
@@ -25,6 +24,7 @@ from ddpstate import _fs, storage
 from ddpstate._checksum import error_text
 from ddpstate._dcp import write as _dcp_write
 from ddpstate._io import savecheck as _savecheck
+from ddpstate._io import torch_io as _torch_io
 from ddpstate._manager import optim_state
 from ddpstate._manager.entries import rng_states
 from ddpstate._manager.writer import InFlight, StepWriter
@@ -139,6 +139,7 @@ def restore_entries(
     kinds: Mapping[str, str],
     step_folder: str,
     ignore_mismatched: bool,
+    storage_options: Optional[dict[str, Any]] = None,
 ) -> None:
     """Load a step's DCP entries ``kinds`` into the live objects; resharded as needed.
 
@@ -179,7 +180,12 @@ def restore_entries(
     targets = state_dicts(state, kinds)
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    load(targets, storage_reader=FileSystemReader(_fs.local_path(where)))
+    # restore verified the step's files before loading: torch's own reader reads them.
+    if _fs.is_remote(where):
+        reader: Any = _torch_io.fsspec_reader(where, storage_options)
+    else:
+        reader = FileSystemReader(_fs.local_path(where))
+    load(targets, storage_reader=reader)
     models = _models(state)
     for name, kind in kinds.items():
         if kind == KIND_MODULE:
@@ -237,7 +243,9 @@ def save_step(
     cause: Optional[BaseException] = None
     try:
         info["files"] = _dcp_write.write_shards(
-            state_dicts(state, kinds), os.path.join(folder, DCP_SUBDIR)
+            state_dicts(state, kinds),
+            storage.join(folder, DCP_SUBDIR),
+            storage_options=writer.storage_options,
         )
     except Exception as exc:
         cause = exc
@@ -276,7 +284,6 @@ def _commit(
         return writer.write_failure(step, target, failures)
     written = {n: {"file": f"{DCP_SUBDIR}/{METADATA_NAME}", "kind": k} for n, k in kinds.items()}
     try:
-        storage.fsync_dir(os.path.join(staged.path, DCP_SUBDIR))
         writer.commit(
             step,
             dict(entries),
@@ -364,7 +371,8 @@ def start_async_step(
         try:
             for event in events:
                 event.synchronize()  # the rank-0 entries' CUDA copies
-            info["files"] = _dcp_write.write_shards(copied, os.path.join(folder, DCP_SUBDIR), group)
+            where = storage.join(folder, DCP_SUBDIR)
+            info["files"] = _dcp_write.write_shards(copied, where, group, writer.storage_options)
         except Exception as exc:
             info["error"] = _dcp_write.failure_text(exc)
         if group is None:

@@ -147,7 +147,8 @@ def load_into(
         if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
     }
     if dcp_kinds:
-        _dcp.restore_entries(state, dcp_kinds, folder, ignore_mismatched)
+        opts = writer.config.storage_options
+        _dcp.restore_entries(state, dcp_kinds, folder, ignore_mismatched, opts)
     files = {
         name: storage.join(folder, saved_entries[name]["file"])
         for name in state

@@ -121,7 +121,8 @@ def test_fsdp2_model_and_optimizer_restore_bitwise_and_reshard(
     assert saved[0]["steps"] == [1, 2]
     step_folder = tmp_path / "run" / "step_0000000002"
     listed = sorted(p.name for p in (step_folder / DCP_SUBDIR).iterdir())
-    assert listed == sorted([".metadata", *(f"__{r}_0.distcp" for r in range(saved_on))])
+    shards = [f"__{r}_0.distcp" for r in range(saved_on)]
+    assert listed == sorted([".metadata", *shards, "manifest.json"])  # DurableWriter's commit
     assert ddpstate.verify_checkpoint(str(step_folder)).ok
     restored = run_ranks(_fsdp_restore, restored_on, args=(folder, None), timeout=150)
     for out in restored:
@@ -159,9 +160,9 @@ def _gate_dcp_writes() -> threading.Event:
     gate = threading.Event()
     real = _dcp.write_shards
 
-    def gated(state_dict: Any, folder: str, process_group: Any = None) -> Any:
+    def gated(state_dict: Any, folder: str, *args: Any, **kwargs: Any) -> Any:
         gate.wait()
-        return real(state_dict, folder, process_group)
+        return real(state_dict, folder, *args, **kwargs)
 
     _dcp.write_shards = gated  # type: ignore[assignment]
     return gate
@@ -255,13 +256,15 @@ def _kill_rank_one_mid_save(rank: int, world: int, folder: str) -> str:
     manager.save(1, {"model": model, "optimizer": opt, "epoch": 3})
     _train(model, opt, rank)
     if rank == 1:
+        real = _dcp.write_shards
 
-        def die_after_writing(folder: str, rank: int, coordinator: bool) -> list[str]:
+        def die_after_writing(state_dict: Any, folder: str, *args: Any, **kwargs: Any) -> Any:
             # Rank 1's shard is on disk (DCP's save returned); die before reporting it.
+            real(state_dict, folder, *args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 
-        _dcp._own_files = die_after_writing  # type: ignore[assignment]
+        _dcp.write_shards = die_after_writing  # type: ignore[assignment]
     try:
         manager.save(2, {"model": model, "optimizer": opt, "epoch": 4})
     except DDPStateError as exc:

@@ -1,0 +1,571 @@
+"""DCP storage that commits the ddpstate way and verifies what it reads: :mod:`ddpstate.dcp`.
+
+:class:`DurableWriter` is torch's ``FileSystemWriter`` (``FsspecWriter`` for URLs)
+with its file system wrapped (:class:`_Checksummed`): every ``.distcp`` stream is a
+:class:`~ddpstate._manifest.ChecksumWriter` in pieces mode, so each item's bytes are
+CRC-32'd on their way out (DCP calls ``tell`` before and after each item). Each
+rank's ``write_data`` returns DCP's ``WriteResult`` s with ``storage_data`` a
+:class:`_Checked` (torch's ``_StorageInfo`` and the item's CRC), which DCP gathers to
+the coordinator as it does every save; ``finish`` puts torch's own objects back
+before torch writes ``.metadata``, then writes ddpstate's ``manifest.json`` last
+(each file's size, whole-file CRC-32 and its items' ``chunks``) and commits:
+
+- local paths: every rank writes into ``.<name>.ddpstate-tmp-<hex>`` beside the
+  target (the hex is derived from the name, so all ranks agree without talking;
+  the coordinator empties it in ``prepare_global_plan``, which runs after every
+  rank's local plan and before any write); the commit fsyncs it and swaps it in
+  (:class:`ddpstate.storage.StagedFolder`).
+- URLs: data files get a fresh random part in their names, so the old checkpoint's
+  files stay as they were; ``finish`` uncommits the old checkpoint (its manifest),
+  writes ``.metadata`` and the new manifest, then deletes the ``.distcp`` files the
+  new manifest does not list.
+
+:class:`VerifiedReader` is ``FileSystemReader`` (``FsspecReader``) whose file system
+returns, for each shard file, a :class:`_VerifiedFile`: reads go straight into
+torch's buffers and are CRC-32'd there, and each item read is compared with its
+recorded CRC-32 when DCP closes the file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import hashlib
+import io
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, Optional, Union
+
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemBase,
+    FileSystemReader,
+    FileSystemWriter,
+)
+from torch.futures import Future
+
+from ddpstate import _fs, _manifest, storage
+from ddpstate._checksum import checksum_hex
+from ddpstate._crc import crc32, crc32_combine, crc32_of_pieces
+from ddpstate._manifest import FOLDER_FORMAT, MANIFEST_NAME, METADATA_NAME, SHARD_SUFFIX
+from ddpstate.dist import get_rank, is_distributed
+from ddpstate.errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    InvalidArgumentError,
+)
+
+try:  # the public module (newer torch); torch 2.13 has only the private one
+    from torch.distributed.checkpoint.fsspec_filesystem import (  # type: ignore[import-not-found,unused-ignore]
+        FileSystem as FsspecFileSystem,
+    )
+except ImportError:
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+
+__all__ = ["DurableWriter", "VerifiedReader"]
+
+Chunks = dict[int, tuple[int, int]]  # offset -> (length, crc32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """A ``WriteResult.storage_data`` on its way to ``finish``: torch's own, and the item's CRC."""
+
+    info: Any  # torch's _StorageInfo(relative_path, offset, length)
+    crc: int
+
+
+def _rank() -> int:
+    return get_rank() if is_distributed() else 0
+
+
+def _file_system(path: str, storage_options: Optional[dict[str, Any]]) -> FileSystemBase:
+    """torch's file system for ``path``: the local one, or fsspec's with ``storage_options``."""
+    if not _fs.is_remote(path):
+        return FileSystem()
+    fs: FileSystemBase = FsspecFileSystem()
+    fs.init_path(path, **(storage_options or {}))
+    return fs
+
+
+class _Checksummed(FileSystemBase):
+    """torch's file system for one checkpoint, CRC-ing what is written, checking what is read.
+
+    Writes: each ``.distcp`` stream records its items' ``(offset, length, crc)`` in
+    ``pieces``, any other file its size and CRC in ``whole``. Reads: a file that
+    ``chunks`` lists is served by :class:`_VerifiedFile`.
+    """
+
+    def __init__(self, inner: FileSystemBase, folder: str) -> None:
+        self.inner = inner
+        self.folder = folder
+        self.pieces: dict[str, list[tuple[int, int, int]]] = {}
+        self.whole: dict[str, dict[str, Any]] = {}
+        self.chunks: dict[str, Chunks] = {}
+        self.rank: Optional[int] = None  # DCP's rank of this process, once it says
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Union[str, os.PathLike[str]], mode: str) -> Iterator[Any]:
+        name = os.path.basename(os.fspath(path))
+        with self.inner.create_stream(path, mode) as raw:
+            if "r" in mode:
+                chunks = self.chunks.get(name)
+                if chunks is None:
+                    yield raw
+                    return
+                verified = _VerifiedFile(raw, chunks, self, name)
+                try:  # .metadata: pickle reads in small pieces; shards: DCP reads item views
+                    yield verified if name.endswith(SHARD_SUFFIX) else io.BufferedReader(verified)
+                except BaseException as exc:  # torch choked on damaged bytes: say which
+                    verified.check()
+                    raise exc
+                verified.check()
+                return
+            writer = _manifest.ChecksumWriter(raw, pieces=name.endswith(SHARD_SUFFIX))
+            yield writer
+            if writer.pieces is None:
+                self.whole[name] = {"size": writer.size, "crc32": checksum_hex(writer.crc)}
+            else:
+                writer.tell()  # ends the last piece
+                self.pieces[name] = writer.pieces
+
+    def concat_path(
+        self, path: Union[str, os.PathLike[str]], suffix: str
+    ) -> Union[str, os.PathLike[str]]:
+        return self.inner.concat_path(path, suffix)
+
+    def rename(
+        self, path: Union[str, os.PathLike[str]], new_path: Union[str, os.PathLike[str]]
+    ) -> None:
+        self.inner.rename(path, new_path)
+
+    def init_path(self, path: Union[str, os.PathLike[str]]) -> Union[str, os.PathLike[str]]:
+        return path
+
+    def mkdir(self, path: Union[str, os.PathLike[str]]) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike[str]]) -> bool:
+        return True
+
+    def exists(self, path: Union[str, os.PathLike[str]]) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path: Union[str, os.PathLike[str]]) -> None:
+        self.inner.rm_file(path)
+
+
+class _VerifiedFile(io.RawIOBase):
+    """A shard file whose reads are CRC-checked against its recorded chunks (items).
+
+    Each read goes straight from the file into the caller's buffer and is
+    CRC-32'd there, no copy; :meth:`check` (when the stream closes, or fails)
+    puts each touched chunk's CRC together from those pieces
+    (``_crc.crc32_combine``), reading only the bytes torch skipped, and raises
+    if it differs from the manifest's. DCP closes a shard's stream before it
+    returns from ``read_data``, so a damaged range fails the load on every rank.
+    """
+
+    def __init__(self, raw: Any, chunks: Chunks, fs: _Checksummed, name: str) -> None:
+        super().__init__()
+        self._raw = raw
+        self._fs = fs
+        self._chunks = chunks
+        self._starts = sorted(chunks)
+        self._end = max((o + n for o, (n, _) in chunks.items()), default=0)
+        self._where = storage.join(fs.folder, name)
+        self._pos = 0
+        self._seen: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (pos, n, crc) read
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            offset += self._end
+        elif whence == io.SEEK_CUR:
+            offset += self._pos
+        self._pos = offset
+        return offset
+
+    def _chunk(self, pos: int) -> int:
+        at = bisect.bisect_right(self._starts, pos) - 1
+        start = self._starts[at] if at >= 0 else -1
+        if start < 0 or pos >= start + self._chunks[start][0]:
+            raise self._error(f"byte {pos} is outside every range the manifest records")
+        return start
+
+    def _read(self, pos: int, out: memoryview) -> int:
+        self._raw.seek(pos)
+        got = self._raw.readinto(out)
+        if not got:
+            start = self._chunk(pos)
+            raise self._error(
+                f"it ends at byte {pos}, inside bytes {start}..{start + self._chunks[start][0]} "
+                f"(the file is truncated)"
+            )
+        return int(got)
+
+    def readinto(self, b: Any) -> int:
+        if self._pos >= self._end:
+            return 0
+        start = self._chunk(self._pos)
+        out = memoryview(b).cast("B")
+        out = out[: min(len(out), start + self._chunks[start][0] - self._pos)]
+        got = self._read(self._pos, out)
+        self._seen.setdefault(start, []).append((self._pos, got, crc32(out[:got], 0)))
+        self._pos += got
+        return got
+
+    def check(self) -> None:
+        """Raise if a chunk read so far differs from its recorded CRC-32."""
+        for start, seen in sorted(self._seen.items()):
+            length, want = self._chunks[start]
+            pieces = {pos: (n, c) for pos, n, c in sorted(seen, key=lambda p: p[1])}  # longest
+            crc, pos, end = 0, start, start + length
+            while pos < end:
+                if pos in pieces and pos + pieces[pos][0] <= end:
+                    n, c = pieces[pos]
+                else:  # bytes torch did not read (or read in overlapping pieces): read them
+                    n = min([p for p in pieces if p > pos] + [end]) - pos
+                    gap = memoryview(bytearray(n))
+                    got = 0
+                    while got < n:
+                        got += self._read(pos + got, gap[got:])
+                    c = crc32(gap, 0)
+                crc, pos = crc32_combine(crc, c, n), pos + n
+            if crc != want:
+                raise self._error(
+                    f"bytes {start}..{end} have CRC-32 {checksum_hex(crc)}, but the manifest "
+                    f"records {checksum_hex(want)} (the file is damaged)"
+                )
+        self._seen.clear()
+
+    def _error(self, what: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"{self._where}: {what}; rank {_rank() if self._fs.rank is None else self._fs.rank} "
+            f"refused it. Restore an older checkpoint or re-save this one (`ddpstate verify` "
+            f"lists every damaged file)"
+        )
+
+
+def _staging_for(target: str) -> str:
+    """The staging folder beside local ``target``, the same on every rank."""
+    name = os.path.basename(target.rstrip(os.sep))
+    digest = hashlib.sha256(f"dcp:{name}".encode()).hexdigest()[:16]
+    return os.path.join(os.path.dirname(target), f".{name}{storage.TEMP_MARKER}{digest}")
+
+
+class DurableWriter(FileSystemWriter):
+    """A ``torch.distributed.checkpoint`` storage writer that commits like ddpstate.
+
+    Use it wherever torch's ``FileSystemWriter`` goes:
+    ``dcp.save(state, storage_writer=DurableWriter(path))``, ``dcp.async_save``,
+    torchtitan. Every rank writes its shards into a staging folder (local paths)
+    or under fresh names (fsspec URLs), CRC-32-ing each item as its bytes go out;
+    the coordinator writes ``.metadata``, then ``manifest.json`` last (size,
+    CRC-32 and per-item CRC-32 chunks of every file), the commit marker, and on
+    local paths fsyncs the folder and swaps it into place. A save that dies
+    midway commits nothing and leaves the previous checkpoint at ``path`` intact.
+    The folder still loads with plain ``dcp.load``; :class:`VerifiedReader` also
+    checks every byte it reads.
+
+    Args:
+        path: The checkpoint folder (local path or fsspec URL such as ``s3://b/ckpt``).
+        storage_options: fsspec options for a URL (``{"endpoint_url": ...}``).
+        single_file_per_rank, thread_count, per_thread_copy_ahead,
+            cache_staged_state_dict, overwrite: As for torch's ``FileSystemWriter``
+            (``overwrite=False`` refuses a ``path`` holding a committed checkpoint).
+        sync_files: fsync each file and the folder (local paths; object stores
+            are durable once a file is closed).
+
+    Raises:
+        CheckpointWriteError: ``overwrite=False`` and ``path`` holds a committed
+            checkpoint; from ``dcp.save`` (inside torch's ``CheckpointException``)
+            when the commit fails.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from ddpstate.dcp import DurableWriter, VerifiedReader
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = dcp.save({"w": torch.ones(3)}, storage_writer=DurableWriter(path), no_dist=True)
+        >>> sorted(os.listdir(path))
+        ['.metadata', '__0_0.distcp', 'manifest.json']
+        >>> state = {"w": torch.zeros(3)}
+        >>> dcp.load(state, storage_reader=VerifiedReader(path), no_dist=True)
+        >>> state["w"]
+        tensor([1., 1., 1.])
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike[str]],
+        *,
+        storage_options: Optional[dict[str, Any]] = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+    ) -> None:
+        super().__init__(
+            os.getcwd(),  # replaced by reset(path) below
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+        )
+        self.storage_options = storage_options
+        self._sync_asked = sync_files
+        #: After a save, on the coordinator: the manifest's files (name -> size, CRC-32...).
+        self.files: dict[str, dict[str, Any]] = {}
+        self.reset(path)
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike[str], None] = None) -> None:
+        """Start a new save, to ``checkpoint_id`` when given (DCP calls this)."""
+        super().reset()
+        if not checkpoint_id:
+            return
+        text = os.fspath(checkpoint_id)
+        self.remote = _fs.is_remote(text)
+        self.target = text if self.remote else os.path.abspath(_fs.local_path(text))
+        self.sync_files = self._sync_asked and not self.remote
+        staging = self.target if self.remote else _staging_for(self.target)
+        self.checked = _Checksummed(_file_system(text, self.storage_options), self.target)
+        self.fs = self.checked  # type: ignore[assignment]  # torch annotates its own class
+        self.path = staging
+        if not self.overwrite and storage.exists(
+            storage.join(self.target, MANIFEST_NAME), **self._opts()
+        ):
+            raise CheckpointWriteError(
+                f"{self.target} holds a committed checkpoint and overwrite=False; save "
+                f"elsewhere or pass overwrite=True"
+            )
+
+    @property
+    def checkpoint_id(self) -> Union[str, os.PathLike[str]]:
+        """The checkpoint folder being written (not its staging folder)."""
+        return self.target
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike[str]]) -> bool:
+        return True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if not self.use_collectives:
+            raise InvalidArgumentError(
+                f"{self.target}: DurableWriter commits one checkpoint for all ranks, so it "
+                f"needs dcp.save's collectives; drop use_collectives=False"
+            )
+
+    def _opts(self) -> dict[str, Any]:
+        return {"storage_options": self.storage_options}
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan  # the coordinator makes the staging folder (prepare_global_plan)
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        if not self.remote:  # a fresh staging folder, before any rank writes into it
+            if os.path.lexists(self.target) and not os.path.isdir(self.target):
+                raise CheckpointWriteError(
+                    f"{self.target} exists and is a file; a DCP checkpoint is a folder. Give "
+                    f"another path (ddpstate never deletes files it did not write)"
+                )
+            storage.remove(self.path, recursive=True, missing_ok=True)
+            storage.makedirs(self.path)
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan: Any, planner: Any) -> Future[list[Any]]:
+        fs = self.checked
+        if self.remote:  # fresh names: the files of a checkpoint already there stay as they are
+            fresh = f"{plan.storage_data.prefix}{os.urandom(4).hex()}_"
+            plan = dataclasses.replace(
+                plan, storage_data=dataclasses.replace(plan.storage_data, prefix=fresh)
+            )
+        fs.pieces.clear()
+        written = super().write_data(plan, planner)
+        written.wait()
+        results = written.value()
+        crcs = {(n, o): (length, c) for n, pieces in fs.pieces.items() for o, length, c in pieces}
+        checked = []
+        for result in results:
+            info = result.storage_data
+            length, crc = crcs.pop((info.relative_path, info.offset), (0, 0))
+            if length != info.length:
+                raise CheckpointWriteError(
+                    f"{self.target}: item {result.index.fqn!r} in {info.relative_path} was not "
+                    f"written as one piece on rank {_rank()}; DurableWriter cannot checksum it"
+                )
+            checked.append(dataclasses.replace(result, storage_data=_Checked(info, crc)))
+        if crcs:  # bytes no item accounts for (a serialization DurableWriter does not know)
+            raise CheckpointWriteError(
+                f"{self.target}: rank {_rank()} wrote bytes outside DCP's items "
+                f"({sorted(n for n, _ in crcs)}); DurableWriter cannot checksum them"
+            )
+        done: Future[list[Any]] = Future()
+        done.set_result(checked)
+        return done
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        fs = self.checked
+        chunks: dict[str, list[tuple[int, int, int]]] = {}
+        plain = []
+        for rank_results in results:
+            for r in rank_results:
+                c: _Checked = r.storage_data
+                chunks.setdefault(c.info.relative_path, []).append(
+                    (c.info.offset, c.info.length, c.crc)
+                )
+            plain.append(
+                [dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank_results]
+            )
+        files = {name: _file_entry(name, sorted(pieces)) for name, pieces in chunks.items()}
+        if self.remote:  # uncommit the checkpoint this one replaces before its .metadata goes
+            storage.remove(
+                storage.join(self.target, MANIFEST_NAME), missing_ok=True, **self._opts()
+            )
+        super().finish(metadata, plain)  # torch writes .metadata: torch's own objects only
+        files[METADATA_NAME] = fs.whole[METADATA_NAME + ".tmp"]
+        self.files = files
+        manifest = _manifest.manifest_for(None, {}, len(results), None, files, FOLDER_FORMAT)
+        storage.StagedFolder(
+            self.target, str(self.path), fsync=self.sync_files, storage_options=self.storage_options
+        ).commit(manifest)
+        if self.remote:  # the replaced checkpoint's shards, now unreachable
+            for name in storage.listdir(self.target, **self._opts()):
+                if name.endswith(SHARD_SUFFIX) and name not in files:
+                    storage.remove(storage.join(self.target, name), missing_ok=True, **self._opts())
+
+
+def _file_entry(name: str, pieces: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """A shard's manifest entry from its items' pieces: size, whole-file CRC, chunks."""
+    end = 0
+    for offset, length, _ in pieces:
+        if offset != end:
+            raise CheckpointWriteError(
+                f"{name}: bytes {end}..{offset} belong to no item; DurableWriter cannot "
+                f"checksum them"
+            )
+        end = offset + length
+    return {
+        "size": end,
+        "crc32": checksum_hex(crc32_of_pieces((c, n) for _, n, c in pieces)),
+        "chunks": [[o, n, checksum_hex(c)] for o, n, c in pieces],
+    }
+
+
+def _chunk_table(files: Mapping[str, Any]) -> dict[str, Chunks]:
+    """Each listed file's ranges (offset -> (length, crc)); a file without chunks is one range."""
+    table: dict[str, Chunks] = {}
+    for listed, entry in files.items():
+        if isinstance(entry, dict):
+            rows = entry.get("chunks") or [[0, entry.get("size"), entry.get("crc32")]]
+            table[listed] = {int(o): (int(n), int(str(c), 16)) for o, n, c in rows}
+    return table
+
+
+class VerifiedReader(FileSystemReader):
+    """A ``torch.distributed.checkpoint`` storage reader that checks every byte it reads.
+
+    ``dcp.load(state, storage_reader=VerifiedReader(path))`` loads a checkpoint
+    :class:`DurableWriter` (or ``ddpstate.save``) committed, resharding as DCP
+    does. The folder's manifest is read and ``.metadata`` checked when the
+    reader is made; each shard byte range is CRC-32'd as it is read (no second
+    pass) and compared with the recorded one before ``dcp.load`` returns. A
+    damaged or truncated shard raises :class:`~ddpstate.errors.CheckpointCorruptError`
+    naming the file and the rank; ``dcp.load`` hands it to every rank inside its
+    ``CheckpointException`` (``failures[rank][0]``; ``ddpstate.load_model_state``
+    into a sharded model raises it as is).
+
+    Args:
+        path: The checkpoint folder (local path or fsspec URL).
+        storage_options: fsspec options for a URL.
+
+    Raises:
+        CheckpointNotFoundError: Nothing at ``path``, or a folder without a
+            manifest (an interrupted save).
+        CheckpointFormatError: A folder plain ``dcp.save`` wrote (``.metadata``
+            but no manifest): it still loads with torch's ``FileSystemReader``.
+        CheckpointCorruptError: The manifest or ``.metadata`` is damaged.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from ddpstate.dcp import VerifiedReader
+        >>> path = tempfile.mkdtemp()
+        >>> _ = dcp.save({"w": torch.ones(3)}, checkpoint_id=path, no_dist=True)
+        >>> VerifiedReader(path)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ddpstate.errors.CheckpointFormatError: ...: written by plain torch.distributed.checkpoint...
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike[str]],
+        *,
+        storage_options: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__(os.getcwd())  # replaced by reset(path) below
+        self.storage_options = storage_options
+        self.reset(path)
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike[str], None] = None) -> None:
+        """Point at ``checkpoint_id`` (DCP calls this) and check its manifest and ``.metadata``."""
+        super().reset()
+        if not checkpoint_id:
+            return
+        text = os.fspath(checkpoint_id)
+        self.path = text if _fs.is_remote(text) else _fs.local_path(text)
+        self.checked = _Checksummed(_file_system(text, self.storage_options), text)
+        self.checked.chunks = self._committed_chunks(text)
+        self.fs = self.checked  # type: ignore[assignment]  # torch annotates its own class
+        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_NAME), "rb") as f:
+            f.read()  # a damaged .metadata is refused here, not as DCP's AssertionError text
+
+    def set_up_storage_reader(
+        self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.checked.rank = self.rank
+
+    def _committed_chunks(self, text: str) -> dict[str, Chunks]:
+        opts = self.storage_options
+        if not storage.exists(text, storage_options=opts):
+            raise CheckpointNotFoundError(f"{text}: no such checkpoint folder")
+        manifest, problem = _manifest.read_manifest(text, opts)
+        if manifest is not None:
+            try:
+                return _chunk_table(manifest["files"])
+            except (TypeError, ValueError) as exc:
+                raise CheckpointCorruptError(
+                    f"{text}: its {MANIFEST_NAME} records ranges that are not numbers ({exc}); "
+                    f"re-save the checkpoint"
+                ) from exc
+        has_metadata = storage.exists(storage.join(text, METADATA_NAME), storage_options=opts)
+        manifest_path = storage.join(text, MANIFEST_NAME)
+        if has_metadata and not storage.exists(manifest_path, storage_options=opts):
+            raise CheckpointFormatError(
+                f"{text}: written by plain torch.distributed.checkpoint (it has {METADATA_NAME} "
+                f"but no {MANIFEST_NAME}), so nothing records its checksums and VerifiedReader "
+                f"cannot check it. It still loads with plain DCP: dcp.load(state, "
+                f"checkpoint_id={text!r}); save with ddpstate.dcp.DurableWriter to get a "
+                f"verified checkpoint"
+            )
+        error = CheckpointCorruptError if "damaged" in str(problem) else CheckpointNotFoundError
+        raise error(f"{text}: not a committed checkpoint: {problem}")

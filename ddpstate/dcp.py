@@ -1,0 +1,22 @@
+"""Durable, verified storage for ``torch.distributed.checkpoint`` (DCP), on disk and object stores.
+
+Plug these into plain DCP (or anything built on it, such as torchtitan)::
+
+    import torch.distributed.checkpoint as dcp
+    from ddpstate.dcp import DurableWriter, VerifiedReader
+
+    dcp.save(state, storage_writer=DurableWriter("s3://bucket/run/step_100"))
+    dcp.load(state, storage_reader=VerifiedReader("s3://bucket/run/step_100"))
+
+:class:`DurableWriter` CRC-32s every item as it is written and commits the
+folder with ddpstate's manifest, written last (on local disks after an fsync
+and a swap into place); :class:`VerifiedReader` refuses an uncommitted folder and
+checks every byte range it reads against the manifest. Importing this module
+imports ``torch.distributed.checkpoint``. See docs/dcp.md.
+"""
+
+from __future__ import annotations
+
+from ddpstate._dcp.durable import DurableWriter, VerifiedReader
+
+__all__ = ["DurableWriter", "VerifiedReader"]
