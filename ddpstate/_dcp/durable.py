@@ -283,9 +283,10 @@ class DurableWriter(FileSystemWriter):
     Args:
         path: The checkpoint folder (local path or fsspec URL such as ``s3://b/ckpt``).
         storage_options: fsspec options for a URL (``{"endpoint_url": ...}``).
-        single_file_per_rank, thread_count, per_thread_copy_ahead,
-            cache_staged_state_dict, overwrite: As for torch's ``FileSystemWriter``
-            (``overwrite=False`` refuses a ``path`` holding a committed checkpoint).
+        single_file_per_rank: As for torch's ``FileSystemWriter``; so are
+            ``thread_count``, ``per_thread_copy_ahead``, ``cache_staged_state_dict``
+            and ``overwrite`` (``overwrite=False`` refuses a ``path`` holding a
+            committed checkpoint).
         sync_files: fsync each file and the folder (local paths; object stores
             are durable once a file is closed).
 
@@ -331,7 +332,7 @@ class DurableWriter(FileSystemWriter):
         )
         self.storage_options = storage_options
         self._sync_asked = sync_files
-        #: After a save, on the coordinator: the manifest's files (name -> size, CRC-32...).
+        #: The manifest's files (name to size and CRC-32s), on the coordinator after a save.
         self.files: dict[str, dict[str, Any]] = {}
         self.reset(path)
 
