@@ -9,6 +9,9 @@ interleaved round-robin in one process (median of ``--repeats``):
   against ``torch.save`` + fsync of the same CUDA state (target <= 1.10x), and
   ``ddpstate.save(.safetensors)`` against ``safetensors.torch.save_file`` + fsync
   (target <= 1.10x);
+* DCP from CUDA state, one process: ``dcp.save`` with ``ddpstate.dcp.DurableWriter``
+  against torch's ``FileSystemWriter(sync_files=True)`` (target <= 1.10x), and ``dcp.load``
+  into the CUDA state with ``VerifiedReader`` against ``FileSystemReader`` (target <= 1.10x);
 * load onto the GPU from a cold page cache, ``torch.cuda.synchronize()`` included:
   ``ddpstate.load(map_location="auto")`` (``auto`` is ``cuda:LOCAL_RANK``) against
   ``torch.load(map_location="cuda:0", weights_only=True)`` with ``mmap=False`` on both
@@ -98,6 +101,7 @@ def run_point(results: Results, settings: Settings, size_mib: int) -> None:
     assert all(v.device == torch.device("cuda:0") for v in loaded.values()), "auto is not cuda:0"
     assert all(torch.equal(loaded[k], v) for k, v in state.items()), "GPU round trip differs"
     del loaded
+    _dcp_point(results, settings, size_mib, state, folder)
     measured = harness.interleave(
         {n: synced(fn) for n, (fn, _) in loads.items()},
         settings.repeats,
@@ -116,6 +120,62 @@ def run_point(results: Results, settings: Settings, size_mib: int) -> None:
     saves.clear()  # the closures hold the CUDA state
     torch.cuda.empty_cache()
     harness.remove(folder)
+
+
+def _dcp_point(
+    results: Results, settings: Settings, size_mib: int, state: dict[str, Any], folder: Any
+) -> None:
+    """DurableWriter/VerifiedReader against torch's writer/reader, the state on ``cuda:0``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ddpstate.dcp import DurableWriter, VerifiedReader
+
+    ours, theirs = folder / "dcp-ours", folder / "dcp-torch"
+    writers = {
+        "dcp.save DurableWriter (cuda)": lambda: dcp.save(
+            state, storage_writer=DurableWriter(ours), no_dist=True
+        ),
+        "dcp.save FileSystemWriter (cuda)": lambda: dcp.save(
+            state, storage_writer=dcp.FileSystemWriter(theirs, sync_files=True), no_dist=True
+        ),
+    }
+    out = {"dcp.save DurableWriter (cuda)": ours, "dcp.save FileSystemWriter (cuda)": theirs}
+    measured = harness.interleave(
+        writers, settings.repeats, {n: (lambda p=p: harness.remove(p)) for n, p in out.items()}
+    )
+    t = {
+        n: results.add(timing("gpu dcp save", "size_mib", size_mib, n, m))
+        for n, m in measured.items()
+    }
+    results.compare(t["dcp.save DurableWriter (cuda)"], t["dcp.save FileSystemWriter (cuda)"], 1.10)
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=VerifiedReader(ours), no_dist=True)
+    assert all(torch.equal(target[k], v) for k, v in state.items()), "DCP GPU round trip differs"
+
+    def load(reader: Any) -> None:
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        torch.cuda.synchronize()
+
+    readers = {
+        "dcp.load VerifiedReader (cuda)": lambda: load(VerifiedReader(ours)),
+        "dcp.load FileSystemReader (cuda)": lambda: load(dcp.FileSystemReader(theirs)),
+    }
+    measured = harness.interleave(
+        readers,
+        settings.repeats,
+        {
+            "dcp.load VerifiedReader (cuda)": lambda: harness.evict(ours),
+            "dcp.load FileSystemReader (cuda)": lambda: harness.evict(theirs),
+        },
+    )
+    lt = {
+        n: results.add(timing("gpu dcp load", "size_mib", size_mib, n, m))
+        for n, m in measured.items()
+    }
+    results.compare(
+        lt["dcp.load VerifiedReader (cuda)"], lt["dcp.load FileSystemReader (cuda)"], 1.10
+    )
 
 
 def run(results: Results, settings: Settings) -> None:
