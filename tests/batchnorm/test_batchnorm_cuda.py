@@ -83,6 +83,11 @@ def _two_view_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
     optimizer.step()
 
 
+def _inner(model: nn.Module) -> nn.Module:
+    # wrap_ddp returns the model itself in a one-rank group (one GPU): no DDP wrapper.
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def _gathered_equal(t: torch.Tensor, world: int, *, exact: bool) -> bool:
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t)
@@ -93,13 +98,13 @@ def _gathered_equal(t: torch.Tensor, world: int, *, exact: bool) -> bool:
 
 def _sync_rank(rank: int, world: int) -> dict[str, Any]:
     model = wrap_ddp(_net(), batchnorm="sync")
-    layer_types = [type(m).__name__ for m in model.module if "Norm" in type(m).__name__]
+    layer_types = [type(m).__name__ for m in _inner(model) if "Norm" in type(m).__name__]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     torch.manual_seed(10 + rank)  # different data per rank
     for _ in range(3):
         _two_view_step(model, optimizer, rank)  # SyncBatchNorm: no in-place error
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    stats = torch.cat([b.detach().float().flatten() for b in model.module.buffers()])
+    stats = torch.cat([b.detach().float().flatten() for b in _inner(model).buffers()])
     # Back to plain BatchNorm for single-device CPU inference: same eval outputs.
     model.eval()
     x = torch.randn(4, 3, 16, 16, device=f"cuda:{rank}")
@@ -168,7 +173,7 @@ def _inplace_rank(rank: int, world: int) -> dict[str, Any]:
     # wrap_ddp's "auto" choice trains the two-view model.
     model = wrap_ddp(_net())
     out["auto_layers"] = sorted(
-        {type(m).__name__ for m in model.module if "Norm" in type(m).__name__}
+        {type(m).__name__ for m in _inner(model) if "Norm" in type(m).__name__}
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(3):
