@@ -20,7 +20,6 @@ import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -345,90 +344,6 @@ def manifest_for(
     return manifest_bytes(manifest)
 
 
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _size_and_crc(path: str) -> tuple[int, int]:
-    with open(path, "rb") as f:
-        return storage.size_and_crc32(f)
-
-
-def seal_folder(folder: PathLike, *, format: str, world_size: int = 1) -> dict[str, Any]:
-    """Make a local folder another program wrote durable and verifiable in place.
-
-    Every file is read once (its size and CRC-32) and fsynced, then the folder, and a
-    ``manifest.json`` listing them is written last (atomically, fsynced): the folder
-    then passes :func:`verify_checkpoint` (and ``ddpstate verify``) until a byte of
-    it changes. A previous manifest is replaced. Not a collective: call it once per
-    copy of the folder, after every file in it is written.
-
-    Args:
-        folder: A local folder of files (e.g. a Hugging Face ``checkpoint-N``).
-        format: What wrote it, recorded as the manifest's ``format``.
-        world_size: The number of ranks of the run, recorded in the manifest.
-
-    Returns:
-        The manifest's ``files``: ``{name: {"size": ..., "crc32": ...}}``.
-
-    Raises:
-        CheckpointNotFoundError: ``folder`` does not exist.
-        CheckpointFormatError: It holds a sub-folder (only flat folders are sealed).
-        CheckpointWriteError: Reading, syncing or writing failed.
-
-    Example:
-        >>> import os, tempfile
-        >>> from ddpstate._manifest import seal_folder, verify_checkpoint
-        >>> folder = tempfile.mkdtemp()
-        >>> _ = open(os.path.join(folder, "weights.bin"), "wb").write(b"abc")
-        >>> seal_folder(folder, format="example")
-        {'weights.bin': {'size': 3, 'crc32': '352441c2'}}
-        >>> verify_checkpoint(folder).ok
-        True
-    """
-    text = os.path.abspath(_fs.local_path(os.fspath(folder)))
-    files = synced_files(text)
-    with storage.atomic_write(os.path.join(text, MANIFEST_NAME)) as f:
-        f.write(manifest_for(None, {}, world_size, None, files, format))
-    return files
-
-
-def synced_files(text: str) -> dict[str, dict[str, Any]]:
-    """Each file of the flat local folder ``text`` but a manifest: fsynced, its size and CRC-32.
-
-    The folder is fsynced too. The manifest's ``files`` for :func:`seal_folder` and for a
-    folder staged for :meth:`ddpstate.storage.StagedFolder.commit`.
-
-    Raises:
-        CheckpointFormatError: It holds a sub-folder.
-        CheckpointWriteError: Reading or syncing failed.
-    """
-    names = [n for n in storage.listdir(text) if n != MANIFEST_NAME]  # no temporary files
-    for name in names:
-        if os.path.isdir(os.path.join(text, name)):
-            raise CheckpointFormatError(
-                f"{os.path.join(text, name)} is a folder: ddpstate seals flat folders of files "
-                f"only; move it out of {text}, or save without it"
-            )
-    try:
-        # The disk's write-back (fsync) and the CPU's CRC-32 of the cached bytes overlap.
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            synced = [pool.submit(_fsync_file, os.path.join(text, n)) for n in names]
-            sums = list(pool.map(_size_and_crc, [os.path.join(text, n) for n in names]))
-            for done in synced:
-                done.result()
-        storage.fsync_dir(text)
-    except OSError as exc:
-        raise CheckpointWriteError(
-            f"sealing {text} failed ({error_text(exc)}); it has no new {MANIFEST_NAME}"
-        ) from exc
-    return {
-        n: {"size": size, "crc32": checksum_hex(crc)}
-        for n, (size, crc) in zip(names, sums, strict=True)
-    }
-
-
 def manifest_crc(manifest: Mapping[str, Any]) -> str:
     body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC_FIELD}
     return checksum_hex(zlib.crc32(manifest_bytes(body)))
@@ -523,32 +438,95 @@ class FolderCheck:
     bytes_read: int = 0
 
 
-def checked_files(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def checked_files(manifest: Mapping[str, Any], *, defer: bool = False) -> dict[str, dict[str, Any]]:
     """The manifest's listed files that a check reads, in manifest order.
 
     The rest (a name that is not a file here, an entry that is not a dict) are
-    manifest problems (:func:`manifest_problems`).
+    manifest problems (:func:`manifest_problems`). ``defer`` leaves out the
+    :func:`read_checked` shards, whose bytes restore checks as it loads them.
     """
     files: dict[str, Any] = manifest["files"]
-    return {n: e for n, e in files.items() if is_listed(n) and isinstance(e, dict)}
+    listed = {n: e for n, e in files.items() if is_listed(n) and isinstance(e, dict)}
+    if defer:
+        later = read_checked(manifest)
+        return {n: e for n, e in listed.items() if n not in later}
+    return listed
+
+
+def read_checked(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A step's DCP shards that ``ddpstate.dcp.VerifiedReader`` checks range by range as it reads.
+
+    ``DurableWriter`` records each shard's items as ``chunks`` (offset, length,
+    CRC-32) in the step's manifest and in ``dcp/manifest.json``; restore then
+    needs no pass of its own over these bytes, only their sizes
+    (:func:`deferred_problems`). Shards of older steps (no ``chunks``) are read
+    for their CRC-32 before loading, as before.
+    """
+    files: dict[str, Any] = manifest["files"]
+    prefix = DCP_SUBDIR + "/"
+    return {
+        n: e
+        for n, e in files.items()
+        if isinstance(n, str) and n.startswith(prefix) and isinstance(e, dict) and "chunks" in e
+    }
+
+
+def deferred_problems(
+    folder: str, manifest: Mapping[str, Any], opts: Optional[dict[str, Any]]
+) -> list[str]:
+    """What a stat finds wrong with the :func:`read_checked` shards: missing, or the wrong size.
+
+    The reader that checks their bytes needs ``dcp/manifest.json`` too, so its
+    absence is a problem here rather than a surprise in the middle of a load.
+    """
+    later = read_checked(manifest)
+    if not later:
+        return []
+    problems = []
+    inner = f"{DCP_SUBDIR}/{MANIFEST_NAME}"
+    if not storage.exists(storage.join(folder, inner), storage_options=opts):
+        problems.append(f"{inner} is missing (the shards' checksums)")
+    for name, entry in later.items():
+        try:
+            with storage.open_read(storage.join(folder, name), storage_options=opts) as f:
+                size = f.seek(0, os.SEEK_END)
+        except CheckpointNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        except (OSError, DDPStateError) as exc:
+            problems.append(f"{name} cannot be read ({error_text(exc)})")
+            continue
+        want = entry.get("size")
+        if size != want:
+            how = "truncated" if isinstance(want, int) and size < want else "the wrong size"
+            problems.append(f"{name} is {how}: {size} bytes, the manifest says {want}")
+    return problems
 
 
 def check_folder(
-    folder: str, step: Optional[int], opts: Optional[dict[str, Any]], workers: Optional[int] = None
+    folder: str,
+    step: Optional[int],
+    opts: Optional[dict[str, Any]],
+    workers: Optional[int] = None,
+    *,
+    defer: bool = False,
 ) -> FolderCheck:
     """Check one step folder against its manifest, collecting every problem.
 
     ``workers`` threads share the checksum pass (None: ``_checksum.check_files``
-    picks from the CPU count and the bytes).
+    picks from the CPU count and the bytes). ``defer`` (restore): the
+    :func:`read_checked` shards are only stat'ed; their bytes are checked as they load.
     """
     manifest, problem = read_manifest(folder, opts)
     if manifest is None:
         return FolderCheck(None, [str(problem)], [])
     check = FolderCheck(manifest, manifest_problems(manifest, step), [])
     found, check.files, check.bytes_read = _checksum.check_files(
-        folder, checked_files(manifest), opts, workers
+        folder, checked_files(manifest, defer=defer), opts, workers
     )
     check.problems.extend(found)
+    if defer:
+        check.problems.extend(deferred_problems(folder, manifest, opts))
     check_listing(folder, manifest["files"], check, opts)
     if check.problems:
         check.manifest = None

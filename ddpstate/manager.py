@@ -43,7 +43,8 @@ every rank.
 Sharded models (FSDP2 ``fully_shard``, tensor parallel: ``DTensor``
 parameters) and their optimizers are saved with ``torch.distributed.checkpoint``:
 every rank writes its own shards into ``step_<n>/dcp/``, and the manifest lists
-those files too, so the commit, verification and fallback are the same;
+those files too, so the commit, verification and fallback are the same (restore
+checks the shards' bytes as it loads them, through ``ddpstate.dcp.VerifiedReader``);
 ``restore`` reshards them to the live model's layout (another world size,
 FSDP2, DDP or a plain model). The optimizer's model must be in the same
 ``state``. With ``async_save=True`` each rank copies its shards to CPU in
@@ -462,7 +463,10 @@ class CheckpointManager:
         file's size and CRC-32, no unlisted checkpoint file), warns about each
         one it skips and why, and broadcasts its choice; every rank then loads
         that checkpoint. With several ranks, rank 0 reads the manifest and
-        every rank checks a share of the files (balanced by size). Objects
+        every rank checks a share of the files (balanced by size). The DCP
+        shards of sharded entries are only sized there: their bytes are checked
+        as they load (each read once), and a damaged one found then sends
+        ``restore()`` on to the next older step, with the same warning. Objects
         with ``load_state_dict`` are loaded in place (models through
         :func:`ddpstate.keys.adapt_state_dict`, so any wrapping works); plain
         values are written back into ``state`` (the dict is updated in place,

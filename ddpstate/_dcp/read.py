@@ -244,12 +244,12 @@ def load_sharded_model_state(
     with _torch_io.dcp_read_errors(
         path, into=f" into {type(model).__name__}'s shards", advice=f"run `ddpstate verify {path}`"
     ):
-        dcp_load(plan.into, storage_reader=_reader(path, storage_options))
+        dcp_load(plan.into, storage_reader=reader_for(path, storage_options))
     set_model_state_dict(model, plan.loaded, options=StateDictOptions(strict=False))
     return incompatible_keys(strict, plan.skipped, plan.match)
 
 
-def _reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
+def reader_for(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
     """A committed folder's ``VerifiedReader``; torch's own reader for a plain DCP folder."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpstate import _fs, storage
+from ddpstate import storage
 from ddpstate._checksum import error_text
+from ddpstate._dcp import read as _dcp_read
 from ddpstate._dcp import write as _dcp_write
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
@@ -150,7 +151,6 @@ def restore_entries(
         InvalidArgumentError: ``ignore_mismatched`` was asked for (DCP entries must
             fit), or a live entry is not the kind of object that was saved.
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -180,12 +180,10 @@ def restore_entries(
     targets = state_dicts(state, kinds)
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    # restore verified the step's files before loading: torch's own reader reads them.
-    if _fs.is_remote(where):
-        reader: Any = _torch_io.fsspec_reader(where, storage_options)
-    else:
-        reader = FileSystemReader(_fs.local_path(where))
-    load(targets, storage_reader=reader)
+    # A step DurableWriter wrote is checked range by range as it loads (VerifiedReader;
+    # restore only stat'ed its shards); an older step's shards were CRC'd before this.
+    with _torch_io.dcp_read_errors(where, advice="restore another step"):
+        load(targets, storage_reader=_dcp_read.reader_for(where, storage_options))
     models = _models(state)
     for name, kind in kinds.items():
         if kind == KIND_MODULE:

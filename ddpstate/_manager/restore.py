@@ -3,7 +3,9 @@
 Rank 0 verifies the candidates newest first (with every rank's help, see
 ``verify_split.py``) and broadcasts its choice, unless the node-local tier
 (``local_tier.py``) answers first; every rank then loads the chosen step's
-entries into the live objects and restores its own RNG states.
+entries into the live objects and restores its own RNG states. A step's DCP
+shards are checked as they load (``VerifiedReader``), not before; one found
+damaged there sends ``restore(step=None)`` back to choosing among older steps.
 """
 
 from __future__ import annotations
@@ -66,16 +68,19 @@ def _verify(
     opts = writer.config.storage_options
     if split:
         return _verify_split.verify(folder, step, opts, writer.config.timeout)
-    check = check_folder(folder, step, opts)
+    check = check_folder(folder, step, opts, defer=True)
     if check.manifest is None:
         return None, "; ".join(check.problems)
     return check.manifest, None
 
 
-def choose(writer: StepWriter, step: Optional[int], split: bool = False) -> Optional[Choice]:
+def choose(
+    writer: StepWriter, step: Optional[int], split: bool = False, below: Optional[int] = None
+) -> Optional[Choice]:
     """Rank 0: pick the checkpoint to restore (see :meth:`restore`).
 
-    ``split``: the other ranks help verify (see :func:`_verify`).
+    ``split``: the other ranks help verify (see :func:`_verify`). ``below``: only
+    steps before it (a newer one failed while it loaded).
     """
     opts = writer.config.storage_options
     if step is not None:
@@ -95,7 +100,8 @@ def choose(writer: StepWriter, step: Optional[int], split: bool = False) -> Opti
     if not storage.isdir(writer.config.directory, storage_options=opts):
         return None
     listed = storage.listdir(writer.config.directory, storage_options=opts)
-    candidates = sorted((s for s in map(parse_step, listed) if s is not None), reverse=True)
+    steps = (s for s in map(parse_step, listed) if s is not None and (below is None or s < below))
+    candidates = sorted(steps, reverse=True)
     skipped: list[tuple[str, str]] = []
     committed_bad = 0
     for s in candidates:
@@ -368,7 +374,9 @@ def _check_none_elsewhere(writer: StepWriter, timeout: Timeout) -> None:
     )
 
 
-def _choose_durable(writer: StepWriter, step: Optional[int]) -> Optional[Choice]:
+def _choose_durable(
+    writer: StepWriter, step: Optional[int], below: Optional[int] = None
+) -> Optional[Choice]:
     """Every rank: rank 0 chooses the durable step (the others help verify) and tells all."""
     timeout = writer.config.timeout
     choice: Optional[Choice] = None
@@ -377,7 +385,7 @@ def _choose_durable(writer: StepWriter, step: Optional[int]) -> Optional[Choice]
     split = is_distributed() and get_world_size() > 1
     if get_rank() == 0:
         try:
-            choice = choose(writer, step, split)
+            choice = choose(writer, step, split, below)
         except Exception as exc:
             if not is_distributed():
                 raise
@@ -431,33 +439,79 @@ def restore(
         # The node-local tier answers first when it holds a step at least as new as the durable
         # (a collective: every rank gets the same answer).
         found = local.choose(writer.latest_step) if local is not None and step is None else None
-        if found is None:
-            choice = _choose_durable(writer, step)
-            if choice is None:
-                return RestoreSource(None, "none")
-            folder = writer.checkpoint_path(choice.step)
-            source, manifest = RestoreSource(choice.step, "durable", folder), choice.manifest
-        else:
-            source, manifest = found
-        folder = str(source.path)
-        if strict:
-            _check_entries(names, manifest["entries"], folder)
-        error: Optional[Exception] = None
-        try:
-            # The local tier is node-local memory: map it instead of copying (see load_into).
-            load_into(
-                writer,
-                state,
-                folder,
-                manifest,
-                map_location,
-                ignore_mismatched,
-                mmap=found is not None,
-                allow_dtype_change=allow_dtype_change,
-            )
-        except Exception as exc:
-            if not is_distributed():
-                raise
-            error = exc
-        share_restore_outcome(source.step, error, writer.config.timeout)
-        return source
+        failed: Optional[CheckpointCorruptError] = None
+        below: Optional[int] = None
+        while True:
+            if found is None:
+                choice = _choose_durable(writer, step, below)
+                if choice is None:
+                    if failed is not None:  # the state is no longer untouched
+                        raise failed
+                    return RestoreSource(None, "none")
+                folder = writer.checkpoint_path(choice.step)
+                source, manifest = RestoreSource(choice.step, "durable", folder), choice.manifest
+            else:
+                source, manifest = found
+            try:
+                _load(
+                    writer,
+                    state,
+                    source,
+                    manifest,
+                    names=names,
+                    strict=strict,
+                    map_location=map_location,
+                    ignore_mismatched=ignore_mismatched,
+                    allow_dtype_change=allow_dtype_change,
+                    mapped=found is not None,
+                )
+            except CheckpointCorruptError as exc:
+                # Bytes checked as they loaded (a step's DCP shards) failed, on every rank
+                # alike: the next older step that verifies, as if this one had failed its check.
+                if step is not None or found is not None:
+                    raise
+                warn(
+                    f"CheckpointManager.restore: skipping {source.path}: {exc}; trying the "
+                    f"steps before {source.step}",
+                    rank=get_rank(),
+                )
+                failed, below = exc, source.step
+                continue
+            return source
+
+
+def _load(
+    writer: StepWriter,
+    state: MutableMapping[str, Any],
+    source: RestoreSource,
+    manifest: dict[str, Any],
+    *,
+    names: list[str],
+    strict: bool,
+    map_location: Any,
+    ignore_mismatched: bool,
+    allow_dtype_change: bool,
+    mapped: bool,
+) -> None:
+    """Every rank: load ``source``'s entries; any rank's failure is raised on every rank."""
+    folder = str(source.path)
+    if strict:
+        _check_entries(names, manifest["entries"], folder)
+    error: Optional[Exception] = None
+    try:
+        # The local tier is node-local memory: map it instead of copying (see load_into).
+        load_into(
+            writer,
+            state,
+            folder,
+            manifest,
+            map_location,
+            ignore_mismatched,
+            mmap=mapped,
+            allow_dtype_change=allow_dtype_change,
+        )
+    except Exception as exc:
+        if not is_distributed():
+            raise
+        error = exc
+    share_restore_outcome(source.step, error, writer.config.timeout)

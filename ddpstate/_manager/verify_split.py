@@ -28,8 +28,13 @@ _NAME = "CheckpointManager.restore (verify)"
 def check_share(
     folder: str, manifest: dict[str, Any], opts: Optional[dict[str, Any]], index: int, count: int
 ) -> list[_checksum.Finding]:
-    """Checksum share ``index`` of ``count`` of ``manifest``'s listed files (see ``_checksum``)."""
-    return _checksum.check_share(folder, _manifest.checked_files(manifest), opts, index, count)
+    """Checksum share ``index`` of ``count`` of ``manifest``'s listed files (see ``_checksum``).
+
+    The shards a ``VerifiedReader`` checks as restore loads them are left out
+    (``_manifest.read_checked``); rank 0 stats them instead.
+    """
+    files = _manifest.checked_files(manifest, defer=True)
+    return _checksum.check_share(folder, files, opts, index, count)
 
 
 def _check_share(
@@ -77,8 +82,9 @@ def verify(
     if not_shared is not None:
         raise not_shared
     # Back in manifest order, so the text is what one rank checking the whole folder reports.
-    found = _checksum.file_problems(_manifest.checked_files(manifest), shares)
-    problems = [*head, *found, *listing.problems]
+    found = _checksum.file_problems(_manifest.checked_files(manifest, defer=True), shares)
+    deferred = _manifest.deferred_problems(folder, manifest, opts)
+    problems = [*head, *found, *deferred, *listing.problems]
     return (None, "; ".join(problems)) if problems else (manifest, None)
 
 

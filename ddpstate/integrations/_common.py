@@ -1,16 +1,26 @@
-"""What every framework integration shares: the newest checkpoint that verifies."""
+"""What the framework integrations share: sealing a folder a framework wrote, and resuming.
+
+``seal_folder``/``synced_files`` make a flat folder another program wrote durable
+and verifiable (every file fsynced and CRC-32'd, the folder fsynced, a manifest with
+a ``format`` and no step written last); ``newest_verified`` is the first candidate
+that verifies. Torch-free.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from ddpstate import storage
+from ddpstate import _fs, _manifest, storage
+from ddpstate._checksum import checksum_hex, error_text
+from ddpstate._fs import PathLike
 from ddpstate._manifest import MANIFEST_NAME, verify_checkpoint
 from ddpstate._warn import warn
 from ddpstate.convert import verify_file
 from ddpstate.dist import get_rank
-from ddpstate.errors import DDPStateError
+from ddpstate.errors import CheckpointFormatError, CheckpointWriteError, DDPStateError
 
 
 def missing_framework(module: str, extra: str) -> ImportError:
@@ -77,3 +87,88 @@ def newest_verified(
             return path
         warn(f"skipping the {what} {path}: {problem}; trying an older one", rank=get_rank())
     return None
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _size_and_crc(path: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        return storage.size_and_crc32(f)
+
+
+def seal_folder(folder: PathLike, *, format: str, world_size: int = 1) -> dict[str, Any]:
+    """Make a local folder another program wrote durable and verifiable in place.
+
+    Every file is read once (its size and CRC-32) and fsynced, then the folder, and a
+    ``manifest.json`` listing them is written last (atomically, fsynced): the folder
+    then passes :func:`~ddpstate.verify_checkpoint` (and ``ddpstate verify``) until a byte of
+    it changes. A previous manifest is replaced. Not a collective: call it once per
+    copy of the folder, after every file in it is written.
+
+    Args:
+        folder: A local folder of files (e.g. a Hugging Face ``checkpoint-N``).
+        format: What wrote it, recorded as the manifest's ``format``.
+        world_size: The number of ranks of the run, recorded in the manifest.
+
+    Returns:
+        The manifest's ``files``: ``{name: {"size": ..., "crc32": ...}}``.
+
+    Raises:
+        CheckpointNotFoundError: ``folder`` does not exist.
+        CheckpointFormatError: It holds a sub-folder (only flat folders are sealed).
+        CheckpointWriteError: Reading, syncing or writing failed.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate._manifest import verify_checkpoint
+        >>> from ddpstate.integrations._common import seal_folder
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = open(os.path.join(folder, "weights.bin"), "wb").write(b"abc")
+        >>> seal_folder(folder, format="example")
+        {'weights.bin': {'size': 3, 'crc32': '352441c2'}}
+        >>> verify_checkpoint(folder).ok
+        True
+    """
+    text = os.path.abspath(_fs.local_path(os.fspath(folder)))
+    files = synced_files(text)
+    with storage.atomic_write(os.path.join(text, MANIFEST_NAME)) as f:
+        f.write(_manifest.manifest_for(None, {}, world_size, None, files, format))
+    return files
+
+
+def synced_files(text: str) -> dict[str, dict[str, Any]]:
+    """Each file of the flat local folder ``text`` but a manifest: fsynced, its size and CRC-32.
+
+    The folder is fsynced too. The manifest's ``files`` for :func:`seal_folder` and for a
+    folder staged for :meth:`ddpstate.storage.StagedFolder.commit`.
+
+    Raises:
+        CheckpointFormatError: It holds a sub-folder.
+        CheckpointWriteError: Reading or syncing failed.
+    """
+    names = [n for n in storage.listdir(text) if n != MANIFEST_NAME]  # no temporary files
+    for name in names:
+        if os.path.isdir(os.path.join(text, name)):
+            raise CheckpointFormatError(
+                f"{os.path.join(text, name)} is a folder: ddpstate seals flat folders of files "
+                f"only; move it out of {text}, or save without it"
+            )
+    try:
+        # The disk's write-back (fsync) and the CPU's CRC-32 of the cached bytes overlap.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            synced = [pool.submit(_fsync_file, os.path.join(text, n)) for n in names]
+            sums = list(pool.map(_size_and_crc, [os.path.join(text, n) for n in names]))
+            for done in synced:
+                done.result()
+        storage.fsync_dir(text)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"sealing {text} failed ({error_text(exc)}); it has no new {MANIFEST_NAME}"
+        ) from exc
+    return {
+        n: {"size": size, "crc32": checksum_hex(crc)}
+        for n, (size, crc) in zip(names, sums, strict=True)
+    }

@@ -25,7 +25,7 @@ from ddpstate.errors import (
     DDPStateError,
     InvalidArgumentError,
 )
-from ddpstate.integrations._common import missing_framework, newest_verified
+from ddpstate.integrations._common import missing_framework, newest_verified, synced_files
 
 __all__ = ["load_state", "save_state"]
 
@@ -77,9 +77,7 @@ def _target(accelerator: Any, output_dir: Optional[str]) -> str:
 
 def _manifest_of(folder: str, world_size: int) -> bytes:
     """The manifest of every file in ``folder``: each fsynced (Accelerate's writes never are)."""
-    return _manifest.manifest_for(
-        None, {}, world_size, None, _manifest.synced_files(folder), FORMAT
-    )
+    return _manifest.manifest_for(None, {}, world_size, None, synced_files(folder), FORMAT)
 
 
 def _rotate(accelerator: Any, target: str) -> None:

@@ -14,9 +14,8 @@ import re
 from typing import Any, Optional
 
 from ddpstate import storage
-from ddpstate._manifest import seal_folder
 from ddpstate.dist import barrier, is_distributed
-from ddpstate.integrations._common import missing_framework, newest_verified
+from ddpstate.integrations._common import missing_framework, newest_verified, seal_folder
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpstate._manifest import MANIFEST_NAME, seal_folder, verify_checkpoint
+from ddpstate._manifest import MANIFEST_NAME, verify_checkpoint
 from ddpstate.cli import main
 from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError
-from ddpstate.integrations._common import newest_verified
+from ddpstate.integrations._common import newest_verified, seal_folder
 
 
 def _folder(path: Path, step: int) -> Path:

@@ -312,6 +312,94 @@ def test_a_corrupted_shard_makes_restore_fall_back_with_a_warning_naming_it(
     _assert_bitwise(reference[0]["full"], restored[0]["full"])
 
 
+def _restore_named_step(rank: int, world: int, folder: str, step: int) -> str:
+    model, opt = _fsdp(world, seed=1)
+    manager = ddpstate.CheckpointManager(folder)
+    try:
+        manager.restore({"model": model, "optimizer": opt, "epoch": 0}, step=step)
+    except ddpstate.CheckpointCorruptError as exc:
+        return str(exc)
+    finally:
+        manager.close()
+    return "restored"
+
+
+@pytest.mark.slow
+def test_a_named_step_with_a_corrupted_shard_is_refused_on_every_rank(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    run_ranks(_fsdp_save, 2, args=(folder,), timeout=150)
+    shard = tmp_path / "run" / "step_0000000002" / DCP_SUBDIR / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0x01
+    shard.write_bytes(bytes(data))
+    outcomes = run_ranks(_restore_named_step, 2, args=(folder, 2), timeout=150)
+    for text in outcomes:  # found while rank 0 read its shard; every rank is told
+        assert "__0_0.distcp" in text and "step 2" in text, text
+
+
+@pytest.mark.slow
+def test_a_truncated_shard_or_missing_shard_manifest_is_found_before_loading(
+    tmp_path: Path,
+) -> None:
+    folder = str(tmp_path / "run")
+    run_ranks(_fsdp_save, 2, args=(folder,), timeout=150)
+    step2 = tmp_path / "run" / "step_0000000002" / DCP_SUBDIR
+    shard = step2 / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-3])
+    restored = run_ranks(_fsdp_restore, 2, args=(folder, None), timeout=150)
+    assert [out["step"] for out in restored] == [1, 1]
+    assert any("dcp/__1_0.distcp is truncated" in w for w in restored[0]["warnings"])
+    (tmp_path / "run" / "step_0000000001" / DCP_SUBDIR / "manifest.json").unlink()
+    outcomes = run_ranks(_restore_named_step, 2, args=(folder, 1), timeout=150)
+    assert all("dcp/manifest.json is missing" in text for text in outcomes), outcomes
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read() calls so far (page cache or not)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def _big_fsdp(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # 2 MiB of float32
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _read_once(rank: int, world: int, folder: str) -> int:
+    model, opt = _big_fsdp(world, 0)
+    opt.zero_grad()
+    model(torch.randn(2, 512)).sum().backward()
+    opt.step()
+    manager = ddpstate.CheckpointManager(folder)
+    manager.save(1, {"model": model, "optimizer": opt})
+    manager.save(2, {"model": model, "optimizer": opt})
+    manager.restore({"model": model, "optimizer": opt}, step=1)  # imports and warms up
+    before = _rchar()
+    manager.restore({"model": model, "optimizer": opt}, step=2)
+    read = _rchar() - before
+    manager.close()
+    return read
+
+
+@pytest.mark.slow
+def test_restore_reads_each_shard_byte_once(tmp_path: Path) -> None:
+    """VerifiedReader checks the shards as they load: no checksum pass of its own before."""
+    folder = tmp_path / "run"
+    read = run_ranks(_read_once, 2, args=(str(folder),), timeout=150)
+    shards = sum(p.stat().st_size for p in (folder / "step_0000000002" / DCP_SUBDIR).iterdir())
+    assert shards > 6 << 20  # weights and Adam's two moments
+    # A pass over every byte before loading would make this at least 2x the shards.
+    assert sum(read) < 1.3 * shards, (read, shards)
+
+
 @pytest.mark.slow
 def test_an_unlisted_shard_fails_verification(tmp_path: Path) -> None:
     folder = str(tmp_path / "run")
