@@ -1,6 +1,6 @@
 """DCP saves on gloo ranks: DDP ``writers="all"`` vs rank 0, and FSDP2 state, against plain ``dcp``.
 
-Run: ``python -m benchmarks.dcp --size-mib 1024 --worlds 2,4`` (the figures in
+Run: ``python -m benchmarks.dcp --size-mib 1024 --worlds 2,4 [--s3]`` (the figures in
 docs/benchmarks.md); ``--size-mib 64`` for a quick check. Also a family of ``python -m
 benchmarks`` (``--only dcp``, at ``--dist-size``, 2 ranks, /dev/shm and disk).
 
@@ -16,14 +16,17 @@ its time is the slowest rank's (a collective waits for it), median over repeats:
   part, rank 0 commits) and the baseline ``dcp.save(get_model_state_dict(model))``
   (every rank writes, no commit marker or checksums; DCP fsyncs every file);
 * FSDP2 (``fully_shard``): ``CheckpointManager.save`` vs ``dcp.save`` of the
-  sharded state dict, and ``CheckpointManager.restore`` (which first verifies
-  every file's CRC-32, each rank a share) vs ``dcp.load`` + ``set_model_state_dict``.
+  sharded state dict, and ``CheckpointManager.restore`` (its DCP shards checked as
+  they load, the other files' CRC-32 first) vs ``dcp.load`` + ``set_model_state_dict``.
   Target: <= 1.15x. And the time ``save`` blocks training with
   ``async_save=True`` (the CPU snapshot; the write is waited for untimed) vs
   the synchronous ``save``;
 * FSDP2 storage: ``dcp.save`` with ``ddpstate.dcp.DurableWriter`` vs torch's
   ``FileSystemWriter(sync_files=True)``, and ``dcp.load`` with ``VerifiedReader`` vs
   ``FileSystemReader`` (target <= 1.10x; ``--storage-only`` runs only these).
+* with ``--s3``, the same pair on moto's S3 server on 127.0.0.1 (started here): ``DurableWriter``
+  / ``VerifiedReader`` at an ``s3://`` URL vs torch's ``FsspecWriter`` / ``FsspecReader``
+  (target <= 1.15x). The server is Python in this process, so both sides share its cost.
 
 ``keep_last=1``: each manager save also deletes the previous step, as in training.
 """
@@ -138,6 +141,43 @@ def _child(rank: int, world: int, port: int, opts: dict[str, Any], out: Any) -> 
             },
             opts["repeats"],
         )
+    elif opts["kind"] == "s3":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from ddpstate._io.torch_io import fsspec_reader
+        from ddpstate.dcp import DurableWriter, VerifiedReader
+
+        try:  # the public module (newer torch deprecates the private one)
+            from torch.distributed.checkpoint.fsspec_filesystem import (  # type: ignore[import-not-found,unused-ignore]
+                FsspecWriter,
+            )
+        except ImportError:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        model = _model(opts["size_mib"])
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        sd = get_model_state_dict(model)
+        so = opts["storage_options"]
+        durable, plain = f"{opts['url']}/durable", f"{opts['url']}/plain"
+        run(
+            {
+                "durable_save": lambda: dcp.save(
+                    sd, storage_writer=DurableWriter(durable, storage_options=so)
+                ),
+                "fs_save": lambda: dcp.save(sd, storage_writer=FsspecWriter(plain, **so)),
+            },
+            opts["repeats"],
+        )
+        run(
+            {
+                "verified_load": lambda: dcp.load(
+                    sd, storage_reader=VerifiedReader(durable, storage_options=so)
+                ),
+                "fs_load": lambda: dcp.load(sd, storage_reader=fsspec_reader(plain, so)),
+            },
+            opts["repeats"],
+        )
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -182,8 +222,13 @@ def _child(rank: int, world: int, port: int, opts: dict[str, Any], out: Any) -> 
     dist.destroy_process_group()
 
 
-def measure(kind: str, world: int, size_mib: int, repeats: int, folder: Path) -> dict[str, float]:
-    """Run one case on ``world`` spawned ranks; the median (slowest-rank) seconds per side."""
+def measure(
+    kind: str, world: int, size_mib: int, repeats: int, folder: Path, **extra: Any
+) -> dict[str, float]:
+    """Run one case on ``world`` spawned ranks; the median (slowest-rank) seconds per side.
+
+    ``extra``: more options for the ranks (``url`` and ``storage_options`` for ``"s3"``).
+    """
     import torch.distributed as dist
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -192,7 +237,7 @@ def measure(kind: str, world: int, size_mib: int, repeats: int, folder: Path) ->
         timeout=timedelta(seconds=600),
     )  # fmt: skip
     out = _CTX.Queue()
-    opts = {"kind": kind, "size_mib": size_mib, "repeats": repeats, "folder": str(folder)}
+    opts = {"kind": kind, "size_mib": size_mib, "repeats": repeats, "folder": str(folder), **extra}
     procs = [
         _CTX.Process(target=_child, args=(r, world, store.port, opts, out)) for r in range(world)
     ]
@@ -205,6 +250,31 @@ def measure(kind: str, world: int, size_mib: int, repeats: int, folder: Path) ->
             raise RuntimeError(f"a rank exited with {p.exitcode}")
     shutil.rmtree(folder, ignore_errors=True)
     return {name: statistics.median(runs) for name, runs in times.items()}
+
+
+def measure_s3(world: int, size_mib: int, repeats: int, folder: Path) -> dict[str, float]:
+    """The ``"s3"`` case against moto's S3 server, started here on a free port of 127.0.0.1."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        so = {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": f"http://{host}:{port}",
+            "client_kwargs": {"region_name": "eu-west-1"},
+        }
+        s3fs.S3FileSystem(skip_instance_cache=True, **so).mkdir("bench")
+        return measure(
+            "s3", world, size_mib, repeats, folder, url="s3://bench/dcp", storage_options=so
+        )
+    finally:
+        server.stop()
 
 
 def _places(work: Path) -> dict[str, Path]:
@@ -259,6 +329,10 @@ def main() -> None:
         "--storage-only", action="store_true",
         help="only DurableWriter/VerifiedReader vs FileSystemWriter/FileSystemReader",
     )  # fmt: skip
+    parser.add_argument(
+        "--s3", action="store_true",
+        help="also DurableWriter/VerifiedReader vs FsspecWriter/FsspecReader on moto's S3 server",
+    )  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ddpstate-dcp-", dir=args.work))
     print(f"{args.size_mib} MiB of float32 parameters, median of {args.repeats}, slowest rank")
@@ -295,6 +369,19 @@ def main() -> None:
                 for case, mine, ours_s, base, base_s in rows:
                     print(
                         f"| {world} | {place} | {case} | {mine} | {ours_s:.2f} | {base} | "
+                        f"{base_s:.2f} | {ours_s / base_s:.2f}x |",
+                        flush=True,
+                    )
+            if args.s3:
+                s3 = measure_s3(world, args.size_mib, args.repeats, work / "s3")
+                for case, mine, ours_s, base, base_s in [
+                    ("dcp.save", "DurableWriter", s3["durable_save"], "FsspecWriter",
+                     s3["fs_save"]),
+                    ("dcp.load", "VerifiedReader", s3["verified_load"], "FsspecReader",
+                     s3["fs_load"]),
+                ]:  # fmt: skip
+                    print(
+                        f"| {world} | s3 (moto) | {case} | {mine} | {ours_s:.2f} | {base} | "
                         f"{base_s:.2f} | {ours_s / base_s:.2f}x |",
                         flush=True,
                     )

@@ -26,6 +26,14 @@ from torch.utils.serialization import config as serialization_config
 
 from tests.versions import resolved_versions
 
+# Every TCPStore client connect makes torch look up the host name of its peer's address
+# (::ffff:127.0.0.1 here, for a log line); /etc/hosts has no such entry on this machine, so
+# glibc asks the DNS server, which drops some queries: that connect then stalls for the
+# resolver's 5 s timeout (about 1 connect in 25; a 64-rank store fixture paid 10 s). One
+# second bounds it. RES_OPTIONS is glibc's own override of resolv.conf, read by every rank
+# and launcher the tests start; no test is about name resolution.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Name the resolved versions first, even under ``-q`` (CI logs quote them)."""

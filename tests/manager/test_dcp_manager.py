@@ -251,7 +251,7 @@ def test_a_failed_background_dcp_write_raises_on_every_rank_at_the_next_call(
 
 def _kill_rank_one_mid_save(rank: int, world: int, folder: str) -> str:
     model, opt = _fsdp(world)
-    manager = ddpstate.CheckpointManager(folder, timeout=15)
+    manager = ddpstate.CheckpointManager(folder, timeout=6)
     _train(model, opt, rank)
     manager.save(1, {"model": model, "optimizer": opt, "epoch": 3})
     _train(model, opt, rank)
