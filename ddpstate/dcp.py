@@ -17,6 +17,6 @@ imports ``torch.distributed.checkpoint``. See docs/dcp.md.
 
 from __future__ import annotations
 
-from ddpstate._dcp.durable import DurableWriter, VerifiedReader
+from ddpstate._io.durable_dcp import DurableWriter, VerifiedReader
 
 __all__ = ["DurableWriter", "VerifiedReader"]

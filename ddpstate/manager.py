@@ -463,10 +463,9 @@ class CheckpointManager:
         file's size and CRC-32, no unlisted checkpoint file), warns about each
         one it skips and why, and broadcasts its choice; every rank then loads
         that checkpoint. With several ranks, rank 0 reads the manifest and
-        every rank checks a share of the files (balanced by size). The DCP
-        shards of sharded entries are only sized there: their bytes are checked
-        as they load (each read once), and a damaged one found then sends
-        ``restore()`` on to the next older step, with the same warning. Objects
+        every rank checks a share of the files (balanced by size); DCP shards
+        are checked as they load instead (read once), a damaged one sending
+        ``restore()`` on to the next older step. Objects
         with ``load_state_dict`` are loaded in place (models through
         :func:`ddpstate.keys.adapt_state_dict`, so any wrapping works); plain
         values are written back into ``state`` (the dict is updated in place,

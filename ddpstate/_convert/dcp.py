@@ -281,7 +281,6 @@ def convert_from_dcp(
         name=src,
         weights_only=weights_only,
         storage_options=storage_options,
-        remote=_fs.is_remote(src),
     )
     whole = dst_format != SAFETENSORS
     done = apply_edit(state, edit, whole=whole)

@@ -8,14 +8,13 @@ allows only DCP's metadata classes; everything here (key matching, ``inspect``,
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from ddpstate import _fs, _manifest, storage
+from ddpstate import storage
 from ddpstate._io import torch_io as _torch_io
 from ddpstate._io.model_state import IncompatibleKeys, incompatible_keys, shape_mismatches
 from ddpstate.dist import share_outcome
@@ -244,23 +243,9 @@ def load_sharded_model_state(
     with _torch_io.dcp_read_errors(
         path, into=f" into {type(model).__name__}'s shards", advice=f"run `ddpstate verify {path}`"
     ):
-        dcp_load(plan.into, storage_reader=reader_for(path, storage_options))
+        dcp_load(plan.into, storage_reader=_torch_io.dcp_reader(path, storage_options))
     set_model_state_dict(model, plan.loaded, options=StateDictOptions(strict=False))
     return incompatible_keys(strict, plan.skipped, plan.match)
-
-
-def reader_for(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
-    """A committed folder's ``VerifiedReader``; torch's own reader for a plain DCP folder."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    from ddpstate._dcp import durable  # imports DCP (seconds): sharded loads only
-
-    manifest = storage.join(path, _manifest.MANIFEST_NAME)
-    if storage.exists(manifest, storage_options=storage_options):
-        return durable.VerifiedReader(path, storage_options=storage_options)
-    if _fs.is_remote(os.fspath(path)):
-        return _torch_io.fsspec_reader(path, storage_options)
-    return FileSystemReader(_fs.local_path(path))
 
 
 def load_full_into_sharded(

@@ -3,7 +3,7 @@
 DCP has every rank write its own part of the state into one folder (FSDP2
 ``DTensor`` shards; replicated DDP tensors split across ranks by its dedup
 planner) and reshards on load. ddpstate's commit protocol comes with
-:class:`ddpstate.dcp.DurableWriter` (``_dcp/durable.py``): every rank CRC-32s its
+:class:`ddpstate.dcp.DurableWriter` (``_io/durable_dcp.py``): every rank CRC-32s its
 items as it writes them into a staging folder (fresh names on object stores),
 DCP gathers the CRCs with its write results, and the coordinator writes
 ``.metadata``, then ddpstate's ``manifest.json`` last and swaps the folder in.
@@ -96,7 +96,7 @@ def write_shards(
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from ddpstate._dcp.durable import DurableWriter  # imports DCP (seconds): sharded saves only
+    from ddpstate._io.durable_dcp import DurableWriter  # imports DCP (seconds): sharded saves only
 
     writer = DurableWriter(folder, storage_options=storage_options)
     try:

@@ -104,7 +104,6 @@ def read(
             name=text,
             weights_only=weights_only,
             storage_options=storage_options,
-            remote=remote,
             safe_globals=safe_globals,
         )
         return place_all(state, "cpu", resolved)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
 import pickle
 import pickletools
 import struct
@@ -15,8 +16,9 @@ from typing import IO, Any, Optional, Union
 
 import torch
 
-from ddpstate import storage
+from ddpstate import _fs, storage
 from ddpstate._io.savecheck import loading_allowed
+from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -31,6 +33,7 @@ __all__ = [
     "check_dcp_metadata",
     "dcp_failure",
     "dcp_read_errors",
+    "dcp_reader",
     "load_dcp",
     "load_torch_file",
     "module_globals",
@@ -471,13 +474,13 @@ def load_dcp(
     name: str,
     weights_only: bool,
     storage_options: Optional[dict[str, Any]] = None,
-    remote: bool = False,
     safe_globals: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Read a whole ``torch.distributed.checkpoint`` folder into this process.
 
-    Uses torch's own DCP reader without a process group, so every rank (or one
-    rank) can call it independently. With ``weights_only=True`` the folder's
+    Reads without a process group, so every rank (or one rank) can call it
+    independently, through :func:`dcp_reader` (a committed folder's bytes are
+    checked as they are read). With ``weights_only=True`` the folder's
     ``.metadata`` pickle may only name DCP's metadata classes, and every
     non-tensor item is loaded with ``torch.load(weights_only=True)``, allowing
     the everyday types ``ddpstate.save`` writes (numpy values, paths,
@@ -485,11 +488,10 @@ def load_dcp(
     as the torch.save file paths do.
 
     Args:
-        path: The folder (local path, or fsspec URL when ``remote``).
+        path: The folder (local path or fsspec URL).
         name: How to name it in messages.
         weights_only: Refuse arbitrary unpickling.
         storage_options: fsspec options for a remote folder.
-        remote: ``path`` is an fsspec URL.
         safe_globals: The caller's own data-only types to allow with ``weights_only``.
 
     Returns:
@@ -498,6 +500,7 @@ def load_dcp(
     Raises:
         UnsafeCheckpointError: Something in the folder needs arbitrary unpickling.
         CheckpointCorruptError: The folder's files are damaged or missing.
+        CheckpointNotFoundError: The folder does not exist.
 
     Example:
         >>> import tempfile, torch, warnings
@@ -513,7 +516,6 @@ def load_dcp(
     # Imported here: torch.distributed.checkpoint is large, and only DCP reads need it.
     # Its private planner and loader read a folder without a process group (no public way).
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     if weights_only:
@@ -539,14 +541,36 @@ def load_dcp(
                 value.seek(0)
             super().load_bytes(read_item, value)
 
-    if remote:
-        reader: Any = fsspec_reader(path, storage_options)
-    else:
-        reader = FileSystemReader(path)
     state: dict[str, Any] = {}
     with dcp_read_errors(name):
+        reader = dcp_reader(path, storage_options)
         _load_state_dict(state, storage_reader=reader, planner=_Planner(), no_dist=True)  # type: ignore[no-untyped-call]
     return state
+
+
+def dcp_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
+    """The storage reader for a DCP folder: ``VerifiedReader`` where ddpstate committed it.
+
+    A folder with a ddpstate manifest (``DurableWriter``, ``ddpstate.save``) is read
+    through ``ddpstate.dcp.VerifiedReader``, every byte range checked as it is read;
+    a plain DCP folder through torch's own reader (``FsspecReader`` for a URL).
+
+    Args:
+        path: The folder (local path or fsspec URL).
+        storage_options: fsspec options for a URL.
+
+    Returns:
+        A ``torch.distributed.checkpoint`` storage reader.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from ddpstate._io import durable_dcp  # imports DCP (seconds): DCP reads only
+
+    if storage.exists(storage.join(path, MANIFEST_NAME), storage_options=storage_options):
+        return durable_dcp.VerifiedReader(path, storage_options=storage_options)
+    if _fs.is_remote(os.fspath(path)):
+        return fsspec_reader(path, storage_options)
+    return FileSystemReader(_fs.local_path(path))
 
 
 def fsspec_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:

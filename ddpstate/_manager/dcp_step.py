@@ -22,7 +22,6 @@ from torch import nn
 
 from ddpstate import storage
 from ddpstate._checksum import error_text
-from ddpstate._dcp import read as _dcp_read
 from ddpstate._dcp import write as _dcp_write
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
@@ -183,7 +182,7 @@ def restore_entries(
     # A step DurableWriter wrote is checked range by range as it loads (VerifiedReader;
     # restore only stat'ed its shards); an older step's shards were CRC'd before this.
     with _torch_io.dcp_read_errors(where, advice="restore another step"):
-        load(targets, storage_reader=_dcp_read.reader_for(where, storage_options))
+        load(targets, storage_reader=_torch_io.dcp_reader(where, storage_options))
     models = _models(state)
     for name, kind in kinds.items():
         if kind == KIND_MODULE:

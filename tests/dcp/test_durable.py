@@ -166,6 +166,22 @@ def test_verify_inspect_and_convert_read_the_new_folders(tmp_path: Path) -> None
     assert torch.equal(loaded["w"].cpu(), _state(1)["w"])
 
 
+def test_whole_folder_load_and_convert_check_the_bytes_they_read(tmp_path: Path) -> None:
+    """ddpstate.load and convert read a committed folder through VerifiedReader."""
+    path = tmp_path / "ckpt"
+    _save_one(str(path), _state(1))
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: .*CRC"):
+        ddpstate.load(str(path))
+    out = tmp_path / "whole.pt"
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp"):
+        convert_file(str(path), str(out))
+    assert not out.exists()
+
+
 # --------------------------------------------------------------------------- FSDP2, gloo ranks
 
 
