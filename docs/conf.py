@@ -68,7 +68,11 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(fsspec|safetensors|numpy|concurrent|io|types|threading|signal)\..*"),
     # torch.distributed.checkpoint's plan and metadata types, as the inherited
     # StorageWriter/StorageReader signatures of ddpstate.dcp name them.
-    (r"py:class", r"(SavePlan|SavePlanner|LoadPlan|LoadPlanner|Metadata|MetadataIndex|ReadItem|WriteItem|WriteResult|StorageMeta)"),
+    (
+        r"py:class",
+        r"(SavePlan|SavePlanner|LoadPlan|LoadPlanner|Metadata|MetadataIndex|ReadItem|WriteItem"
+        r"|WriteResult|StorageMeta)",
+    ),
     # The frameworks ddpstate.integrations plugs into (their base classes and arguments).
     (r"py:.*", r"(lightning|transformers|accelerate)\..*"),
     # Names shown as they are written in the docstrings and signatures: `nn.Module` (torch),
