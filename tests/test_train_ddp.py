@@ -73,14 +73,24 @@ def _steps(out: Path) -> list[int]:
     )
 
 
+# 2 epochs, a checkpoint every 10 steps: the run the kill/resume tests must end equal to.
+STRAIGHT = ["--epochs=2", "--save-every=10", *FAST]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """One uninterrupted run of STRAIGHT, shared by this module's tests: (stdout, out dir)."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    return _run(_torchrun(*STRAIGHT, f"--out-dir={out}")).stdout, out
+
+
 @pytest.mark.slow
-def test_trains_checkpoints_and_exports_a_plain_model(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = _run(_torchrun("--epochs=2", "--save-every=20", f"--out-dir={out}", *FAST))
-    acc = _accuracy(proc.stdout)
-    assert acc > 80.0, proc.stdout  # 2 short epochs already learn the digits
-    assert proc.stdout.count("epoch ") >= 2  # only the main process prints
-    assert proc.stdout.count("final validation accuracy") == 1
+def test_trains_checkpoints_and_exports_a_plain_model(straight: tuple[str, Path]) -> None:
+    stdout, out = straight
+    acc = _accuracy(stdout)
+    assert acc > 80.0, stdout  # 2 short epochs already learn the digits
+    assert stdout.count("epoch ") >= 2  # only the main process prints
+    assert stdout.count("final validation accuracy") == 1
     assert _steps(out)[-1] == 90  # 2 epochs x 45 steps, final checkpoint committed
 
     # A fresh process with torch + safetensors alone reproduces the printed accuracy.
@@ -123,10 +133,11 @@ def _killpg(proc: subprocess.Popen[str], sig: int) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path: Path) -> None:
-    args = ["--epochs=2", "--save-every=10", *FAST]
-    _run(_torchrun(*args, f"--out-dir={tmp_path / 'straight'}"))
-    reference = load_file(str(tmp_path / "straight" / "model.safetensors"))
+def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(
+    tmp_path: Path, straight: tuple[str, Path]
+) -> None:
+    args = STRAIGHT
+    reference = load_file(str(straight[1] / "model.safetensors"))
 
     out = tmp_path / "killed"
     cmd = _torchrun(*args, f"--out-dir={out}")
@@ -234,6 +245,8 @@ def _local_steps(folder: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_kill9_of_one_worker_restarts_from_the_local_tier_bitwise(tmp_path: Path) -> None:
+    # Its own reference: the trainer syncs BatchNorm running stats at each save, so a run
+    # with another save schedule ends with other running stats.
     _run(_torchrun(*LOCAL, f"--out-dir={tmp_path / 'straight'}", f"--local-dir={tmp_path / 's'}"))
     reference = load_file(str(tmp_path / "straight" / "model.safetensors"))
 

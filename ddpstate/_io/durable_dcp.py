@@ -68,6 +68,7 @@ except ImportError:
 __all__ = ["DurableWriter", "VerifiedReader"]
 
 Chunks = dict[int, tuple[int, int]]  # offset -> (length, crc32)
+_WINDOW = 64 << 10  # bytes at each end of an item that VerifiedReader reads whole (zip headers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +163,17 @@ class _Checksummed(FileSystemBase):
 class _VerifiedFile(io.RawIOBase):
     """A shard file whose reads are CRC-checked against its recorded chunks (items).
 
-    Each read goes straight from the file into the caller's buffer and is
-    CRC-32'd there, no copy; :meth:`check` (when the stream closes, or fails)
-    puts each touched chunk's CRC together from those pieces
-    (``_crc.crc32_combine``), reading only the bytes torch skipped, and raises
-    if it differs from the manifest's. DCP closes a shard's stream before it
-    returns from ``read_data``, so a damaged range fails the load on every rank.
+    An item is a small zip (torch's format) around its tensor bytes: torch reads
+    its first and last bytes in many small, scattered pieces (headers, names,
+    directory) and the tensor in one piece. So the first touch of a chunk reads
+    its head and tail (``_WINDOW`` bytes each; the whole chunk if it is small) in
+    one read each, CRC-32s them and serves torch's small reads from memory; the
+    bytes in between go straight from the file into torch's buffer and are
+    CRC-32'd there, no copy. :meth:`check` (when the stream closes, or fails)
+    puts each touched chunk's CRC together (``_crc.crc32_combine``), reading only
+    middle bytes torch skipped, and raises if it differs from the manifest's. DCP
+    closes a shard's stream before it returns from ``read_data``, so a damaged
+    range fails the load on every rank.
     """
 
     def __init__(self, raw: Any, chunks: Chunks, fs: _Checksummed, name: str) -> None:
@@ -179,7 +185,9 @@ class _VerifiedFile(io.RawIOBase):
         self._end = max((o + n for o, (n, _) in chunks.items()), default=0)
         self._where = storage.join(fs.folder, name)
         self._pos = 0
-        self._seen: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (pos, n, crc) read
+        self._ends: dict[int, tuple[int, int, int, int]] = {}  # chunk -> head/tail CRC, length
+        self._seen: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> middle (pos, n, crc)
+        self._window: tuple[int, memoryview, memoryview] = (-1, memoryview(b""), memoryview(b""))
 
     def readable(self) -> bool:
         return True
@@ -207,48 +215,88 @@ class _VerifiedFile(io.RawIOBase):
 
     def _read(self, pos: int, out: memoryview) -> int:
         self._raw.seek(pos)
-        got = self._raw.readinto(out)
+        got = int(self._raw.readinto(out) or 0)
         if not got:
             start = self._chunk(pos)
             raise self._error(
                 f"it ends at byte {pos}, inside bytes {start}..{start + self._chunks[start][0]} "
                 f"(the file is truncated)"
             )
-        return int(got)
+        return got
+
+    def _read_exact(self, pos: int, n: int) -> memoryview:
+        buf = memoryview(bytearray(n))
+        got = 0
+        while got < n:
+            got += self._read(pos + got, buf[got:])
+        return buf
+
+    def _ends_of(self, start: int) -> tuple[memoryview, memoryview]:
+        """Chunk ``start``'s head and tail bytes, read (and CRC-32'd) on first touch."""
+        if self._window[0] != start:
+            length = self._chunks[start][0]
+            edge = length if length <= 2 * _WINDOW else _WINDOW
+            head = self._read_exact(start, edge)
+            tail = self._read_exact(
+                start + length - (length - edge and edge), length - edge and edge
+            )
+            crcs = (crc32(head, 0), len(head), crc32(tail, 0), len(tail))
+            if self._ends.setdefault(start, crcs) != crcs:  # read again, and it changed
+                raise self._error(f"bytes {start}..{start + length} changed while being read")
+            self._window = (start, head, tail)
+        return self._window[1], self._window[2]
 
     def readinto(self, b: Any) -> int:
-        if self._pos >= self._end:
+        pos = self._pos
+        if pos >= self._end:
             return 0
-        start = self._chunk(self._pos)
+        start = self._chunk(pos)
+        head, tail = self._ends_of(start)
+        end = start + self._chunks[start][0]
+        middle, tail_at = start + len(head), end - len(tail)
         out = memoryview(b).cast("B")
-        out = out[: min(len(out), start + self._chunks[start][0] - self._pos)]
-        got = self._read(self._pos, out)
-        self._seen.setdefault(start, []).append((self._pos, got, crc32(out[:got], 0)))
-        self._pos += got
-        return got
+        out = out[: min(len(out), end - pos)]
+        done = 0
+        if pos < middle:  # from the head in memory
+            done = min(len(out), middle - pos)
+            out[:done] = head[pos - start : pos - start + done]
+        if done < len(out) and pos + done < tail_at:  # straight from the file into torch's buffer
+            at, want = pos + done, min(len(out) - done, tail_at - pos - done)
+            got = self._read(at, out[done : done + want])
+            self._seen.setdefault(start, []).append((at, got, crc32(out[done : done + got], 0)))
+            done += got
+            if got < want:
+                self._pos += done
+                return done
+        if done < len(out):  # from the tail in memory
+            n = len(out) - done
+            out[done:] = tail[pos + done - tail_at : pos + done - tail_at + n]
+            done += n
+        self._pos += done
+        return done
 
     def check(self) -> None:
         """Raise if a chunk read so far differs from its recorded CRC-32."""
-        for start, seen in sorted(self._seen.items()):
+        for start, (head_crc, head_n, tail_crc, tail_n) in sorted(self._ends.items()):
             length, want = self._chunks[start]
-            pieces = {pos: (n, c) for pos, n, c in sorted(seen, key=lambda p: p[1])}  # longest
-            crc, pos, end = 0, start, start + length
+            pieces = {
+                p: (n, c) for p, n, c in sorted(self._seen.get(start, []), key=lambda x: x[1])
+            }
+            crc, pos, end = head_crc, start + head_n, start + length - tail_n
             while pos < end:
                 if pos in pieces and pos + pieces[pos][0] <= end:
                     n, c = pieces[pos]
                 else:  # bytes torch did not read (or read in overlapping pieces): read them
                     n = min([p for p in pieces if p > pos] + [end]) - pos
-                    gap = memoryview(bytearray(n))
-                    got = 0
-                    while got < n:
-                        got += self._read(pos + got, gap[got:])
-                    c = crc32(gap, 0)
+                    c = crc32(self._read_exact(pos, n), 0)
                 crc, pos = crc32_combine(crc, c, n), pos + n
+            crc = crc32_combine(crc, tail_crc, tail_n)
             if crc != want:
                 raise self._error(
-                    f"bytes {start}..{end} have CRC-32 {checksum_hex(crc)}, but the manifest "
-                    f"records {checksum_hex(want)} (the file is damaged)"
+                    f"bytes {start}..{start + length} have CRC-32 {checksum_hex(crc)}, but the "
+                    f"manifest records {checksum_hex(want)} (the file is damaged)"
                 )
+        self._ends.clear()
         self._seen.clear()
 
     def _error(self, what: str) -> CheckpointCorruptError:

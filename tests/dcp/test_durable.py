@@ -153,6 +153,29 @@ def test_damage_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
         assert "truncated" in str(info.value)
 
 
+@pytest.mark.parametrize("where", ["head", "middle", "tail", "none"])
+def test_a_large_item_is_checked_at_both_ends_and_in_between(tmp_path: Path, where: str) -> None:
+    """Items over twice the reader's window: zip headers at each end, the tensor between."""
+    path = tmp_path / "ckpt"
+    big = torch.randn(1024, 160, generator=torch.Generator().manual_seed(3))  # 640 KiB
+    _save_one(str(path), {"big": big, "small": torch.arange(5)})
+    entry = json.loads((path / "manifest.json").read_text())["files"]["__0_0.distcp"]
+    offset, length, _ = max(entry["chunks"], key=lambda c: c[1])
+    assert length > 2 * 64 * 1024
+    at = {"head": offset + 40, "middle": offset + length // 2, "tail": offset + length - 30}
+    if where != "none":
+        data = bytearray((path / "__0_0.distcp").read_bytes())
+        data[at[where]] ^= 0x10
+        (path / "__0_0.distcp").write_bytes(bytes(data))
+    state = {"big": torch.zeros(1024, 160), "small": torch.zeros(5, dtype=torch.int64)}
+    if where == "none":
+        _load_one(str(path), state)
+        assert torch.equal(state["big"], big) and torch.equal(state["small"], torch.arange(5))
+        return
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp: .*rank 0"):
+        _load_one(str(path), state)
+
+
 def test_verify_inspect_and_convert_read_the_new_folders(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     _save_one(path, _state(1))
