@@ -176,6 +176,23 @@ def test_a_large_item_is_checked_at_both_ends_and_in_between(tmp_path: Path, whe
         _load_one(str(path), state)
 
 
+def test_one_writer_and_reader_reused_across_steps_by_checkpoint_id(tmp_path: Path) -> None:
+    """torchtitan's way: one storage writer, each ``dcp.save`` naming its step folder."""
+    writer = DurableWriter(tmp_path / "unused")
+    for step in (10, 20):
+        with _quiet():
+            dcp.save(_state(step), storage_writer=writer, checkpoint_id=tmp_path / f"step-{step}")
+    assert not (tmp_path / "unused").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-20"]
+    for step in (10, 20):
+        assert "manifest.json" in os.listdir(tmp_path / f"step-{step}")
+    reader = VerifiedReader(tmp_path / "step-10")
+    got = _zeros()
+    with _quiet():
+        dcp.load(got, storage_reader=reader, checkpoint_id=tmp_path / "step-20")
+    assert torch.equal(got["w"], _state(20)["w"]) and got["extra"]["epoch"] == 20
+
+
 def test_verify_inspect_and_convert_read_the_new_folders(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     _save_one(path, _state(1))
