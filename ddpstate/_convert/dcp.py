@@ -12,10 +12,12 @@ from __future__ import annotations
 import collections
 import math
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import torch
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ddpstate import _fs, formats, keys, storage
 from ddpstate._convert.common import (
@@ -32,6 +34,7 @@ from ddpstate._convert.results import ConvertResult, InspectResult, TensorInfo, 
 from ddpstate._dcp import read as _dcp_read
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
+from ddpstate._io.durable_dcp import DurableWriter
 from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._manifest import MANIFEST_NAME, verify_checkpoint
 from ddpstate.checkpoint import load
@@ -297,28 +300,24 @@ def convert_from_dcp(
     return done.result(src, dst_text, formats.DCP, dst_format, count, nbytes)
 
 
-def _dcp_target(dst: Optional[str], src: str, overwrite: bool) -> str:
-    """The local folder ``--to dcp`` writes, or the error for one it must not replace."""
+def _dcp_target(
+    dst: Optional[str], src: str, overwrite: bool, storage_options: Optional[dict[str, Any]]
+) -> str:
+    """The folder ``--to dcp`` writes, or the error for one it must not replace."""
     if dst is None:
         raise InvalidArgumentError(
             f"name the folder to write: ddpstate convert {src} OUT_FOLDER --to dcp"
         )
-    if _fs.is_remote(dst):
-        raise InvalidArgumentError(
-            f"{dst}: writing a torch.distributed.checkpoint folder to a URL is not supported; "
-            f"write it to a local folder and upload that"
-        )
-    target = os.path.abspath(_fs.local_path(dst))
-    if os.path.lexists(target):
-        replaceable = os.path.isdir(target) and (
-            not os.listdir(target) or os.path.exists(os.path.join(target, ".metadata"))
-        )
-        if not replaceable:
+    target = dst if _fs.is_remote(dst) else os.path.abspath(_fs.local_path(dst))
+    opts: dict[str, Any] = {"storage_options": storage_options}
+    if storage.exists(target, **opts):
+        names = storage.listdir(target, **opts) if storage.isdir(target, **opts) else None
+        if names is None or (names and _dcp_read.METADATA_FILE not in names):
             raise CheckpointExistsError(
                 f"{dst} already exists and is not a torch.distributed.checkpoint folder; "
                 f"name a new folder (only a DCP folder or an empty one is ever replaced)"
             )
-        if not overwrite and os.listdir(target):
+        if names and not overwrite:
             raise concerning("overwrite", CheckpointExistsError(
                 f"{dst} already exists; pass --force (overwrite=True) to replace it, or name "
                 f"another destination"
@@ -339,13 +338,13 @@ def convert_to_dcp(
 ) -> ConvertResult:
     """Write a checkpoint file's state (``.pt``, legacy or ``.safetensors``) as a DCP folder.
 
-    The folder is written under a hidden temporary name next to ``dst``, its
-    files and the folder fsynced, then renamed into place
-    (:func:`ddpstate.storage.replace_folder`), so ``dst`` is never half-written
-    and an existing DCP folder at ``dst`` (with ``overwrite``) stays whole until
-    the new one is complete. Local folders only; ``format`` is ``"dcp"``.
+    Through :class:`ddpstate.dcp.DurableWriter`: every item CRC-32'd as it is
+    written, a manifest last, and locally the staged folder fsynced and swapped
+    into place, so ``dst`` (a local folder or an fsspec URL) is never
+    half-written and an existing DCP folder there (with ``overwrite``) stays
+    whole until the new one commits. ``format`` is ``"dcp"``.
     """
-    target = _dcp_target(dst, src, overwrite)
+    target = _dcp_target(dst, src, overwrite, storage_options)
     state = load(
         src, map_location="cpu", weights_only=weights_only, barrier=False,
         storage_options=storage_options,
@@ -374,10 +373,15 @@ def convert_to_dcp(
             "attributes of dicts; models load without it"
         )
     count, nbytes = _tensor_stats(root)
+    writer = DurableWriter(target, sync_files=fsync, storage_options=storage_options)
     try:
-        with storage.staged_folder(target, fsync=fsync) as staged:
-            _write_dcp(dict(root), staged.path, fsync=fsync)
+        with warnings.catch_warnings():
+            # Without a process group DCP warns that it runs single-process: the intent.
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_save(dict(root), storage_writer=writer, no_dist=True)
     except Exception as exc:
+        if not writer.remote:  # the staging folder (the target is untouched until the commit)
+            storage.remove(writer.path, recursive=True, missing_ok=True)
         if isinstance(exc, DDPStateError):
             raise
         raise CheckpointFormatError(
@@ -397,17 +401,3 @@ def _non_str_key(value: Any, path: tuple[str, ...]) -> Optional[tuple[str, Any]]
         if found is not None:
             return found
     return None
-
-
-def _write_dcp(state: dict[Any, Any], folder: str, *, fsync: bool) -> None:
-    import warnings
-
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    with warnings.catch_warnings():
-        # Without a process group DCP warns that it runs single-process: that is the intent.
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_save(state, storage_writer=FileSystemWriter(folder, sync_files=fsync), no_dist=True)
-    if not os.path.exists(os.path.join(folder, _dcp_read.METADATA_FILE)):
-        raise CheckpointFormatError(f"{folder}: torch wrote no .metadata")

@@ -471,3 +471,32 @@ def test_ddpstate_save_and_load_of_sharded_state_on_s3(s3_server: S3Server) -> N
     url = f"s3://{s3_server.new_bucket()}/model_dcp"
     assert run_ranks(_ddpstate_on_s3, 2, args=(url, opts), timeout=150) == [True, True]
     assert ddpstate.verify_checkpoint(url, storage_options=opts).ok
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_convert_to_dcp_writes_a_verified_folder(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    """``convert --to dcp`` writes through DurableWriter: a manifest, checked bytes, URLs too."""
+    src = tmp_path / "ckpt.pt"
+    torch.save({"w": _state(4)["w"], "b": _state(4)["b"]}, src)
+    opts: Optional[dict[str, Any]] = None
+    if where == "s3":
+        server: S3Server = request.getfixturevalue("s3_server")
+        opts, out = server.storage_options, f"s3://{server.new_bucket()}/as_dcp"
+    else:
+        out = str(tmp_path / "as_dcp")
+    convert_file(src, out, format="dcp", storage_options=opts)
+    assert ddpstate.storage.exists(f"{out}/manifest.json", storage_options=opts)
+    got = {"w": torch.zeros(64, 32), "b": torch.zeros(10, dtype=torch.int64)}
+    _load_one(out, got, storage_options=opts)
+    assert torch.equal(got["w"], _state(4)["w"]) and torch.equal(got["b"], _state(4)["b"])
+    assert verify_file(out, storage_options=opts).ok
+    if where == "local":  # a flipped byte is found by verify, which reads the CRC-32s
+        shard = tmp_path / "as_dcp" / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        found = verify_file(out)
+        assert not found.ok and "__0_0.distcp" in " ".join(found.problems)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["as_dcp", "ckpt.pt"]
