@@ -380,8 +380,7 @@ def convert_to_dcp(
             warnings.simplefilter("ignore", UserWarning)
             dcp_save(dict(root), storage_writer=writer, no_dist=True)
     except Exception as exc:
-        if not writer.remote:  # the staging folder (the target is untouched until the commit)
-            storage.remove(writer.path, recursive=True, missing_ok=True)
+        writer.discard()  # its staging folder; the target is untouched until the commit
         if isinstance(exc, DDPStateError):
             raise
         raise CheckpointFormatError(

@@ -102,6 +102,7 @@ def write_shards(
     try:
         save(dict(state_dict), storage_writer=writer, process_group=process_group)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        writer.discard()
         inner = dcp_failure(exc)
         if inner is None or not isinstance(inner, Exception):
             raise

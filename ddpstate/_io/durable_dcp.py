@@ -324,7 +324,8 @@ class DurableWriter(FileSystemWriter):
     the coordinator writes ``.metadata``, then ``manifest.json`` last (size,
     CRC-32 and per-item CRC-32 chunks of every file), the commit marker, and on
     local paths fsyncs the folder and swaps it into place. A save that dies
-    midway commits nothing and leaves the previous checkpoint at ``path`` intact.
+    midway commits nothing and leaves the previous checkpoint at ``path`` intact;
+    :meth:`discard` then deletes its staging folder.
     The folder still loads with plain ``dcp.load``; :class:`VerifiedReader` also
     checks every byte it reads.
 
@@ -416,11 +417,23 @@ class DurableWriter(FileSystemWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.is_coordinator = is_coordinator
         if not self.use_collectives:
             raise InvalidArgumentError(
                 f"{self.target}: DurableWriter commits one checkpoint for all ranks, so it "
                 f"needs dcp.save's collectives; drop use_collectives=False"
             )
+
+    def discard(self) -> None:
+        """Delete what a failed save left; call it on every rank after ``dcp.save`` raised.
+
+        On a local path the coordinator deletes the staging folder (the checkpoint
+        at ``path`` was never touched). On a URL nothing is deleted here: the files
+        of a save that did not commit are listed in no manifest, ``ddpstate verify``
+        names them, and the next save to the same URL deletes them when it commits.
+        """
+        if not self.remote and getattr(self, "is_coordinator", True):
+            storage.remove(self.path, recursive=True, missing_ok=True)
 
     def _opts(self) -> dict[str, Any]:
         return {"storage_options": self.storage_options}

@@ -193,6 +193,20 @@ def test_one_writer_and_reader_reused_across_steps_by_checkpoint_id(tmp_path: Pa
     assert torch.equal(got["w"], _state(20)["w"]) and got["extra"]["epoch"] == 20
 
 
+def test_discard_after_a_failed_save_deletes_its_staging_folder(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _save_one(str(path), _state(1))
+    writer = DurableWriter(path)
+    with pytest.raises(CheckpointException), _quiet():  # a lambda does not pickle
+        dcp.save({"w": torch.ones(2), "f": lambda: 0}, storage_writer=writer, no_dist=True)
+    assert [p.name for p in tmp_path.iterdir() if ddpstate.storage.is_temp_name(p.name)]
+    writer.discard()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    state = _zeros()
+    _load_one(str(path), state)  # the previous checkpoint, untouched
+    assert torch.equal(state["w"], _state(1)["w"])
+
+
 def test_verify_inspect_and_convert_read_the_new_folders(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     _save_one(path, _state(1))
