@@ -431,6 +431,12 @@ class DurableWriter(FileSystemWriter):
         at ``path`` was never touched). On a URL nothing is deleted here: the files
         of a save that did not commit are listed in no manifest, ``ddpstate verify``
         names them, and the next save to the same URL deletes them when it commits.
+
+        Example:
+            >>> import os, tempfile
+            >>> from ddpstate.dcp import DurableWriter
+            >>> writer = DurableWriter(os.path.join(tempfile.mkdtemp(), "ckpt"))
+            >>> writer.discard()  # nothing staged yet: nothing to delete
         """
         if not self.remote and getattr(self, "is_coordinator", True):
             storage.remove(self.path, recursive=True, missing_ok=True)
