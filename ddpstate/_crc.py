@@ -13,11 +13,14 @@ a 1 TiB piece. Torch-free.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import threading
 import zlib
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["crc32", "crc32_combine", "crc32_of_pieces"]
+__all__ = ["crc32", "crc32_alongside", "crc32_combine", "crc32_later", "crc32_of_pieces"]
 
 #: ``zlib.crc32``, or zlib-ng's (the same function, about 2.5x faster here) where the
 #: optional ``zlib-ng`` package is installed: what checkpoints are checksummed with as
@@ -120,3 +123,80 @@ def crc32_of_pieces(pieces: Iterable[tuple[int, int]]) -> int:
     for piece_crc, length in pieces:
         crc = crc32_combine(crc, piece_crc, length)
     return crc
+
+
+#: A large transfer is CRC-32'd in pieces this size, each while the next one moves.
+PIECE = 4 << 20
+_pool: Optional[tuple[int, concurrent.futures.ThreadPoolExecutor]] = None
+_pool_lock = threading.Lock()
+
+
+def _helpers() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's CRC threads (made again in a forked child, which has none of them)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            workers = min(4, os.cpu_count() or 1)
+            _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(workers, "ddpstate-crc"))
+        return _pool[1]
+
+
+def crc32_later(data: Any) -> concurrent.futures.Future[int]:
+    """The CRC-32 of ``data`` (bytes the caller no longer changes), on a helper thread.
+
+    Example:
+        >>> import zlib
+        >>> from ddpstate._crc import crc32_later
+        >>> crc32_later(b"abc").result() == zlib.crc32(b"abc")
+        True
+    """
+    return _helpers().submit(crc32, data, 0)
+
+
+def crc32_alongside(
+    view: memoryview, move: Callable[[int, memoryview], int], crc: int = 0
+) -> tuple[int, int]:
+    """Move ``view``'s bytes in pieces (a read into it, a write from it), CRC-32ing them.
+
+    ``move(offset, piece)`` moves one piece and returns how many bytes it moved; a
+    short move ends the transfer. Each piece moved is CRC-32'd on a helper thread
+    while the next one moves (``zlib.crc32`` and file I/O both release the GIL),
+    so a spare core hides the checksum; the pieces' CRCs are put together with
+    :func:`crc32_combine`. All of it is done before this returns, so ``view`` may
+    be a caller's buffer. A view under two pieces is moved and CRC-32'd inline.
+
+    Args:
+        view: The bytes to move (a byte-format memoryview).
+        move: Moves one piece at an offset into ``view``.
+        crc: The CRC-32 to continue (of the bytes before ``view``).
+
+    Returns:
+        ``(bytes moved, CRC-32 of the bytes before and those moved)``.
+
+    Example:
+        >>> import zlib
+        >>> from ddpstate._crc import crc32_alongside
+        >>> data = memoryview(bytes(range(256)) * 40000)
+        >>> out = bytearray()
+        >>> crc32_alongside(data, lambda at, piece: out.extend(piece) or len(piece))[1] == (
+        ...     zlib.crc32(data))
+        True
+    """
+    if view.nbytes < 2 * PIECE:
+        moved = move(0, view)
+        return moved, crc32(view[:moved], crc)
+    tasks: list[tuple[concurrent.futures.Future[int], int]] = []
+    done = 0
+    try:
+        while done < view.nbytes:
+            piece = view[done : done + PIECE]
+            moved = move(done, piece)
+            tasks.append((crc32_later(piece[:moved]), moved))
+            done += moved
+            if moved < piece.nbytes:
+                break
+    finally:  # the helpers read view: wait for them, also when a move failed
+        crcs = [(task.result(), n) for task, n in tasks]
+    for piece_crc, n in crcs:
+        crc = crc32_combine(crc, piece_crc, n)
+    return done, crc

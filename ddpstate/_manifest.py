@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from ddpstate import _checksum, _fs, storage
 from ddpstate._checksum import checksum_hex, error_text
-from ddpstate._crc import crc32
+from ddpstate._crc import crc32_alongside
 from ddpstate._fs import PathLike
 from ddpstate._version import __version__
 from ddpstate.errors import (
@@ -96,14 +96,15 @@ class ChecksumWriter(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            written = self._raw.write(view)
+        def put(_: int, piece: memoryview) -> int:
+            written = self._raw.write(piece)
+            return piece.nbytes if written is None else int(written)
+
+        try:  # a large write is CRC-32'd in pieces on helper threads as it goes out
+            count, self.crc = crc32_alongside(memoryview(data).cast("B"), put, self.crc)
         except BaseException as exc:
             self.error = exc
             raise
-        count = view.nbytes if written is None else int(written)
-        self.crc = crc32(view[:count], self.crc)
         self.size += count
         return count
 

@@ -14,11 +14,10 @@ import os
 import posixpath
 import shutil
 import sys
-import zlib
 from collections.abc import Iterator
 from typing import IO, Any, Optional
 
-from ddpstate import _fs
+from ddpstate import _crc, _fs
 from ddpstate._fs import PathLike
 from ddpstate._storage.local import atomic_write_local
 from ddpstate._storage.local import wait_for_freed as wait_for_freed
@@ -231,12 +230,18 @@ def size_and_crc32(
         (3, 891568578)
     """
     size, crc = 0, 0
+    pending: Optional[tuple[Any, int]] = None  # the previous chunk's CRC, on a helper thread
     while limit is None or size < limit:
         chunk = f.read(chunk_size if limit is None else min(chunk_size, limit - size))
         if not chunk:
             break
         size += len(chunk)
-        crc = zlib.crc32(chunk, crc)
+        task = _crc.crc32_later(chunk)  # while the next chunk is read
+        if pending is not None:
+            crc = _crc.crc32_combine(crc, pending[0].result(), pending[1])
+        pending = (task, len(chunk))
+    if pending is not None:
+        crc = _crc.crc32_combine(crc, pending[0].result(), pending[1])
     return size, crc
 
 

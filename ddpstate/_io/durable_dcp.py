@@ -47,7 +47,7 @@ from torch.futures import Future
 
 from ddpstate import _fs, _manifest, storage
 from ddpstate._checksum import checksum_hex
-from ddpstate._crc import crc32, crc32_combine, crc32_of_pieces
+from ddpstate._crc import crc32, crc32_alongside, crc32_combine, crc32_of_pieces
 from ddpstate._manifest import FOLDER_FORMAT, MANIFEST_NAME, METADATA_NAME, SHARD_SUFFIX
 from ddpstate.dist import get_rank, is_distributed
 from ddpstate.errors import (
@@ -262,8 +262,10 @@ class _VerifiedFile(io.RawIOBase):
             out[:done] = head[pos - start : pos - start + done]
         if done < len(out) and pos + done < tail_at:  # straight from the file into torch's buffer
             at, want = pos + done, min(len(out) - done, tail_at - pos - done)
-            got = self._read(at, out[done : done + want])
-            self._seen.setdefault(start, []).append((at, got, crc32(out[done : done + got], 0)))
+            got, crc = crc32_alongside(
+                out[done : done + want], lambda offset, piece: self._read(at + offset, piece)
+            )
+            self._seen.setdefault(start, []).append((at, got, crc))
             done += got
             if got < want:
                 self._pos += done
