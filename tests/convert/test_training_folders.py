@@ -71,16 +71,24 @@ def _accelerate(rank: int, world: int, out: str, through_ddpstate: bool) -> dict
     return {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
 
 
+def _framework_folders(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
+    """The four framework folders, made in one process (transformers imports once)."""
+    made = {}
+    for name, shard in (("hf", False), ("hf_sharded", True)):
+        made[name] = _hf_trainer(rank, world, os.path.join(root, name), shard)
+    for name, ours in (("accelerate", False), ("accelerate_ddpstate", True)):
+        made[name] = _accelerate(rank, world, os.path.join(root, name), ours)
+    return made
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
     root = tmp_path_factory.mktemp("folders")
-    made: dict[str, tuple[Path, dict[str, Any]]] = {}
-    for name, shard in (("hf", False), ("hf_sharded", True)):
-        [state] = run_ranks(_hf_trainer, 1, args=(str(root / name), shard), timeout=240)
-        made[name] = (root / name / "checkpoint-1", state)
-    for name, ours in (("accelerate", False), ("accelerate_ddpstate", True)):
-        [state] = run_ranks(_accelerate, 1, args=(str(root / name), ours), timeout=240)
-        made[name] = (root / name, state)
+    [states] = run_ranks(_framework_folders, 1, args=(str(root),), timeout=240)
+    made: dict[str, tuple[Path, dict[str, Any]]] = {
+        name: (root / name / ("checkpoint-1" if name.startswith("hf") else ""), state)
+        for name, state in states.items()
+    }
     model = torch.nn.Linear(3, 2)
     with CheckpointManager(root / "manager") as manager:
         manager.save(
