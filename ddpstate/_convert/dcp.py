@@ -37,6 +37,7 @@ from ddpstate._io import torch_io as _torch_io
 from ddpstate._io.durable_dcp import DurableWriter
 from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._manifest import MANIFEST_NAME, verify_checkpoint
+from ddpstate._storage.temps import cleanup_after
 from ddpstate.checkpoint import load
 from ddpstate.errors import (
     CheckpointCorruptError,
@@ -380,7 +381,8 @@ def convert_to_dcp(
             warnings.simplefilter("ignore", UserWarning)
             dcp_save(dict(root), storage_writer=writer, no_dist=True)
     except Exception as exc:
-        writer.discard()  # its staging folder; the target is untouched until the commit
+        # Its staging folder; the target is untouched until the commit.
+        cleanup_after(exc, f"the staging folder {writer.path}", writer.discard)
         if isinstance(exc, DDPStateError):
             raise
         raise CheckpointFormatError(

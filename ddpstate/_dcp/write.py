@@ -42,6 +42,7 @@ from typing import Any, Optional
 from ddpstate._checksum import error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.torch_io import dcp_failure
+from ddpstate._storage.temps import cleanup_after
 from ddpstate.errors import CheckpointWriteError, DDPStateError, ShardedStateError
 
 _REFUSED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
@@ -102,7 +103,7 @@ def write_shards(
     try:
         save(dict(state_dict), storage_writer=writer, process_group=process_group)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        writer.discard()
+        cleanup_after(exc, f"the staging folder {writer.path}", writer.discard)
         inner = dcp_failure(exc)
         if inner is None or not isinstance(inner, Exception):
             raise

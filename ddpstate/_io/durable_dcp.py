@@ -235,11 +235,10 @@ class _VerifiedFile(io.RawIOBase):
         """Chunk ``start``'s head and tail bytes, read (and CRC-32'd) on first touch."""
         if self._window[0] != start:
             length = self._chunks[start][0]
-            edge = length if length <= 2 * _WINDOW else _WINDOW
-            head = self._read_exact(start, edge)
-            tail = self._read_exact(
-                start + length - (length - edge and edge), length - edge and edge
-            )
+            head_n = length if length <= 2 * _WINDOW else _WINDOW
+            tail_n = 0 if head_n == length else _WINDOW  # none when the head is all of it
+            head = self._read_exact(start, head_n)
+            tail = self._read_exact(start + length - tail_n, tail_n)
             crcs = (crc32(head, 0), len(head), crc32(tail, 0), len(tail))
             if self._ends.setdefault(start, crcs) != crcs:  # read again, and it changed
                 raise self._error(f"bytes {start}..{start + length} changed while being read")
@@ -281,9 +280,8 @@ class _VerifiedFile(io.RawIOBase):
         """Raise if a chunk read so far differs from its recorded CRC-32."""
         for start, (head_crc, head_n, tail_crc, tail_n) in sorted(self._ends.items()):
             length, want = self._chunks[start]
-            pieces = {
-                p: (n, c) for p, n, c in sorted(self._seen.get(start, []), key=lambda x: x[1])
-            }
+            seen = sorted(self._seen.get(start, []), key=lambda piece: piece[1])
+            pieces = {p: (n, c) for p, n, c in seen}  # the longest piece read at each position
             crc, pos, end = head_crc, start + head_n, start + length - tail_n
             while pos < end:
                 if pos in pieces and pos + pieces[pos][0] <= end:
@@ -440,7 +438,7 @@ class DurableWriter(FileSystemWriter):
             >>> writer = DurableWriter(os.path.join(tempfile.mkdtemp(), "ckpt"))
             >>> writer.discard()  # nothing staged yet: nothing to delete
         """
-        if not self.remote and getattr(self, "is_coordinator", True):
+        if not self.remote and getattr(self, "is_coordinator", False):
             storage.remove(self.path, recursive=True, missing_ok=True)
 
     def _opts(self) -> dict[str, Any]:
