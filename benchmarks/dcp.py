@@ -145,7 +145,7 @@ def _child(rank: int, world: int, port: int, opts: dict[str, Any], out: Any) -> 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from ddpstate._io.torch_io import fsspec_reader
+        from ddpstate._io.durable_dcp import fsspec_reader
         from ddpstate.dcp import DurableWriter, VerifiedReader
 
         try:  # the public module (newer torch deprecates the private one)

@@ -29,3 +29,11 @@ def url_to_fs(url: str, storage_options: Optional[dict[str, Any]] = None) -> tup
 
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     return fs, path
+
+
+def locate(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> tuple[Any, str]:
+    """``(None, local path)`` for a local path; ``(filesystem, path inside it)`` for a URL."""
+    text = os.fspath(path)
+    if not is_remote(text):
+        return None, local_path(text)
+    return url_to_fs(text, storage_options)

@@ -196,17 +196,15 @@ def atomic_write(
         b'all or nothing'
     """
     text = os.fspath(path)
-    if not _fs.is_remote(text):
-        with atomic_write_local(_fs.local_path(text), fsync) as local_file:
-            yield local_file
-        return
-    fs, inner = _fs.url_to_fs(text, storage_options)
-    if protocol_of(fs) in OBJECT_STORE_PROTOCOLS:
-        manager = atomic_write_object_store(fs, text, inner)
+    fs, where = _fs.locate(text, storage_options)
+    if fs is None:
+        manager = atomic_write_local(where, fsync)
+    elif protocol_of(fs) in OBJECT_STORE_PROTOCOLS:
+        manager = atomic_write_object_store(fs, text, where)
     else:
-        manager = atomic_write_rename(fs, text, inner)
-    with manager as remote_file:
-        yield remote_file
+        manager = atomic_write_rename(fs, text, where)
+    with manager as fileobj:
+        yield fileobj
 
 
 def size_and_crc32(
@@ -270,10 +268,8 @@ def open_read(path: PathLike, *, storage_options: Optional[dict[str, Any]] = Non
     """
     text = os.fspath(path)
     try:
-        if not _fs.is_remote(text):
-            return open(_fs.local_path(text), "rb")
-        fs, inner = _fs.url_to_fs(text, storage_options)
-        return fs.open(inner, "rb")  # type: ignore[no-any-return]
+        fs, where = _fs.locate(text, storage_options)
+        return open(where, "rb") if fs is None else fs.open(where, "rb")
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{text}: no such file; check the path") from exc
     except IsADirectoryError as exc:
@@ -290,11 +286,8 @@ def exists(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) 
         >>> exists("/definitely/not/here.pt")
         False
     """
-    text = os.fspath(path)
-    if not _fs.is_remote(text):
-        return os.path.exists(_fs.local_path(text))
-    fs, inner = _fs.url_to_fs(text, storage_options)
-    return bool(fs.exists(inner))
+    fs, where = _fs.locate(path, storage_options)
+    return os.path.exists(where) if fs is None else bool(fs.exists(where))
 
 
 def isdir(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) -> bool:
@@ -306,11 +299,8 @@ def isdir(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None) -
         >>> isdir(tempfile.gettempdir())
         True
     """
-    text = os.fspath(path)
-    if not _fs.is_remote(text):
-        return os.path.isdir(_fs.local_path(text))
-    fs, inner = _fs.url_to_fs(text, storage_options)
-    return bool(fs.isdir(inner))
+    fs, where = _fs.locate(path, storage_options)
+    return os.path.isdir(where) if fs is None else bool(fs.isdir(where))
 
 
 def remove(
@@ -344,15 +334,13 @@ def remove(
     folder = isdir(text, storage_options=storage_options)
     if folder and not recursive:
         raise DDPStateError(f"{text} is a folder; pass recursive=True to delete it and its files")
-    if not _fs.is_remote(text):
-        local = _fs.local_path(text)
-        if folder:
-            shutil.rmtree(local)
-        else:
-            os.unlink(local)
-        return
-    fs, inner = _fs.url_to_fs(text, storage_options)
-    fs.rm(inner, recursive=folder)
+    fs, where = _fs.locate(text, storage_options)
+    if fs is not None:
+        fs.rm(where, recursive=folder)
+    elif folder:
+        shutil.rmtree(where)
+    else:
+        os.unlink(where)
 
 
 def listdir(
@@ -382,11 +370,11 @@ def listdir(
     """
     text = os.fspath(path)
     try:
-        if not _fs.is_remote(text):
-            names = os.listdir(_fs.local_path(text))
+        fs, where = _fs.locate(text, storage_options)
+        if fs is None:
+            names = os.listdir(where)
         else:
-            fs, inner = _fs.url_to_fs(text, storage_options)
-            names = [posixpath.basename(p.rstrip("/")) for p in fs.ls(inner, detail=False)]
+            names = [posixpath.basename(p.rstrip("/")) for p in fs.ls(where, detail=False)]
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{text}: no such folder") from exc
     return sorted(n for n in names if n and (include_temp or not is_temp_name(n)))
@@ -408,12 +396,11 @@ def makedirs(path: PathLike, *, storage_options: Optional[dict[str, Any]] = None
     """
     text = os.fspath(path)
     try:
-        if not _fs.is_remote(text):
-            os.makedirs(_fs.local_path(text), exist_ok=True)
-            return
-        fs, inner = _fs.url_to_fs(text, storage_options)
-        if protocol_of(fs) not in OBJECT_STORE_PROTOCOLS:
-            fs.makedirs(inner, exist_ok=True)
+        fs, where = _fs.locate(text, storage_options)
+        if fs is None:
+            os.makedirs(where, exist_ok=True)
+        elif protocol_of(fs) not in OBJECT_STORE_PROTOCOLS:
+            fs.makedirs(where, exist_ok=True)
     except OSError as exc:
         raise CheckpointWriteError(
             f"cannot create folder {text} ({type(exc).__name__}: {exc}); check permissions"

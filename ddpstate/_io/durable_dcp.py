@@ -59,11 +59,9 @@ from ddpstate.errors import (
 )
 
 try:  # the public module (newer torch); torch 2.13 has only the private one
-    from torch.distributed.checkpoint.fsspec_filesystem import (  # type: ignore[import-not-found,unused-ignore]
-        FileSystem as FsspecFileSystem,
-    )
+    from torch.distributed.checkpoint import fsspec_filesystem as fsspec_dcp  # type: ignore[attr-defined,unused-ignore]
 except ImportError:
-    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+    from torch.distributed.checkpoint import _fsspec_filesystem as fsspec_dcp
 
 __all__ = ["DurableWriter", "VerifiedReader"]
 
@@ -83,11 +81,24 @@ def _rank() -> int:
     return get_rank() if is_distributed() else 0
 
 
+def fsspec_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
+    """torch's own ``FsspecReader`` for a DCP folder at an fsspec URL (no checks of its own).
+
+    Args:
+        path: The folder's URL.
+        storage_options: fsspec options.
+
+    Returns:
+        A ``torch.distributed.checkpoint`` storage reader.
+    """
+    return fsspec_dcp.FsspecReader(path, **(storage_options or {}))
+
+
 def _file_system(path: str, storage_options: Optional[dict[str, Any]]) -> FileSystemBase:
     """torch's file system for ``path``: the local one, or fsspec's with ``storage_options``."""
     if not _fs.is_remote(path):
         return FileSystem()
-    fs: FileSystemBase = FsspecFileSystem()
+    fs: FileSystemBase = fsspec_dcp.FileSystem()
     fs.init_path(path, **(storage_options or {}))
     return fs
 
@@ -120,10 +131,8 @@ class _Checksummed(FileSystemBase):
                 verified = _VerifiedFile(raw, chunks, self, name)
                 try:  # .metadata: pickle reads in small pieces; shards: DCP reads item views
                     yield verified if name.endswith(SHARD_SUFFIX) else io.BufferedReader(verified)
-                except BaseException as exc:  # torch choked on damaged bytes: say which
+                finally:  # also when torch choked on damaged bytes: say which
                     verified.check()
-                    raise exc
-                verified.check()
                 return
             writer = _manifest.ChecksumWriter(raw, pieces=name.endswith(SHARD_SUFFIX))
             yield writer

@@ -328,10 +328,7 @@ def write_safetensors(
     for _, tensor in order:
         if tensor.numel() == 0:
             continue
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.resolve_conj().resolve_neg().contiguous()
+        t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
         _write_all(fileobj, t.reshape(-1).view(torch.uint8).numpy().data.cast("B"))
     return aliases
 
@@ -551,10 +548,8 @@ def read_safetensors(
             if _read_into(stream, target) != len(target):
                 raise _corrupt(name, f"tensor {key!r} is cut short")
         tensors[key] = t
-    tensors = {key: tensors[key] for key in header.tensors}
-    target_device = torch.device(device)
-    if target_device.type != "cpu":
-        tensors = {k: t.to(target_device) for k, t in tensors.items()}
+    # Header order; .to() returns a tensor already on the device as it is.
+    tensors = {key: tensors[key].to(device) for key in header.tensors}
     return _finish(tensors, header.metadata, name)  # type: ignore[no-any-return]
 
 

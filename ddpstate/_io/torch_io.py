@@ -569,24 +569,5 @@ def dcp_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
     if storage.exists(storage.join(path, MANIFEST_NAME), storage_options=storage_options):
         return durable_dcp.VerifiedReader(path, storage_options=storage_options)
     if _fs.is_remote(os.fspath(path)):
-        return fsspec_reader(path, storage_options)
+        return durable_dcp.fsspec_reader(path, storage_options)
     return FileSystemReader(_fs.local_path(path))
-
-
-def fsspec_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
-    """torch's ``FsspecReader`` for a DCP folder at an fsspec URL.
-
-    Args:
-        path: The folder's URL.
-        storage_options: fsspec options.
-
-    Returns:
-        A ``torch.distributed.checkpoint`` storage reader.
-    """
-    try:  # the public module (newer torch deprecates the private one)
-        from torch.distributed.checkpoint.fsspec_filesystem import (  # type: ignore[import-not-found,unused-ignore]
-            FsspecReader,
-        )
-    except ImportError:  # torch 2.13 has only its private module
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-    return FsspecReader(path, **(storage_options or {}))
