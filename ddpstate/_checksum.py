@@ -302,15 +302,10 @@ def check_files(
     """
     sizes = _sizes(files)
     count = max(1, workers if workers is not None else _workers(sum(sizes.values())))
-    if count == 1:
-        found = [check_share(folder, files, opts, 0, 1, min_piece)]
-    else:
-        with ThreadPoolExecutor(count, thread_name_prefix="ddpstate-checksum") as pool:
-            found = list(
-                pool.map(
-                    lambda i: check_share(folder, files, opts, i, count, min_piece), range(count)
-                )
-            )
+    with ThreadPoolExecutor(count, thread_name_prefix="ddpstate-checksum") as pool:
+        found = list(
+            pool.map(lambda i: check_share(folder, files, opts, i, count, min_piece), range(count))
+        )
     pairs = [pair for share in found for pair in share]
     unread = {name for name, read in pairs if read.problem}
     read_files = {name for name, _ in pairs} - unread

@@ -245,16 +245,15 @@ def walk(value: Any, path: str, seen: set[int]) -> Iterator[tuple[str, Any]]:
 
 def sharded_types() -> tuple[type, ...]:
     """The sharded tensor classes whose modules are imported (only those can exist)."""
-    found: list[type] = []
-    for module, name in (
-        ("torch.distributed.tensor", "DTensor"),
-        ("torch.distributed._tensor.api", "DTensor"),
-        ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"),
-    ):
-        cls = getattr(sys.modules.get(module), name, None)
-        if isinstance(cls, type):
-            found.append(cls)
-    return tuple(found)
+    found = [
+        getattr(sys.modules.get(module), name, None)
+        for module, name in (
+            ("torch.distributed.tensor", "DTensor"),
+            ("torch.distributed._tensor.api", "DTensor"),
+            ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"),
+        )
+    ]
+    return tuple(cls for cls in found if isinstance(cls, type))
 
 
 def check_tensors(obj: Any, what: str, where: str, *, sharded_only: bool = False) -> None:
