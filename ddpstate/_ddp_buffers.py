@@ -24,19 +24,6 @@ from ddpstate._warn import warn
 from ddpstate.dist import get_rank
 from ddpstate.errors import BatchNormBufferSyncError, DDPStateError
 
-__all__ = [
-    "BUFFER_SYNC_KWARG",
-    "BUFFER_SYNC_NAMES",
-    "DDP_PARAMS",
-    "DDP_SYNC_KEEPS_VERSIONS",
-    "TwoForwardGuard",
-    "ddp_syncs_buffers",
-    "explain_ddp_errors",
-    "find_ddp",
-    "listed",
-    "plain_bn_names",
-]
-
 # The in-place autograd error text, stable since torch 1.x.
 _INPLACE_TEXT = "modified by an inplace operation"
 
@@ -201,11 +188,8 @@ def explain_ddp_errors(model: nn.Module) -> Iterator[None]:
 def _output_tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _output_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
+    elif isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
             yield from _output_tensors(item)
 
 
@@ -239,10 +223,9 @@ class TwoForwardGuard:
         if not torch.is_grad_enabled():
             return
         outputs = [t for t in _output_tensors(output) if t.requires_grad]
-        if not outputs:
-            return
-        self.pending = True
-        torch.autograd.graph.register_multi_grad_hook(outputs, self._reached, mode="any")
+        if outputs:
+            self.pending = True
+            torch.autograd.graph.register_multi_grad_hook(outputs, self._reached, mode="any")
 
     def _reached(self, grad: Any) -> None:
         self.pending = False

@@ -104,12 +104,15 @@ class BatchNormNd(_BatchNorm):
 # --------------------------------------------------------------------------- layer swapping
 
 
-def _copy_module_state(src: nn.Module, dst: nn.Module, drop: frozenset[str] = frozenset()) -> None:
+def _recast(src: nn.Module, cls: type[nn.Module], drop: frozenset[str] = frozenset()) -> nn.Module:
+    """A new ``cls`` instance (no ``__init__`` run) holding ``src``'s state but ``drop``."""
+    new = cls.__new__(cls)
     state = {k: v for k, v in vars(src).items() if k not in drop}
     for key in _REGISTRIES:
         if key in state:
             state[key] = copy.copy(state[key])
-    dst.__dict__.update(state)
+    new.__dict__.update(state)
+    return new
 
 
 def _refuse_unconvertible(layer: nn.Module, name: str) -> None:
@@ -198,8 +201,7 @@ def convert_sync_batchnorm(model: nn.Module, process_group: Any = None) -> nn.Mo
         if not isinstance(layer, _BatchNorm):
             return layer
         _refuse_unconvertible(layer, name)
-        sync = nn.SyncBatchNorm.__new__(nn.SyncBatchNorm)
-        _copy_module_state(layer, sync)
+        sync = _recast(layer, nn.SyncBatchNorm)
         sync.process_group = process_group
         setattr(sync, _ORIGINAL_CLASS, type(layer))
         return sync
@@ -214,10 +216,7 @@ def _revert_layers(model: nn.Module) -> nn.Module:
         if not isinstance(layer, nn.SyncBatchNorm):
             return layer
         # Only convert_sync_batchnorm sets it, to the plain BatchNorm class it replaced.
-        cls: type[_BatchNorm] = layer.__dict__.get(_ORIGINAL_CLASS, BatchNormNd)
-        plain = cls.__new__(cls)
-        _copy_module_state(layer, plain, drop=_SYNC_ONLY_ATTRS)
-        return plain
+        return _recast(layer, layer.__dict__.get(_ORIGINAL_CLASS, BatchNormNd), _SYNC_ONLY_ATTRS)
 
     return _swap_layers(model, swap)
 
@@ -270,6 +269,15 @@ def _stat_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
 
 def _stat_shape(layer: _BatchNorm) -> tuple[int, ...]:
     return tuple(layer.running_mean.shape) if layer.running_mean is not None else ()
+
+
+def _stat_bytes(layer: _BatchNorm) -> bytes:
+    # Bytes, not sums: NaN compares unequal to itself, and different statistics can share a sum.
+    return b"".join(
+        t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        for t in (layer.running_mean, layer.running_var)
+        if t is not None
+    )
 
 
 def _reduce_in_place(tensors: list[torch.Tensor], op: str, *, counts: bool) -> None:
@@ -408,18 +416,8 @@ def stats_checksums(model: nn.Module) -> Optional[list[int]]:
     layers = _stat_layers(model)
     if not layers:
         return None
-    crcs: list[int] = []
-    with torch.no_grad():
-        for _, m in layers:
-            crc = 0
-            for t in (m.running_mean, m.running_var):
-                if t is not None:
-                    # Bytes, not sums: NaN compares unequal to itself, and different
-                    # statistics can share a sum.
-                    data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                    crc = zlib.crc32(data, crc)
-            crcs.append(crc)
-    return crcs
+    # One CRC of both tensors' bytes: the same as chaining zlib.crc32 over each.
+    return [zlib.crc32(_stat_bytes(m)) for _, m in layers]
 
 
 def warn_if_checksums_differ(model: nn.Module, gathered: list[Any], *, where: str) -> None:
@@ -566,11 +564,10 @@ def wrap_ddp(
         >>> model is net  # a plain single process gets the model back
         True
     """
-    kwargs = dict(ddp_kwargs)
     target = _resolve_device(device)
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     policy = _resolve_policy(batchnorm, target, has_bn)
-    explicit, names_given = _take_buffer_sync(kwargs)
+    explicit, names_given = _take_buffer_sync(ddp_kwargs)
     chosen = f"batchnorm={batchnorm!r}" + (f" (chose {policy!r})" if batchnorm == "auto" else "")
 
     if policy == "sync" and target.type not in _SYNC_DEVICE_TYPES:
@@ -594,10 +591,10 @@ def wrap_ddp(
         # broadcast_buffers=False also skips the init-time buffer sync, which
         # forward_sync_buffers=False does not.
         own = len(names_given) == 1 and names_given[0] in DDP_PARAMS
-        kwargs[names_given[0] if own else BUFFER_SYNC_KWARG] = buffer_sync
+        ddp_kwargs[names_given[0] if own else BUFFER_SYNC_KWARG] = buffer_sync
 
     if policy == "sync":
-        model = convert_sync_batchnorm(model, kwargs.get("process_group"))
+        model = convert_sync_batchnorm(model, ddp_kwargs.get("process_group"))
     elif policy == "unsynced":
         model = _revert_layers(model)
     model = model.to(target)
@@ -607,16 +604,15 @@ def wrap_ddp(
     if policy == "keep" and target.type not in _SYNC_DEVICE_TYPES:
         sync_layers = [n for n, m in model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
         if sync_layers:
-            shown = ", ".join(map(repr, sync_layers[:3]))
             raise BatchNormPolicyError(
-                f"wrap_ddp: SyncBatchNorm layers ({shown}) only work with GPU modules under DDP, "
-                f"and this model runs on {target}; pass batchnorm='unsynced' (or call "
-                "ddpstate.revert_sync_batchnorm(model) first)"
+                f"wrap_ddp: SyncBatchNorm layers ({listed(sync_layers)}) only work with GPU "
+                f"modules under DDP, and this model runs on {target}; pass batchnorm='unsynced' "
+                "(or call ddpstate.revert_sync_batchnorm(model) first)"
             )
     if target.type == "cuda":
-        kwargs.setdefault("device_ids", [target.index])
-        kwargs.setdefault("output_device", target.index)
-    ddp = DistributedDataParallel(model, **kwargs)
+        ddp_kwargs.setdefault("device_ids", [target.index])
+        ddp_kwargs.setdefault("output_device", target.index)
+    ddp = DistributedDataParallel(model, **ddp_kwargs)
     if policy == "unsynced" and _stat_layers(model):
         setattr(ddp, _UNSYNCED_MARK, True)
 

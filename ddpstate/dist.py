@@ -177,8 +177,7 @@ def share_outcome(
             if error is not None:
                 raise error
             return
-        group = _group()
-        shared = _collectives.share_outcome(group, error, name, resolve_timeout(timeout))
+        shared = _collectives.share_outcome(_group(), error, name, resolve_timeout(timeout))
         if shared is not None:
             raise shared from error
 
@@ -288,23 +287,21 @@ def gather_and_decide(
         >>> gather_and_decide({"step": 3}, lambda infos: None, name="check steps")
     """
     with _calls.calling(f"ddpstate.gather_and_decide({name=})"):
-        if not is_distributed():
-            error = decide([obj])
-            if error is not None:
-                raise error
-            return
-        _check_rank(name, "dst", dst)
 
         def on_dst(payloads: list[bytes]) -> Optional[DDPStateError]:
             # Trusted input: these bytes come from this job's own ranks, never from a file.
             return decide([pickle.loads(b) for b in payloads])
 
-        group = _group()
-        shared = _collectives.gather_and_decide(
-            group, pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_dst
-        )
-        if shared is not None:
-            raise shared
+        if not is_distributed():
+            error = decide([obj])
+        else:
+            _check_rank(name, "dst", dst)
+            group = _group()
+            error = _collectives.gather_and_decide(
+                group, pickle.dumps(obj), dst, name, resolve_timeout(timeout), on_dst
+            )
+        if error is not None:
+            raise error
 
 
 def gather_to_receivers(

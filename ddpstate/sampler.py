@@ -230,8 +230,8 @@ class ResumableDistributedSampler(DistributedSampler[int]):
             return
         batch = int(loader._send_idx)
         self._delivered = int(loader._rcvd_idx)
-        while len(self._batch_ends) <= batch:
-            self._batch_ends.append(self._position)
+        # Pad the list up to this batch (a negative count pads nothing), then set its end.
+        self._batch_ends += [self._position] * (batch + 1 - len(self._batch_ends))
         self._batch_ends[batch] = self._position
 
     def __len__(self) -> int:

@@ -23,8 +23,6 @@ from ddpstate._dist.ranks import (
 )
 from ddpstate.errors import InvalidArgumentError
 
-__all__ = ["DistContext", "device_for", "init_distributed"]
-
 
 @dataclasses.dataclass(frozen=True)
 class DistContext:

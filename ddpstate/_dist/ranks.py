@@ -16,19 +16,6 @@ from ddpstate import _collectives
 from ddpstate._collectives import TIMEOUT_ENV
 from ddpstate.errors import InvalidArgumentError
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "Timeout",
-    "default_timeout",
-    "get_local_rank",
-    "get_rank",
-    "get_world_size",
-    "is_distributed",
-    "is_local_main_process",
-    "is_main_process",
-    "resolve_timeout",
-]
-
 #: Default collective timeout in seconds: torch's own default process-group
 #: timeout, long enough for a multi-GB save to object storage.
 DEFAULT_TIMEOUT = 1800.0

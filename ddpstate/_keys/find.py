@@ -14,8 +14,6 @@ from ddpstate.errors import (
     StateDictNotFoundError,
 )
 
-__all__ = ["STATE_DICT_NAMES", "find_state_dict", "replace_state_dict"]
-
 #: Names under which real checkpoints keep the model state dict, in the order
 #: :func:`find_state_dict` reports them.
 STATE_DICT_NAMES: tuple[str, ...] = (
@@ -209,9 +207,7 @@ def _with_item(container: Any, step: Any, value: Any) -> Any:
         new[step] = value
         return new
     if isinstance(container, Mapping):
-        replaced = dict(container)
-        replaced[step] = value
-        return replaced
+        return {**container, step: value}
     if isinstance(container, tuple) and hasattr(container, "_fields"):  # a namedtuple
         named: Any = container
         field = step if isinstance(step, str) else named._fields[step]

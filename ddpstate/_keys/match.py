@@ -23,7 +23,6 @@ from ddpstate.errors import InvalidArgumentTypeError, KeyMismatchError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["KeyMatch", "adapt_state_dict", "match_keys"]
 
 #: The last words of a key mismatch report: a caller with other options rewrites them.
 STRICT_ADVICE = "pass strict=False to take the keys that match"
@@ -65,12 +64,9 @@ class _Side:
 
 
 def _paths_from_keys(keys: Iterable[str]) -> list[str]:
-    paths: dict[str, None] = {"": None}
-    for key in keys:
-        segments = key.split(".")
-        for i in range(1, len(segments)):
-            paths.setdefault(".".join(segments[:i]), None)
-    return list(paths)
+    # The root, then each key's module path and every path above it, first seen first.
+    split = (key.split(".") for key in keys)
+    return list(dict.fromkeys(["", *(".".join(s[:i]) for s in split for i in range(1, len(s)))]))
 
 
 _LEVEL_NAMES = (
@@ -264,9 +260,7 @@ def _with_ties(match: KeyMatch, model: nn.Module) -> KeyMatch:
     for group in _tied_keys(model):
         source = next((mapping[k] for k in group if k in mapping), None)
         if source is not None:
-            for key in group:
-                if key in match.missing:
-                    mapping[key] = source
+            mapping.update({key: source for key in group if key in match.missing})
     if len(mapping) == len(match.mapping):
         return match
     order = {key: i for i, key in enumerate((*match.mapping, *match.missing))}

@@ -10,8 +10,6 @@ from typing import Any, Literal, Optional, TypeVar, cast, overload
 from ddpstate._warn import warn
 from ddpstate.errors import InvalidArgumentError, KeyCollisionError
 
-__all__ = ["OnCollision", "add_prefix", "normalize_keys", "strip_prefix"]
-
 OnCollision = Literal["error", "keep_prefixed", "keep_existing"]
 
 # The submodule names torch's wrappers give the module they wrap.

@@ -15,15 +15,6 @@ from ddpstate._keys.rename import _drop_segments, _rename, _rename_metadata
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = [
-    "is_module",
-    "is_tensor",
-    "optimized_module_type",
-    "unwrapped_state_dict",
-    "wrapper_chain",
-    "wrapper_types",
-]
-
 
 def optimized_module_type() -> type | None:
     """torch.compile's wrapper class, or None when nothing compiled can exist yet.

@@ -9,6 +9,7 @@ that verifies. Torch-free.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -29,6 +30,20 @@ def missing_framework(module: str, extra: str) -> ImportError:
         f"ddpstate.integrations.{extra} needs {module}, which is not installed; "
         f'pip install "ddpstate[{extra}]"'
     )
+
+
+def numbered(
+    folder: str, pattern: re.Pattern[str], storage_options: Optional[dict[str, Any]] = None
+) -> list[tuple[int, str]]:
+    """``(number, path)`` of each entry of ``folder`` that ``pattern`` matches, oldest first.
+
+    The number is what the pattern's group 1 matched; no folder means no entries.
+    """
+    if not storage.isdir(folder, storage_options=storage_options):
+        return []
+    names = storage.listdir(folder, storage_options=storage_options)
+    found = sorted((int(m.group(1)), name) for name in names if (m := pattern.match(name)))
+    return [(n, storage.join(folder, name)) for n, name in found]
 
 
 def _problem(path: str, opts: Optional[dict[str, Any]]) -> Optional[str]:

@@ -25,7 +25,7 @@ from ddpstate.errors import (
     DDPStateError,
     InvalidArgumentError,
 )
-from ddpstate.integrations._common import missing_framework, newest_verified, synced_files
+from ddpstate.integrations import _common
 
 __all__ = ["load_state", "save_state"]
 
@@ -36,15 +36,7 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 
 def _require_accelerate() -> None:
     if importlib.util.find_spec("accelerate") is None:
-        raise missing_framework("accelerate", "accelerate")
-
-
-def _numbered(folder: str) -> list[tuple[int, str]]:
-    """The ``checkpoint_N`` folders in ``folder``, oldest first."""
-    if not os.path.isdir(folder):
-        return []
-    found = [(int(m.group(1)), n) for n in os.listdir(folder) if (m := _CHECKPOINT_RE.match(n))]
-    return [(n, os.path.join(folder, name)) for n, name in sorted(found)]
+        raise _common.missing_framework("accelerate", "accelerate")
 
 
 def _checkpoints_dir(accelerator: Any) -> str:
@@ -77,7 +69,7 @@ def _target(accelerator: Any, output_dir: Optional[str]) -> str:
 
 def _manifest_of(folder: str, world_size: int) -> bytes:
     """The manifest of every file in ``folder``: each fsynced (Accelerate's writes never are)."""
-    return _manifest.manifest_for(None, {}, world_size, None, synced_files(folder), FORMAT)
+    return _manifest.manifest_for(None, {}, world_size, None, _common.synced_files(folder), FORMAT)
 
 
 def _rotate(accelerator: Any, target: str) -> None:
@@ -89,14 +81,14 @@ def _rotate(accelerator: Any, target: str) -> None:
     limit = accelerator.project_configuration.total_limit
     if limit is None or not accelerator.project_configuration.automatic_checkpoint_naming:
         return
-    numbered = _numbered(os.path.dirname(target))
+    folders = _common.numbered(os.path.dirname(target), _CHECKPOINT_RE)
     committed = [
-        n for n, path in numbered if os.path.exists(os.path.join(path, _manifest.MANIFEST_NAME))
+        n for n, path in folders if os.path.exists(os.path.join(path, _manifest.MANIFEST_NAME))
     ]
     if len(committed) <= limit:
         return
     oldest_kept = committed[-limit]
-    for n, path in numbered:
+    for n, path in folders:
         if n >= oldest_kept:
             break
         try:
@@ -211,16 +203,13 @@ def load_state(accelerator: Any, input_dir: Optional[str] = None, **kw: Any) -> 
     """
     _require_accelerate()
     config = accelerator.project_configuration
-    chosen: Optional[str] = None
-    error: Optional[BaseException] = None
-    if dist.is_main_process():
-        try:
-            chosen = _choose(accelerator, input_dir)
-        except DDPStateError as exc:
-            error = exc
-    dist.share_outcome(error, name="load_state: choosing the checkpoint")
-    chosen = dist.broadcast_object(chosen)
-    assert chosen is not None
+    # The main process chooses; every process gets its choice, or its error.
+    chosen: str = dist.gather_to_receivers(
+        None,
+        lambda _: _choose(accelerator, input_dir),
+        dst=0,
+        name="load_state: choosing the checkpoint",
+    )
     accelerator.load_state(chosen, **kw)
     match = _CHECKPOINT_RE.match(os.path.basename(chosen))
     if config.automatic_checkpoint_naming and match:
@@ -243,8 +232,8 @@ def _choose(accelerator: Any, input_dir: Optional[str]) -> str:
             "load_state: pass input_dir, or turn on automatic checkpoint naming"
         )
     parent = _checkpoints_dir(accelerator)
-    candidates = [path for _, path in reversed(_numbered(parent))]
-    chosen = newest_verified(candidates, what="load_state")
+    candidates = [path for _, path in reversed(_common.numbered(parent, _CHECKPOINT_RE))]
+    chosen = _common.newest_verified(candidates, what="load_state")
     if chosen is None:
         raise CheckpointNotFoundError(
             f"load_state: no checkpoint_N folder in {parent} verifies ({len(candidates)} found); "

@@ -13,15 +13,14 @@ import os
 import re
 from typing import Any, Optional
 
-from ddpstate import storage
 from ddpstate.dist import barrier, is_distributed
-from ddpstate.integrations._common import missing_framework, newest_verified, seal_folder
+from ddpstate.integrations import _common
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # the framework is an optional extra
-    raise missing_framework("transformers", "transformers") from exc
+    raise _common.missing_framework("transformers", "transformers") from exc
 
 __all__ = ["DDPStateCallback", "last_verified_checkpoint"]
 
@@ -62,7 +61,7 @@ class DDPStateCallback(TrainerCallback):
             barrier()  # every rank's files (rng_state_<rank>.pth) are written
         if args.should_save:
             name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            seal_folder(
+            _common.seal_folder(
                 os.path.join(str(args.output_dir), name),
                 format=SEALED_FORMAT,
                 world_size=args.world_size,
@@ -93,13 +92,8 @@ def last_verified_checkpoint(
         >>> last_verified_checkpoint(tempfile.mkdtemp()) is None
         True
     """
-    text = os.fspath(output_dir)
-    if not storage.isdir(text, storage_options=storage_options):
-        return None
-    found = [
-        (int(match.group(1)), name)
-        for name in storage.listdir(text, storage_options=storage_options)
-        if (match := _CHECKPOINT.match(name))
-    ]
-    paths = [storage.join(text, name) for _, name in sorted(found, reverse=True)]
-    return newest_verified(paths, what="Trainer checkpoint", storage_options=storage_options)
+    found = _common.numbered(os.fspath(output_dir), _CHECKPOINT, storage_options)
+    paths = [path for _, path in reversed(found)]
+    return _common.newest_verified(
+        paths, what="Trainer checkpoint", storage_options=storage_options
+    )
