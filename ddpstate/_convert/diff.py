@@ -169,14 +169,14 @@ def diff_files(
     unsafe = not old_arguments("diff_files", legacy, weights_only=weights_only)[0]
     edit = StateEdit(strip_prefix=strip_prefix, add_prefix=add_prefix, normalize=normalize)
     with contextlib.ExitStack() as stack:
-        ca = stack.enter_context(
-            read_checkpoint(os.fspath(a), unsafe=unsafe, storage_options=storage_options)
+        ca, cb = (
+            stack.enter_context(
+                read_checkpoint(os.fspath(p), unsafe=unsafe, storage_options=storage_options)
+            )
+            for p in (a, b)
         )
-        cb = stack.enter_context(
-            read_checkpoint(os.fspath(b), unsafe=unsafe, storage_options=storage_options)
-        )
-        raise_problems(ca)
-        raise_problems(cb)
+        for ckpt in (ca, cb):
+            raise_problems(ckpt)
         where_a, sd_a, note_a = _model_tensors(ca, key)
         where_b, sd_b, note_b = _model_tensors(cb, key)
         sd_a, sd_b = edit.rename(sd_a), edit.rename(sd_b)

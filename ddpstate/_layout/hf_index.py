@@ -187,13 +187,6 @@ def read_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> S
     )
 
 
-def _mismatch(index: ShardIndex, detail: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(
-        f"{index.path}: the index and its shards disagree: {detail}; re-download the "
-        f"checkpoint (`ddpstate verify` lists every problem)"
-    )
-
-
 def check_keys(index: ShardIndex, shard: str, keys: Sequence[str]) -> None:
     """Raise unless ``shard`` holds exactly the keys the index assigns to it.
 
@@ -204,7 +197,10 @@ def check_keys(index: ShardIndex, shard: str, keys: Sequence[str]) -> None:
     problems = key_problems(index, shard, keys)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise _mismatch(index, problems[0] + more)
+        raise CheckpointCorruptError(
+            f"{index.path}: the index and its shards disagree: {problems[0]}{more}; re-download "
+            f"the checkpoint (`ddpstate verify` lists every problem)"
+        )
 
 
 def key_problems(index: ShardIndex, shard: str, keys: Sequence[str]) -> list[str]:

@@ -18,7 +18,6 @@ from typing import Any, Optional
 from ddpstate import formats
 from ddpstate._layout.hf_index import ShardIndex, check_keys, open_index
 from ddpstate._streaming.pickle_scan import TensorRecord
-from ddpstate._streaming.progress import Progress
 from ddpstate._streaming.reader import Checkpoint, read_file
 from ddpstate._streaming.stream import Source
 from ddpstate.errors import CheckpointFormatError, CheckpointNotFoundError
@@ -59,10 +58,6 @@ class _ShardsSource(Source):
     def readinto_at(self, offset: int, view: memoryview) -> int:
         source, inner = self._locate(offset)
         return source.readinto_at(inner, view)
-
-    def crc32(self, offset: int, length: int, progress: Optional[Progress] = None) -> int:
-        source, inner = self._locate(offset)
-        return source.crc32(inner, length, progress)
 
 
 def _state_dict_of(ckpt: Checkpoint, shard: str, index: ShardIndex) -> dict[str, Any]:

@@ -647,12 +647,7 @@ def _read_safetensors(source: Source, path: str) -> Checkpoint:
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a C-contiguous tensor of ``shape`` (as ``torch.empty(shape).stride()``)."""
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    return tuple(math.prod(max(n, 1) for n in shape[i + 1 :]) for i in range(len(shape)))
 
 
 def contiguous_tensor(

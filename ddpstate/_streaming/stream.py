@@ -243,7 +243,7 @@ class Sink:
             return 0
         return self._copy_through_buffer(source, offset, length, crc)
 
-    def _write_back(self, force: bool = False) -> None:
+    def _write_back(self) -> None:
         # The output is fsynced at the end (atomic_write); asking the kernel to
         # start writing each finished stretch now overlaps that disk write with
         # the copy instead of doing it all at the end, and keeps the copy from
@@ -252,7 +252,7 @@ class Sink:
         if not self._advise or self._fd is None:
             return
         pending = self.position - self._written_back
-        if pending < _WRITE_BACK and not force:
+        if pending < _WRITE_BACK:
             return
         self.file.flush()
         try:

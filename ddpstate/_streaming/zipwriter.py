@@ -245,9 +245,8 @@ class ZipWriter:
                              cd_start)
                 + EOCD64_LOCATOR.pack(EOCD64_LOCATOR_SIGNATURE, 0, cd_end, 1)
             )  # fmt: skip
-            self._sink.write(
-                EOCD.pack(EOCD_SIGNATURE, 0, 0, min(count, U16_MAX), min(count, U16_MAX),
-                           min(cd_size, U32_MAX), min(cd_start, U32_MAX), 0)
-            )  # fmt: skip
-        else:
-            self._sink.write(EOCD.pack(EOCD_SIGNATURE, 0, 0, count, count, cd_size, cd_start, 0))
+        # Saturated fields send a reader to the zip64 record; below the limits, the values.
+        self._sink.write(
+            EOCD.pack(EOCD_SIGNATURE, 0, 0, min(count, U16_MAX), min(count, U16_MAX),
+                       min(cd_size, U32_MAX), min(cd_start, U32_MAX), 0)
+        )  # fmt: skip
