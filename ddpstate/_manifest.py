@@ -188,8 +188,7 @@ class StepFolders:
         Temporary folders and files, and step folders without a manifest, are
         deleted; a re-saved step whose two renames a crash interrupted is put back.
         """
-        opts = self.storage_options
-        kw: dict[str, Any] = {"storage_options": opts}
+        kw: dict[str, Any] = {"storage_options": self.storage_options}
         found: list[int] = []
         if not storage.isdir(self.directory, **kw):  # an object store's empty prefix
             return found
@@ -447,11 +446,10 @@ def checked_files(manifest: Mapping[str, Any], *, defer: bool = False) -> dict[s
     :func:`read_checked` shards, whose bytes restore checks as it loads them.
     """
     files: dict[str, Any] = manifest["files"]
-    listed = {n: e for n, e in files.items() if is_listed(n) and isinstance(e, dict)}
-    if defer:
-        later = read_checked(manifest)
-        return {n: e for n, e in listed.items() if n not in later}
-    return listed
+    later = read_checked(manifest) if defer else {}
+    return {
+        n: e for n, e in files.items() if is_listed(n) and isinstance(e, dict) and n not in later
+    }
 
 
 def read_checked(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -528,43 +526,47 @@ def check_folder(
     check.problems.extend(found)
     if defer:
         check.problems.extend(deferred_problems(folder, manifest, opts))
-    check_listing(folder, manifest["files"], check, opts)
+    problems, check.notes = check_listing(folder, manifest["files"], opts)
+    check.problems.extend(problems)
     if check.problems:
         check.manifest = None
     return check
 
 
 def check_listing(
-    folder: str, files: dict[str, Any], check: FolderCheck, opts: Optional[dict[str, Any]]
-) -> None:
-    """Add the problems and notes of what lies in ``folder`` beside the listed ``files``."""
+    folder: str, files: dict[str, Any], opts: Optional[dict[str, Any]]
+) -> tuple[list[str], list[str]]:
+    """The problems and the notes of what lies in ``folder`` beside the listed ``files``."""
+    problems: list[str] = []
+    notes: list[str] = []
     try:
         present = storage.listdir(folder, storage_options=opts, include_temp=True)
     except DDPStateError as exc:
-        check.problems.append(f"the folder cannot be listed ({error_text(exc)})")
+        problems.append(f"the folder cannot be listed ({error_text(exc)})")
         present = []
     for name in present:
         if name in files or name == MANIFEST_NAME:
             continue
         if name == DCP_SUBDIR and any(is_listed_name(f) for f in files):
             for extra in unlisted_shards(storage.join(folder, name), files, name + "/"):
-                check.problems.append(
+                problems.append(
                     f"{extra} is not listed in {MANIFEST_NAME}: a shard this save did not write "
                     f"(copied in, or left from another save); move it out of the folder"
                 )
             continue
         if storage.is_temp_name(name):
-            check.notes.append(
+            notes.append(
                 f"{name} is a temporary file left by an interrupted write (not part of the "
                 f"checkpoint; the next save deletes it)"
             )
         elif name.endswith((*PART_SUFFIXES, SHARD_SUFFIX)):
-            check.problems.append(
+            problems.append(
                 f"{name} is not listed in {MANIFEST_NAME}: a checkpoint file this save did not "
                 f"write (copied in, or left from another save); move it out of the folder"
             )
         else:
-            check.notes.append(f"{name} is not part of the checkpoint (ignored)")
+            notes.append(f"{name} is not part of the checkpoint (ignored)")
+    return problems, notes
 
 
 @dataclass(frozen=True)
@@ -652,17 +654,20 @@ def verify_checkpoint(
     step = parse_step(name)
     committed = storage.exists(storage.join(text, MANIFEST_NAME), storage_options=opts)
     if step is not None or committed:
-        check = check_folder(text, step, opts)
         found = (step,) if committed and step is not None else ()
-        return CheckpointVerification(
-            path=text,
-            problems=tuple(check.problems),
-            notes=tuple(check.notes),
-            steps=found,
-            files=check.files,
-            bytes_read=check.bytes_read,
-        )
+        return _verification(text, check_folder(text, step, opts), found)
     return _verify_directory(text, opts)
+
+
+def _verification(path: str, check: FolderCheck, steps: tuple[int, ...]) -> CheckpointVerification:
+    return CheckpointVerification(
+        path=path,
+        problems=tuple(check.problems),
+        notes=tuple(check.notes),
+        steps=steps,
+        files=check.files,
+        bytes_read=check.bytes_read,
+    )
 
 
 def _verify_directory(text: str, opts: Optional[dict[str, Any]]) -> CheckpointVerification:
@@ -678,35 +683,28 @@ def _verify_directory(text: str, opts: Optional[dict[str, Any]]) -> CheckpointVe
             f"{text} is not a CheckpointManager folder: it has no {MANIFEST_NAME}, no step_* "
             f"folders and no {LATEST_NAME} pointer"
         )
-    problems: list[str] = []
-    notes: list[str] = []
+    total = FolderCheck(None, [], [])  # every step folder's findings, each named by its folder
     committed: list[int] = []
-    files = read = 0
     for s, n in step_dirs:
         folder = storage.join(text, n)
         if not storage.exists(storage.join(folder, MANIFEST_NAME), storage_options=opts):
-            notes.append(f"{n}: not committed (an interrupted save; the next save deletes it)")
+            total.notes.append(
+                f"{n}: not committed (an interrupted save; the next save deletes it)"
+            )
             continue
         committed.append(s)
         check = check_folder(folder, s, opts)
-        problems.extend(f"{n}: {p}" for p in check.problems)
-        notes.extend(f"{n}: {p}" for p in check.notes)
-        files += check.files
-        read += check.bytes_read
+        total.problems.extend(f"{n}: {p}" for p in check.problems)
+        total.notes.extend(f"{n}: {p}" for p in check.notes)
+        total.files += check.files
+        total.bytes_read += check.bytes_read
     for n in names:
         if storage.is_temp_name(n):
-            notes.append(
+            total.notes.append(
                 f"{n} is a temporary file left by an interrupted write (the next save deletes it)"
             )
-    problems.extend(_latest_problems(text, names, committed, notes, opts))
-    return CheckpointVerification(
-        path=text,
-        problems=tuple(problems),
-        notes=tuple(notes),
-        steps=tuple(committed),
-        files=files,
-        bytes_read=read,
-    )
+    total.problems.extend(_latest_problems(text, names, committed, total.notes, opts))
+    return _verification(text, total, tuple(committed))
 
 
 def _latest_problems(

@@ -88,8 +88,7 @@ def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
     node: Any = root
     for step, after in itertools.pairwise(path):
         if isinstance(node, list):
-            while len(node) <= step:
-                node.append(None)
+            node.extend([None] * (step + 1 - len(node)))
             if node[step] is None:
                 node[step] = [] if isinstance(after, int) else {}
             node = node[step]
@@ -97,8 +96,7 @@ def _set_path(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
             node = node.setdefault(step, [] if isinstance(after, int) else {})
     last = path[-1]
     if isinstance(node, list):
-        while len(node) <= last:
-            node.append(None)
+        node.extend([None] * (last + 1 - len(node)))
     node[last] = value
 
 

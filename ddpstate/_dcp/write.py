@@ -42,11 +42,9 @@ from typing import Any, Optional
 from ddpstate._checksum import error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.torch_io import dcp_failure
+from ddpstate._manifest import PART_SUFFIXES
 from ddpstate._storage.temps import cleanup_after
 from ddpstate.errors import CheckpointWriteError, DDPStateError, ShardedStateError
-
-_REFUSED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
-
 
 # ------------------------------------------------------------------------- detection
 
@@ -151,7 +149,7 @@ def check_folder_target(
             Hugging Face sharded layout, ``max_shard_size``) was asked for.
     """
     refused = format is not None or has_metadata or max_shard_size
-    if path.lower().endswith(_REFUSED_SUFFIXES) or refused:
+    if path.lower().endswith(PART_SUFFIXES) or refused:
         # A file cannot hold every rank's shards, and a folder named *.pt would fool readers.
         why = (
             f"format={format!r} was asked for"

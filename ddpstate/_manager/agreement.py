@@ -3,11 +3,13 @@
 Every rank sends its step, entry names, BatchNorm facts and DCP entries to the
 writer, which turns any disagreement into the one error every rank raises
 (:func:`check_gathered`, :func:`check_batchnorm`) before anything is written.
+:class:`SavePlan` is what one save carries from its checks to its commit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
+from ddpstate._manager.entries import Entry
 from ddpstate._manager.writer import WRITER_RANK
 from ddpstate.batchnorm import (
     stats_checksums,
@@ -37,6 +40,29 @@ class SaveInfo(NamedTuple):
     batchnorm: dict[str, Any]
     #: Entry -> kind of the entries written through torch.distributed.checkpoint.
     dcp: dict[str, str]
+
+
+@dataclass
+class SavePlan:
+    """What one ``CheckpointManager.save`` writes, worked out before its round (``save._plan``)."""
+
+    step: int
+    folder: str
+    metrics: dict[str, float]
+    #: Entries every rank writes through torch.distributed.checkpoint (entry -> kind).
+    dcp_kinds: dict[str, str]
+    #: The other entries: the writer's to write.
+    rest: dict[str, Any]
+    #: Models wrap_ddp prepared with unsynced BatchNorm are averaged before the write.
+    sync_first: bool
+    info: SaveInfo
+    entries: dict[str, Entry] = field(default_factory=dict)
+    events: list[Any] = field(default_factory=list)
+    #: The writer's refusal or failure before the round, told to every rank in it.
+    local_error: Optional[Exception] = None
+    refusal: str = ""
+    #: Every rank's pickled RNG states, gathered on the writer in the round.
+    rng_blobs: list[bytes] = field(default_factory=list)
 
 
 def check_gathered(

@@ -26,6 +26,7 @@ from ddpstate._dcp import write as _dcp_write
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io import torch_io as _torch_io
 from ddpstate._manager import optim_state
+from ddpstate._manager.agreement import SavePlan
 from ddpstate._manager.entries import rng_states
 from ddpstate._manager.writer import InFlight, StepWriter
 from ddpstate._manifest import DCP_SUBDIR, METADATA_NAME
@@ -195,7 +196,7 @@ def restore_entries(
 # ------------------------------------------------------------------------- CheckpointManager
 
 
-def _prepare(writer: StepWriter, step: int, rank: int) -> tuple[str, Optional[StagedFolder]]:
+def _prepare(writer: StepWriter, plan: SavePlan, rank: int) -> tuple[str, Optional[StagedFolder]]:
     """Rank 0 stages the step's folder and tells every rank (a collective); raised on all.
 
     Returns:
@@ -205,27 +206,18 @@ def _prepare(writer: StepWriter, step: int, rank: int) -> tuple[str, Optional[St
     failure = ""
     if rank == 0:
         try:
-            staged = writer.prepare_folder(step)
+            staged = writer.prepare_folder(plan.step)
         except Exception as exc:
             failure = error_text(exc)
     path = None if staged is None else staged.path
     path, failure = broadcast_object((path, failure), src_rank=0, timeout=writer.config.timeout)
     if path is None:
-        target = writer.checkpoint_path(step)
-        raise writer.write_failure(step, target, [(0, failure)])
+        raise writer.write_failure(plan.step, plan.folder, [(0, failure)])
     return str(path), staged
 
 
-def save_step(
-    writer: StepWriter,
-    step: int,
-    state: Mapping[str, Any],
-    kinds: Mapping[str, str],
-    entries: Mapping[str, Any],
-    rng_blobs: list[bytes],
-    metrics: dict[str, float],
-) -> None:
-    """Write ``kinds``' entries with every rank into ``<step folder>/dcp/``, then commit the step.
+def save_step(writer: StepWriter, plan: SavePlan, state: Mapping[str, Any]) -> None:
+    """Write ``plan``'s DCP entries with every rank into ``<step folder>/dcp/``, then commit.
 
     A collective, after ``CheckpointManager.save``'s first round has checked the
     ranks agree. Rank 0 prepares the folder and tells every rank; every rank
@@ -234,13 +226,13 @@ def save_step(
     raises the same error if any rank failed.
     """
     rank = get_rank() if is_distributed() else 0
-    name = f"CheckpointManager.save(step={step})"
-    folder, staged = _prepare(writer, step, rank)
+    name = f"CheckpointManager.save(step={plan.step})"
+    folder, staged = _prepare(writer, plan, rank)
     info: dict[str, Any] = {}
     cause: Optional[BaseException] = None
     try:
         info["files"] = _dcp_write.write_shards(
-            state_dicts(state, kinds),
+            state_dicts(state, plan.dcp_kinds),
             storage.join(folder, DCP_SUBDIR),
             storage_options=writer.storage_options,
         )
@@ -251,7 +243,7 @@ def save_step(
 
     def decide(infos: list[Any]) -> Optional[DDPStateError]:
         assert staged is not None  # decide runs on rank 0, which staged the folder
-        return _commit(writer, step, staged, kinds, infos, entries, rng_blobs, metrics, causes)
+        return _commit(writer, plan, staged, infos, causes)
 
     try:
         gather_and_decide(info, decide, dst=0, name=name, timeout=writer.config.timeout)
@@ -264,31 +256,23 @@ def save_step(
 
 def _commit(
     writer: StepWriter,
-    step: int,
+    plan: SavePlan,
     staged: StagedFolder,
-    kinds: Mapping[str, str],
     infos: list[Any],
-    entries: Mapping[str, Any],
-    rng_blobs: list[bytes],
-    metrics: dict[str, float],
     causes: list[BaseException],
 ) -> Optional[DDPStateError]:
     """Rank 0: commit the step every rank wrote its shards for, or return why it failed."""
-    target = writer.checkpoint_path(step)
+    step, target = plan.step, plan.folder
     files, failures = _dcp_write.merge_files(infos, DCP_SUBDIR + "/")
     if failures:
         staged.discard(CheckpointWriteError(failures[0][1]))
         return writer.write_failure(step, target, failures)
-    written = {n: {"file": f"{DCP_SUBDIR}/{METADATA_NAME}", "kind": k} for n, k in kinds.items()}
+    written = {
+        n: {"file": f"{DCP_SUBDIR}/{METADATA_NAME}", "kind": k} for n, k in plan.dcp_kinds.items()
+    }
     try:
-        writer.commit(
-            step,
-            dict(entries),
-            rng_states(rng_blobs),
-            metrics,
-            prepared=staged,
-            written=(files, written),
-        )
+        rng = rng_states(plan.rng_blobs)
+        writer.commit(step, plan.entries, rng, plan.metrics, staged, (files, written))
     except Exception as exc:
         causes.append(exc)
         return writer.write_failure(step, target, [(0, error_text(exc))])
@@ -338,15 +322,7 @@ def release_group(flight: InFlight) -> None:
 
 
 def start_async_step(
-    writer: StepWriter,
-    flight: InFlight,
-    step: int,
-    state: Mapping[str, Any],
-    kinds: Mapping[str, str],
-    entries: Mapping[str, Any],
-    events: list[Any],
-    rng_blobs: list[bytes],
-    metrics: dict[str, float],
+    writer: StepWriter, flight: InFlight, plan: SavePlan, state: Mapping[str, Any]
 ) -> None:
     """Snapshot the DCP entries, then write and commit the step in a background thread.
 
@@ -358,15 +334,15 @@ def start_async_step(
     verdict; a failure is left in ``flight.error`` on every rank, for the next
     ``save``/``wait``/``restore``/``close`` to raise.
     """
-    rank = get_rank() if is_distributed() else 0
-    folder, staged = _prepare(writer, step, rank)
+    rank, step = (get_rank() if is_distributed() else 0), plan.step
+    folder, staged = _prepare(writer, plan, rank)
     group = async_group(flight, writer.config.timeout)
-    copied = snapshot(state_dicts(state, kinds))  # before returning: training goes on
+    copied = snapshot(state_dicts(state, plan.dcp_kinds))  # before returning: training goes on
 
     def run() -> None:
         info: dict[str, Any] = {}
         try:
-            for event in events:
+            for event in plan.events:
                 event.synchronize()  # the rank-0 entries' CUDA copies
             where = storage.join(folder, DCP_SUBDIR)
             info["files"] = _dcp_write.write_shards(copied, where, group, writer.storage_options)
@@ -381,9 +357,7 @@ def start_async_step(
         verdict = None
         if rank == 0:
             assert infos is not None and staged is not None
-            verdict = _commit(
-                writer, step, staged, kinds, infos, entries, rng_blobs, metrics, causes
-            )
+            verdict = _commit(writer, plan, staged, infos, causes)
             if verdict is not None and causes:
                 verdict.__cause__ = causes[0]
         text = [None if verdict is None else str(verdict)]
@@ -398,7 +372,6 @@ def start_async_step(
         try:
             run()
         except Exception as exc:  # the group broke (a rank died): raised at the next call
-            target = writer.checkpoint_path(step)
-            raise writer.write_failure(step, target, [(rank, error_text(exc))]) from exc
+            raise writer.write_failure(step, plan.folder, [(rank, error_text(exc))]) from exc
 
     flight.start(f"ddpstate-dcp-writer-step-{step}", [], guarded)

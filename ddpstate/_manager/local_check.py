@@ -98,9 +98,7 @@ def check_share_of_step(
         found["files"] = verify_split.check_share(folder, manifest, None, *share)
         if index == 0:
             found["head"] = _manifest.manifest_problems(manifest, step)
-            listing = _manifest.FolderCheck(manifest, [], [])
-            _manifest.check_listing(folder, manifest["files"], listing, None)
-            found["tail"] = listing.problems
+            found["tail"], _ = _manifest.check_listing(folder, manifest["files"], None)
             found["expected"] = _manifest.checked_files(manifest, defer=True)
     except Exception as exc:  # still join the round: the others would wait for this rank
         text = f"it cannot be checked ({_checksum.error_text(exc)})"

@@ -219,13 +219,6 @@ class LocalTier:
 
     # ------------------------------------------------------------------ restoring
 
-    def _skip_restore(self, exc: BaseException) -> None:
-        warn(
-            f"CheckpointManager.restore: the node-local tier {self.directory} cannot be read "
-            f"on rank {get_rank()} ({_checksum.error_text(exc)}); this node counts as holding "
-            f"no local step"
-        )
-
     def choose(
         self, latest_step: Callable[[], Optional[int]]
     ) -> Optional[tuple[RestoreSource, dict[str, Any]]]:
@@ -254,7 +247,11 @@ class LocalTier:
             committed = self._folders.committed_steps()
         except Exception as exc:  # an unreadable local tier is an empty one
             if is_local_main_process():
-                self._skip_restore(exc)
+                warn(
+                    f"CheckpointManager.restore: the node-local tier {self.directory} cannot be "
+                    f"read on rank {rank} ({_checksum.error_text(exc)}); this node counts as "
+                    f"holding no local step"
+                )
         held, durable = local_check.newest_on_nodes(
             self.directory, committed, durable, self.timeout
         )

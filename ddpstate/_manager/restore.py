@@ -134,55 +134,6 @@ def choose(
     return None
 
 
-def load_into(
-    writer: StepWriter,
-    state: MutableMapping[str, Any],
-    folder: str,
-    manifest: dict[str, Any],
-    map_location: Any,
-    ignore_mismatched: bool = False,
-    mmap: bool = False,
-    allow_dtype_change: bool = False,
-) -> None:
-    """Every rank: load ``folder``'s entries (as ``manifest`` lists them) and RNG states."""
-    saved_entries: dict[str, Any] = manifest["entries"]
-    # Entries in the step's DCP checkpoint load first, on every rank together.
-    dcp_kinds = {
-        n: saved_entries[n]["kind"]
-        for n in state
-        if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
-    }
-    if dcp_kinds:
-        opts = writer.config.storage_options
-        _dcp.restore_entries(state, dcp_kinds, folder, ignore_mismatched, opts)
-    files = {
-        name: storage.join(folder, saved_entries[name]["file"])
-        for name in state
-        if name in saved_entries and name not in dcp_kinds
-    }
-    # No mmap on the durable tier: a later rotation deletes these files, and on
-    # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
-    # A local file unlinked on this node keeps its pages while mapped.
-    opts = writer.config.storage_options
-    load = functools.partial(checkpoint.load, barrier=False, storage_options=opts)
-    safe = writer.config.safe_globals
-    loaded = {
-        name: load(path, map_location=map_location, mmap=mmap, safe_globals=safe)
-        for name, path in files.items()
-    }
-    rng_file = storage.join(folder, str(manifest.get("rng_file", RNG_FILE)))
-    rng = load(rng_file, map_location="cpu", mmap=False)
-    policy: model_state.DTypePolicy = "allow" if allow_dtype_change else "refuse"
-    # Everything that can refuse runs before anything is loaded, so a refusal leaves
-    # every model and optimizer as it was: model keys adapted and dtypes checked,
-    # optimizer state mapped by name onto the live layout (_manager/optim_state.py).
-    ready = {
-        name: _prepare(name, value, state, files[name], policy) for name, value in loaded.items()
-    }
-    _load_ready(state, ready, files, ignore_mismatched, policy)
-    restore_rng(rng, manifest)
-
-
 def _load_ready(
     state: MutableMapping[str, Any],
     ready: dict[str, Any],
@@ -493,23 +444,50 @@ def _load(
     allow_dtype_change: bool,
     mapped: bool,
 ) -> None:
-    """Every rank: load ``source``'s entries; any rank's failure is raised on every rank."""
-    folder = str(source.path)
+    """Every rank: load ``source``'s entries and RNG states; any rank's failure is raised on all.
+
+    ``mapped``: the local tier is node-local memory, so its files are mapped, not copied.
+    """
+    folder, saved_entries = str(source.path), manifest["entries"]
     if strict:
-        _check_entries(names, manifest["entries"], folder)
+        _check_entries(names, saved_entries, folder)
+    opts = writer.config.storage_options
     error: Optional[Exception] = None
     try:
-        # The local tier is node-local memory: map it instead of copying (see load_into).
-        load_into(
-            writer,
-            state,
-            folder,
-            manifest,
-            map_location,
-            ignore_mismatched,
-            mmap=mapped,
-            allow_dtype_change=allow_dtype_change,
-        )
+        # Entries in the step's DCP checkpoint load first, on every rank together.
+        dcp_kinds = {
+            n: saved_entries[n]["kind"]
+            for n in state
+            if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
+        }
+        if dcp_kinds:
+            _dcp.restore_entries(state, dcp_kinds, folder, ignore_mismatched, opts)
+        files = {
+            name: storage.join(folder, saved_entries[name]["file"])
+            for name in state
+            if name in saved_entries and name not in dcp_kinds
+        }
+        # No mmap on the durable tier: a later rotation deletes these files, and on
+        # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
+        # A local file unlinked on this node keeps its pages while mapped.
+        load = functools.partial(checkpoint.load, barrier=False, storage_options=opts)
+        safe = writer.config.safe_globals
+        loaded = {
+            name: load(path, map_location=map_location, mmap=mapped, safe_globals=safe)
+            for name, path in files.items()
+        }
+        rng_file = storage.join(folder, str(manifest.get("rng_file", RNG_FILE)))
+        rng = load(rng_file, map_location="cpu", mmap=False)
+        policy: model_state.DTypePolicy = "allow" if allow_dtype_change else "refuse"
+        # Everything that can refuse runs before anything is loaded, so a refusal leaves
+        # every model and optimizer as it was: model keys adapted and dtypes checked,
+        # optimizer state mapped by name onto the live layout (_manager/optim_state.py).
+        ready = {
+            name: _prepare(name, value, state, files[name], policy)
+            for name, value in loaded.items()
+        }
+        _load_ready(state, ready, files, ignore_mismatched, policy)
+        restore_rng(rng, manifest)
     except Exception as exc:
         if not is_distributed():
             raise

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ddpstate._calls import calling
@@ -23,6 +22,7 @@ from ddpstate._manager import dcp_step as _dcp
 from ddpstate._manager import optim_state
 from ddpstate._manager.agreement import (
     SaveInfo,
+    SavePlan,
     batchnorm_checks,
     check_batchnorm,
     check_dcp_kinds,
@@ -30,7 +30,6 @@ from ddpstate._manager.agreement import (
     sync_batchnorm,
 )
 from ddpstate._manager.entries import (
-    Entry,
     check_metrics,
     check_not_sharded,
     check_state,
@@ -43,27 +42,6 @@ from ddpstate._manager.writer import WRITER_RANK, InFlight, Pending, StepWriter
 from ddpstate.dist import gather_and_decide, get_rank, is_distributed
 from ddpstate.errors import DDPStateError, InvalidArgumentError
 from ddpstate.rng import capture_rng_state
-
-
-@dataclass
-class _Plan:
-    """What one save writes, worked out by :func:`_plan` before the round."""
-
-    step: int
-    folder: str
-    metrics: dict[str, float]
-    #: Entries every rank writes through torch.distributed.checkpoint (entry -> kind).
-    dcp_kinds: dict[str, str]
-    #: The other entries: the writer's to write.
-    rest: dict[str, Any]
-    #: Models wrap_ddp prepared with unsynced BatchNorm are averaged before the write.
-    sync_first: bool
-    info: SaveInfo
-    entries: dict[str, Entry] = field(default_factory=dict)
-    events: list[Any] = field(default_factory=list)
-    #: The writer's refusal or failure before the round, told to every rank in it.
-    local_error: Optional[Exception] = None
-    refusal: str = ""
 
 
 def save(
@@ -86,8 +64,8 @@ def save(
         plan = _plan(writer, snapshot, step, state, metrics)
         if get_rank() == WRITER_RANK:
             _take_entries(writer, snapshot, plan, rollback, restored)
-        rng_blobs = _agree(writer, plan, state)
-        _write(writer, flight, snapshot, plan, state, rng_blobs)
+        _agree(writer, plan, state)
+        _write(writer, flight, snapshot, plan, state)
 
 
 def _plan(
@@ -96,7 +74,7 @@ def _plan(
     step: int,
     state: Mapping[str, Any],
     metrics: Optional[Mapping[str, Any]],
-) -> _Plan:
+) -> SavePlan:
     """Every rank: check the arguments and work out what goes where (not a collective)."""
     step = check_step(step)
     names = check_state(state, "save")
@@ -119,7 +97,7 @@ def _plan(
     # The RNG states ride as one opaque blob per rank: the writer's checks need only
     # step and names, and it unpickles the states when it writes them.
     rng = pickle.dumps(rng_to_wire(capture_rng_state()))
-    return _Plan(
+    return SavePlan(
         step=step,
         folder=folder,
         metrics=checked_metrics,
@@ -131,7 +109,7 @@ def _plan(
 
 
 def _take_entries(
-    writer: StepWriter, snapshot: Snapshot, plan: _Plan, rollback: bool, restored: Optional[int]
+    writer: StepWriter, snapshot: Snapshot, plan: SavePlan, rollback: bool, restored: Optional[int]
 ) -> None:
     """The writer: refuse a rollback, or take (async: copy) and check the entries it writes.
 
@@ -151,14 +129,13 @@ def _take_entries(
         plan.local_error = exc
 
 
-def _agree(writer: StepWriter, plan: _Plan, state: Mapping[str, Any]) -> list[bytes]:
-    """Every rank: the one round; returns every rank's RNG blob (on the writer).
+def _agree(writer: StepWriter, plan: SavePlan, state: Mapping[str, Any]) -> None:
+    """Every rank: the one round; the writer keeps every rank's RNG blob in ``plan``.
 
     The writer checks the ranks agree and, when nothing has to happen after the
     round (synchronous, no BatchNorm to sync, no DCP entries), commits the step
     inside it, so its verdict reaches every rank in the same round.
     """
-    rng_blobs: list[bytes] = []
     causes: list[BaseException] = []
     commits_now = not (writer.config.async_save or plan.sync_first or plan.dcp_kinds)
 
@@ -172,8 +149,8 @@ def _agree(writer: StepWriter, plan: _Plan, state: Mapping[str, Any]) -> list[by
         if error is not None:
             causes.extend([plan.local_error] if plan.local_error is not None else [])
             return error
-        rng_blobs.extend(i.rng for i in infos)
-        return _commit(writer, plan, rng_blobs, causes) if commits_now else None
+        plan.rng_blobs = [i.rng for i in infos]
+        return _commit(writer, plan, causes) if commits_now else None
 
     try:
         gather_and_decide(
@@ -187,15 +164,14 @@ def _agree(writer: StepWriter, plan: _Plan, state: Mapping[str, Any]) -> list[by
         if causes:
             raise shared from causes[0]
         raise
-    return rng_blobs
 
 
 def _commit(
-    writer: StepWriter, plan: _Plan, rng_blobs: list[bytes], causes: list[BaseException]
+    writer: StepWriter, plan: SavePlan, causes: list[BaseException]
 ) -> Optional[DDPStateError]:
     """The writer: write and commit the step; None, or the error every rank raises."""
     try:
-        writer.commit(plan.step, plan.entries, rng_states(rng_blobs), plan.metrics)
+        writer.commit(plan.step, plan.entries, rng_states(plan.rng_blobs), plan.metrics)
     except Exception as exc:
         causes.append(exc)
         return writer.failure_for(plan.step, plan.folder, WRITER_RANK, exc)
@@ -206,9 +182,8 @@ def _write(
     writer: StepWriter,
     flight: InFlight,
     snapshot: Snapshot,
-    plan: _Plan,
+    plan: SavePlan,
     state: Mapping[str, Any],
-    rng_blobs: list[bytes],
 ) -> None:
     """Every rank, after the round: what the round did not do (see the module docstring)."""
     step, folder, is_writer = plan.step, plan.folder, get_rank() == WRITER_RANK
@@ -221,19 +196,21 @@ def _write(
             plan.entries, plan.events = snapshot.collect(plan.rest, snapshot=async_save)
     if plan.dcp_kinds and async_save:  # written on the manager's own group
         flight.pending = Pending(step, folder, shared=True)
-        _dcp.start_async_step(
-            writer, flight, step, state, plan.dcp_kinds, plan.entries, plan.events,
-            rng_blobs, plan.metrics,
-        )  # fmt: skip
+        _dcp.start_async_step(writer, flight, plan, state)
     elif plan.dcp_kinds:
-        _dcp.save_step(writer, step, state, plan.dcp_kinds, plan.entries, rng_blobs, plan.metrics)
+        _dcp.save_step(writer, plan, state)
     elif async_save:
         flight.pending = Pending(step, folder)
         if is_writer:
-            writer.start_async(flight, step, plan.entries, rng_blobs, plan.metrics, plan.events)
+            # The writer's thread commits the step; its error waits in `flight` for the next call.
+            flight.start(
+                f"ddpstate-checkpoint-writer-step-{step}",
+                plan.events,
+                lambda: writer.commit(step, plan.entries, rng_states(plan.rng_blobs), plan.metrics),
+            )
     else:
         if plan.sync_first:  # not committed in the round: the statistics were synced after it
             causes: list[BaseException] = []
-            failure = _commit(writer, plan, rng_blobs, causes) if is_writer else None
-            writer.share_outcome(step, folder, failure, causes[0] if causes else None)
+            failure = _commit(writer, plan, causes) if is_writer else None
+            writer.share_outcome(step, failure, causes[0] if causes else None)
         writer.check_seen(step, folder)

@@ -59,8 +59,7 @@ def verify(
     if manifest is None:
         return None, str(problem)
     head = _manifest.manifest_problems(manifest, step)
-    listing = _manifest.FolderCheck(manifest, [], [])
-    _manifest.check_listing(folder, manifest["files"], listing, opts)
+    listing, _ = _manifest.check_listing(folder, manifest["files"], opts)
     broadcast_object((folder, manifest), src_rank=0, timeout=timeout)
     shares: list[list[_checksum.Finding]] = []
     seen: list[Optional[int]] = []
@@ -84,7 +83,7 @@ def verify(
     # Back in manifest order, so the text is what one rank checking the whole folder reports.
     found = _checksum.file_problems(_manifest.checked_files(manifest, defer=True), shares)
     deferred = _manifest.deferred_problems(folder, manifest, opts)
-    problems = [*head, *found, *deferred, *listing.problems]
+    problems = [*head, *found, *deferred, *listing]
     return (None, "; ".join(problems)) if problems else (manifest, None)
 
 

@@ -24,7 +24,7 @@ from ddpstate._checksum import error_text
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._manager.config import ManagerConfig
-from ddpstate._manager.entries import KIND_MODULE, Entry, is_flat_tensor_dict, rng_states
+from ddpstate._manager.entries import KIND_MODULE, Entry, is_flat_tensor_dict
 from ddpstate._manifest import (
     COMMITTED_BUT,
     LATEST_NAME,
@@ -67,13 +67,23 @@ class InFlight:
     dcp_group: Any = None
 
     def start(self, name: str, events: list[Any], work: Callable[[], None]) -> None:
-        """Run ``work`` in a background thread (:func:`start_thread`); its failure: ``error``."""
+        """Run ``work`` in a background thread once ``events`` (CUDA copies) are done.
+
+        Its exception, whatever it is, goes to ``error`` (the next call raises or warns).
+        Not a daemon: an interpreter exiting normally still finishes the write.
+        """
         self.error = None
 
-        def failed(exc: BaseException) -> None:
-            self.error = exc
+        def run() -> None:
+            try:
+                for event in events:
+                    event.synchronize()
+                work()
+            except BaseException as exc:
+                self.error = exc
 
-        self.thread = start_thread(name, events, work, failed)
+        self.thread = threading.Thread(target=run, name=name, daemon=False)
+        self.thread.start()
 
     def join(self) -> Optional[Exception]:
         """Wait for the thread in flight and return its failure (an interrupt is raised here)."""
@@ -97,28 +107,6 @@ class InFlight:
                 if note is not None:
                     note(f"the async checkpoint write also failed: {self.error!r}")
         self.pending = None
-
-
-def start_thread(
-    name: str, events: list[Any], work: Callable[[], None], failed: Callable[[BaseException], None]
-) -> threading.Thread:
-    """Run ``work`` in a background thread once ``events`` (CUDA copies) are done.
-
-    Its exception, whatever it is, goes to ``failed`` (the next call raises or warns).
-    Not a daemon: an interpreter exiting normally still finishes the write.
-    """
-
-    def run() -> None:
-        try:
-            for event in events:
-                event.synchronize()
-            work()
-        except BaseException as exc:
-            failed(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=False)
-    thread.start()
-    return thread
 
 
 #: Writes one file (path, object, as safetensors, what it is); returns its manifest listing.
@@ -312,23 +300,16 @@ class StepWriter(StepFolders):
         return self.write_failure(step, folder, [(rank, error_text(exc))])
 
     def share_outcome(
-        self,
-        step: int,
-        folder: str,
-        error: Optional[DDPStateError],
-        cause: Optional[BaseException] = None,
+        self, step: int, error: Optional[DDPStateError], cause: Optional[BaseException] = None
     ) -> None:
         """Raise ``error`` (the writer's) on every rank, or return on every rank."""
-        if not is_distributed():
-            if error is not None:
-                raise error from cause
-            return
         try:
             share_outcome(
                 error, name=f"CheckpointManager.save(step={step})", timeout=self.config.timeout
             )
         except DDPStateError as shared:
-            if cause is not None and shared.__cause__ is error:
+            # Alone, the writer's own error comes back; with others, the shared one from it.
+            if cause is not None and (shared is error or shared.__cause__ is error):
                 raise shared from cause
             raise
 
@@ -347,22 +328,6 @@ class StepWriter(StepFolders):
             timeout=self.config.timeout,
         )
 
-    def start_async(
-        self,
-        flight: InFlight,
-        step: int,
-        entries: dict[str, Entry],
-        rng_blobs: list[bytes],
-        metrics: dict[str, float],
-        events: list[Any],
-    ) -> None:
-        """Rank 0: write and commit ``step`` in a background thread (its error: ``flight``)."""
-        flight.start(
-            f"ddpstate-checkpoint-writer-step-{step}",
-            events,
-            lambda: self.commit(step, entries, rng_states(rng_blobs), metrics),
-        )
-
     def finish(self, flight: InFlight) -> None:
         """Wait for the write in ``flight``; raise its error on every rank (a collective)."""
         pending = flight.pending
@@ -370,12 +335,10 @@ class StepWriter(StepFolders):
             return
         flight.pending = None
         error = flight.join()
-        failure = (
-            None
-            if error is None
-            else error
-            if pending.shared and isinstance(error, DDPStateError)
-            else self.failure_for(pending.step, pending.folder, 0, error)
-        )
-        self.share_outcome(pending.step, pending.folder, failure, error)
+        failure: Optional[DDPStateError] = None
+        if pending.shared and isinstance(error, DDPStateError):
+            failure = error  # the writer threads of every rank already agreed on it
+        elif error is not None:
+            failure = self.failure_for(pending.step, pending.folder, 0, error)
+        self.share_outcome(pending.step, failure, error)
         self.check_seen(pending.step, pending.folder)
