@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import posixpath
 import shutil
@@ -269,7 +270,14 @@ def open_read(path: PathLike, *, storage_options: Optional[dict[str, Any]] = Non
     text = os.fspath(path)
     try:
         fs, where = _fs.locate(text, storage_options)
-        return open(where, "rb") if fs is None else fs.open(where, "rb")
+        if fs is None:
+            return open(where, "rb")
+        if protocol_of(fs) == "memory":
+            # fsspec's memory filesystem hands every reader of a path the same file object,
+            # so threads reading pieces of one file (check_files) would move each other's
+            # position: each reader gets its own view of the bytes instead.
+            return io.BytesIO(fs.cat_file(where))
+        return fs.open(where, "rb")  # type: ignore[no-any-return]
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{text}: no such file; check the path") from exc
     except IsADirectoryError as exc:

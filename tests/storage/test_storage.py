@@ -330,3 +330,19 @@ def test_staged_folder_on_fsspec_uncommits_the_old_copy_and_writes_in_place() ->
     finally:
         if fs.exists("/ddpstate-staged"):
             fs.rm("/ddpstate-staged", recursive=True)
+
+
+def test_readers_of_one_memory_file_keep_their_own_positions() -> None:
+    # fsspec's memory filesystem returns one shared file object per path; check_files reads
+    # pieces of a file in threads, which raced there (a piece read another's bytes).
+    import uuid
+
+    import fsspec
+
+    url = f"memory://readers-{uuid.uuid4().hex}/model.pt"
+    fsspec.filesystem("memory").pipe(url, bytes(range(200)))
+    first = storage.open_read(url)
+    second = storage.open_read(url)
+    first.seek(150)
+    assert second.read(10) == bytes(range(10))
+    assert first.read() == bytes(range(150, 200))
