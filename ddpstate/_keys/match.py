@@ -65,8 +65,12 @@ class _Side:
 
 def _paths_from_keys(keys: Iterable[str]) -> list[str]:
     # The root, then each key's module path and every path above it, first seen first.
-    split = (key.split(".") for key in keys)
-    return list(dict.fromkeys(["", *(".".join(s[:i]) for s in split for i in range(1, len(s)))]))
+    paths: dict[str, None] = {"": None}
+    for key in keys:
+        segments = key.split(".")
+        for i in range(1, len(segments)):
+            paths.setdefault(".".join(segments[:i]), None)
+    return list(paths)
 
 
 _LEVEL_NAMES = (

@@ -272,7 +272,9 @@ def _commit(
     }
     try:
         rng = rng_states(plan.rng_blobs)
-        writer.commit(step, plan.entries, rng, plan.metrics, staged, (files, written))
+        writer.commit(
+            step, plan.entries, rng, plan.metrics, prepared=staged, written=(files, written)
+        )
     except Exception as exc:
         causes.append(exc)
         return writer.write_failure(step, target, [(0, error_text(exc))])
