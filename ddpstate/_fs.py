@@ -77,6 +77,22 @@ def name_problem(name: object) -> Optional[str]:
     return None
 
 
+def _hub_blob(base: str, real: str) -> bool:
+    """Whether ``real`` is a blob of the Hugging Face Hub cache repository ``base`` lies in.
+
+    The Hub's cache keeps each file once, in ``<repo>/blobs/``, and links it from
+    every ``<repo>/snapshots/<revision>/`` that has it: a sharded model loaded from
+    the cache is all symlinks leading out of its folder, into that one place.
+    """
+    at = base
+    while os.path.dirname(at) != at:
+        if os.path.basename(os.path.dirname(at)) == "snapshots":
+            repo = os.path.dirname(os.path.dirname(at))
+            return os.path.dirname(real) == os.path.join(repo, "blobs")
+        at = os.path.dirname(at)
+    return False
+
+
 def confined_file(folder: PathLike, name: object, *, checkpoint: str, entry: str) -> str:
     """Resolve a name a checkpoint gives to a regular file inside its folder, or refuse it.
 
@@ -84,7 +100,8 @@ def confined_file(folder: PathLike, name: object, *, checkpoint: str, entry: str
     manifest's files, a Hugging Face index's shards) are claims of the file, so
     they are checked before anything is opened: the name must pass
     :func:`name_problem`; on local disk it must also, with symlinks followed,
-    stay inside the folder and be a regular file (a FIFO would block the
+    stay inside the folder (or, in a Hugging Face Hub cache snapshot, lead to
+    its repository's ``blobs/``) and be a regular file (a FIFO would block the
     reader, a device would read forever). On an fsspec URL the name is checked
     as text only (object stores have no symlinks or FIFOs).
 
@@ -118,7 +135,7 @@ def confined_file(folder: PathLike, name: object, *, checkpoint: str, entry: str
     if why is None and not remote:
         base = os.path.realpath(local_path(text))
         real = os.path.realpath(path)
-        if os.path.commonpath([base, real]) != base:
+        if os.path.commonpath([base, real]) != base and not _hub_blob(base, real):
             why = f"is a symlink that leads outside the folder (to {real})"
         else:
             try:

@@ -1,6 +1,7 @@
 """Paths inside a checkpoint are claims: a DCP item, a manifest's file or an index's shard that
 leads outside the folder (``..``, an absolute path, a symlink out) or to a FIFO is refused as
-CheckpointCorruptError before anything opens it; ``verify`` checks DCP items' offsets and lengths."""
+CheckpointCorruptError before anything opens it; ``verify`` checks DCP items' offsets and
+lengths."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 import ddpstate
 from ddpstate import _manifest
-from ddpstate.convert import convert_file, verify_file
+from ddpstate.convert import convert_file, inspect_file, verify_file
 from ddpstate.dcp import DurableWriter, VerifiedReader
 from ddpstate.errors import CheckpointCorruptError
 from ddpstate.manager import CheckpointManager
@@ -236,6 +237,25 @@ def test_restore_refuses_a_step_file_that_is_a_symlink_out(tmp_path: Path) -> No
     assert state["weights"] is None
 
 
+def test_a_manager_entry_naming_a_file_outside_is_refused(tmp_path: Path) -> None:
+    """A rewritten step manifest whose model entry names ``../../outside.pt``: ``inspect`` and
+    ``convert`` of the step folder read that file today."""
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, {"model": torch.nn.Linear(2, 2)})
+    step = next((tmp_path / "run").glob("step_*"))
+    torch.save(_state(7.0), tmp_path / "outside.pt")
+    path = step / _manifest.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    manifest["entries"]["model"]["file"] = "../../outside.pt"
+    manifest[_manifest.MANIFEST_CRC_FIELD] = _manifest.manifest_crc(manifest)
+    path.write_bytes(_manifest.manifest_bytes(manifest))
+    with pytest.raises(CheckpointCorruptError, match="entry 'model' names '../../outside.pt'"):
+        inspect_file(step)
+    with pytest.raises(CheckpointCorruptError, match="leaves the folder"):
+        convert_file(step, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
 # --------------------------------------------------------------------------- Hugging Face shards
 
 
@@ -276,3 +296,26 @@ def test_an_index_naming_a_parent_folder_is_refused(tmp_path: Path) -> None:
         with pytest.raises(CheckpointCorruptError, match="outside the index's folder"):
             read(index)
     assert any("outside the index's folder" in p for p in verify_file(index).problems)
+
+
+def test_a_hugging_face_hub_cache_snapshot_still_loads(tmp_path: Path) -> None:
+    """The Hub's cache links each snapshot file to ``<repo>/blobs/``: out of the folder, but
+    into the one place the cache keeps files. Such a folder loads; a link elsewhere does not."""
+    repo = tmp_path / "models--org--net"
+    snapshot = repo / "snapshots" / "0123abcd"
+    sd = _state(1.0)
+    index = write_hf(snapshot, sd, shards=2)
+    (repo / "blobs").mkdir()
+    for i, file in enumerate(sorted(snapshot.iterdir())):
+        blob = repo / "blobs" / f"{i:040x}"
+        file.rename(blob)
+        file.symlink_to(os.path.relpath(blob, snapshot))
+    loaded = ddpstate.load(index)
+    assert all(torch.equal(loaded[k], v) for k, v in sd.items())
+    assert verify_file(index).ok
+    shard = snapshot / json.loads(index.read_text())["weight_map"]["w"]
+    shard.unlink()
+    shard.symlink_to(tmp_path / "elsewhere.safetensors")
+    (tmp_path / "elsewhere.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointCorruptError, match="symlink that leads outside the folder"):
+        ddpstate.load(index)
