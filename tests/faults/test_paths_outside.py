@@ -132,6 +132,35 @@ def test_dcp_items_outside_the_folder_are_refused(tmp_path: Path, how: str) -> N
     assert not found.ok and any(why in p for p in found.problems), found.problems
 
 
+@pytest.mark.parametrize("how", ["relative", "absolute", "url"])
+def test_dcp_items_outside_a_remote_folder_are_refused(tmp_path: Path, how: str) -> None:
+    """fsspec (memory://): an item naming ``../``, an absolute key or another URL. The
+    absolute key loaded the other folder's data today."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for name, value in (("ckpt", 1.0), ("other", 7.0)):
+        for p in _dcp_folder(tmp_path / name, value).iterdir():
+            fs.pipe(f"/paths_outside/{name}/{p.name}", p.read_bytes())
+    target = {
+        "relative": f"../other/{SHARD}",
+        "absolute": f"/paths_outside/other/{SHARD}",
+        "url": f"memory://paths_outside/other/{SHARD}",
+    }[how]
+    metadata = pickle.loads(fs.cat("/paths_outside/ckpt/.metadata"))
+    metadata.storage_data = {
+        i: dataclasses.replace(info, relative_path=target)
+        for i, info in metadata.storage_data.items()
+    }
+    fs.pipe("/paths_outside/ckpt/.metadata", pickle.dumps(metadata))
+    try:
+        with pytest.raises(CheckpointCorruptError, match="names .* which (has a '..'|is an abs)"):
+            ddpstate.load("memory://paths_outside/ckpt")
+        assert not verify_file("memory://paths_outside/ckpt").ok
+    finally:
+        fs.rm("/paths_outside", recursive=True)
+
+
 def test_a_symlink_out_in_place_of_a_dcp_shard_is_refused(tmp_path: Path) -> None:
     folder = _dcp_folder(tmp_path / "ckpt", 1.0)
     _dcp_folder(tmp_path / "other", 7.0)
