@@ -142,11 +142,9 @@ def confined_file(folder: PathLike, name: object, *, checkpoint: str, entry: str
                 mode = os.stat(real).st_mode
             except OSError:
                 return path  # missing or unreadable: the caller's open says which
-            why = next((what for test, what in _KINDS if test(mode)), None)
-            if why is None and not stat.S_ISREG(mode):
-                why = "is not a regular file"
-            elif why is not None:
-                why = f"is {why}, not a regular file"
+            if not stat.S_ISREG(mode):
+                kind = next((what for test, what in _KINDS if test(mode)), "something else")
+                why = f"is {kind}, not a regular file"
     if why is not None:
         raise CheckpointCorruptError(
             f"{checkpoint}: {entry} names {name!r} ({path}), which {why}. A checkpoint's files "

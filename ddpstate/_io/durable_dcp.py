@@ -107,14 +107,15 @@ def check_item_files(
         name = info.relative_path
         if isinstance(name, os.PathLike):
             name = os.fspath(name)
-        _fs.confined_file(folder, name, checkpoint=folder, entry=entry)
-        if listed is not None and name not in seen and name not in listed:
-            raise CheckpointCorruptError(
-                f"{folder}: {entry} lies in {name!r}, which its {MANIFEST_NAME} does not list, "
-                f"so its bytes could not be checked; the checkpoint is damaged or was edited: "
-                f"restore an older one or re-save it"
-            )
-        seen.add(name)
+        if not isinstance(name, str) or name not in seen:  # each file once: items share files
+            _fs.confined_file(folder, name, checkpoint=folder, entry=entry)
+            if listed is not None and name not in listed:
+                raise CheckpointCorruptError(
+                    f"{folder}: {entry} lies in {name!r}, which its {MANIFEST_NAME} does not "
+                    f"list, so its bytes could not be checked; the checkpoint is damaged or was "
+                    f"edited: restore an older one or re-save it"
+                )
+            seen.add(name)
         offset, length = info.offset, info.length
         if not isinstance(offset, int) or not isinstance(length, int) or min(offset, length) < 0:
             raise CheckpointCorruptError(
