@@ -562,8 +562,8 @@ def dcp_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
     Returns:
         A ``torch.distributed.checkpoint`` storage reader.
     """
-    from ddpstate._io import durable_dcp  # imports DCP (seconds): DCP reads only
+    from ddpstate._io import dcp_items, durable_dcp  # import DCP (seconds): DCP reads only
 
     if storage.exists(storage.join(path, MANIFEST_NAME), storage_options=storage_options):
         return durable_dcp.VerifiedReader(path, storage_options=storage_options)
-    return durable_dcp.plain_reader(path, storage_options)
+    return dcp_items.plain_reader(path, storage_options)
