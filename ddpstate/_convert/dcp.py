@@ -224,17 +224,15 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
     )
 
 
-def _min_length(metadata: Any, index: Any, info: Any) -> int:
-    """The fewest bytes a tensor item's record can hold: its chunk's data (0: not known)."""
+def _chunk_bytes(metadata: Any, fqn: str) -> dict[tuple[int, ...], int]:
+    """A tensor's chunks (by offsets) -> their data bytes; empty for a non-tensor value."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    entry = metadata.state_dict_metadata.get(index.fqn)
-    if not isinstance(entry, TensorStorageMetadata) or getattr(info, "transform_descriptors", None):
-        return 0  # pickled bytes, or a transformed (compressed) record: no lower bound
-    chunks = [c for c in entry.chunks if list(c.offsets) == list(index.offset or ())]
-    if not chunks:
-        return 0
-    return math.prod(int(n) for n in chunks[0].sizes) * int(entry.properties.dtype.itemsize)
+    entry = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(entry, TensorStorageMetadata):
+        return {}
+    itemsize = int(entry.properties.dtype.itemsize)
+    return {tuple(c.offsets): math.prod(int(n) for n in c.sizes) * itemsize for c in entry.chunks}
 
 
 def _item_problems(
@@ -250,6 +248,7 @@ def _item_problems(
     problems: list[str] = []
     ranges: dict[str, list[tuple[int, int, str]]] = {}
     refused: set[str] = set()
+    chunks: dict[str, dict[tuple[int, ...], int]] = {}  # built once per tensor: many items each
     for index, info in (metadata.storage_data or {}).items():
         name, fqn = info.relative_path, index.fqn
         key = name if isinstance(name, str) else repr(name)
@@ -270,7 +269,11 @@ def _item_problems(
                 f"{length!r}, which are not byte counts; the metadata is damaged"
             )
             continue
-        least = _min_length(metadata, index, info)
+        if fqn not in chunks:
+            chunks[fqn] = _chunk_bytes(metadata, fqn)
+        # A transformed (compressed) record may hold fewer bytes than its data: no bound then.
+        transformed = bool(getattr(info, "transform_descriptors", None))
+        least = 0 if transformed else chunks[fqn].get(tuple(index.offset or ()), 0)
         if length < least:
             problems.append(
                 f"{where}: .metadata gives item {fqn!r} {length} bytes, fewer than its "
