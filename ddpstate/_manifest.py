@@ -487,7 +487,8 @@ def deferred_problems(
         problems.append(f"{inner} is missing (the shards' checksums)")
     for name, entry in later.items():
         try:
-            with storage.open_read(storage.join(folder, name), storage_options=opts) as f:
+            path = _fs.confined_file(folder, name, checkpoint=folder, entry=f"its {MANIFEST_NAME}")
+            with storage.open_read(path, storage_options=opts) as f:
                 size = f.seek(0, os.SEEK_END)
         except CheckpointNotFoundError:
             problems.append(f"{name} is missing")
