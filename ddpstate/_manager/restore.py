@@ -532,9 +532,7 @@ def _stage(
         for n in state
         if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
     }
-    dcp = (
-        _dcp.stage_entries(state, dcp_kinds, folder, ignore_mismatched, opts) if dcp_kinds else {}
-    )
+    dcp = _dcp.stage_entries(state, dcp_kinds, folder, ignore_mismatched, opts) if dcp_kinds else {}
     files = {
         name: storage.join(folder, saved_entries[name]["file"])
         for name in state

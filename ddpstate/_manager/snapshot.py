@@ -97,7 +97,7 @@ class Snapshot:
         memo: dict[Any, Any],
         events: list[Any],
     ) -> torch.Tensor:
-        """A CPU copy of ``tensor`` that shares storage with the copies of its storage's other views.
+        """A CPU copy of ``tensor``, sharing storage with the copies of its storage's other views.
 
         ``state_dict()`` returns a new tensor object per key, so tied weights are
         found by their storage, not by ``id``: each storage is copied once, whole

@@ -1,4 +1,4 @@
-"""Async saves write what sync saves write: the snapshot keeps tensors that share a storage shared."""
+"""Async saves write what sync saves write: tensors that share a storage stay shared."""
 
 from __future__ import annotations
 

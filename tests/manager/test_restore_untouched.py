@@ -1,4 +1,4 @@
-"""A restore that finds damage leaves the live state as it was, or fully restored from an older step.
+"""A restore that finds damage leaves the live state as it was, or restores an older step whole.
 
 Every rank reads and checks the whole step (DCP shards into copies, entry files,
 RNG states) before anything is loaded into the live model and optimizer.
@@ -85,9 +85,11 @@ def test_a_shard_failing_its_check_mid_restore_leaves_model_and_optimizer_as_the
     model, opt = _saved_run(tmp_path, (1,))
     before = _live(model, opt)
     _flip_late(tmp_path / "step_0000000001" / DCP_SUBDIR / "__0_0.distcp")
-    with ddpstate.CheckpointManager(tmp_path, writers="all") as manager:
-        with pytest.raises(ddpstate.CheckpointCorruptError) as caught:
-            manager.restore({"model": model, "optimizer": opt}, step=1 if named else None)
+    with (
+        ddpstate.CheckpointManager(tmp_path, writers="all") as manager,
+        pytest.raises(ddpstate.CheckpointCorruptError) as caught,
+    ):
+        manager.restore({"model": model, "optimizer": opt}, step=1 if named else None)
     assert _same(_live(model, opt), before)
     assert "__0_0.distcp" in str(caught.value) and _UNTOUCHED in str(caught.value)
 
@@ -125,9 +127,11 @@ def test_an_entry_file_refused_after_the_dcp_entries_read_leaves_them_untouched(
         manager.save(1, state)
     _train(model, opt, 2)
     before = _live(model, opt)
-    with ddpstate.CheckpointManager(tmp_path, writers="all") as manager:
-        with pytest.raises(ddpstate.UnsafeCheckpointError) as caught:
-            manager.restore({"model": model, "optimizer": opt, "marker": None})
+    with (
+        ddpstate.CheckpointManager(tmp_path, writers="all") as manager,
+        pytest.raises(ddpstate.UnsafeCheckpointError) as caught,
+    ):
+        manager.restore({"model": model, "optimizer": opt, "marker": None})
     assert _same(_live(model, opt), before)
     assert "marker.pt" in str(caught.value) and _UNTOUCHED in str(caught.value)
 
