@@ -233,6 +233,10 @@ class StepFolders:
                 storage_options=self.storage_options,
                 missing_ok=True,
             )
+            if not _fs.is_remote(folder) and os.path.isdir(_fs.local_path(folder)):
+                # The unlink must be durable before anything relies on the step being
+                # gone: a rollback's newer steps would otherwise come back after a crash.
+                storage.fsync_dir(_fs.local_path(folder))
             if folder_too:
                 storage.remove(
                     folder, storage_options=self.storage_options, recursive=True, missing_ok=True
