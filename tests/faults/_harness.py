@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import hashlib
 import io
+import itertools
 import json
 import os
 import pickle
@@ -34,7 +35,7 @@ import time
 import warnings
 import zipfile
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
@@ -537,16 +538,29 @@ CRASH_KINDS = (
 HOOKED_CALLS = ("open", "fsync", "replace", "rename", "link", "unlink", "rmdir", "mkdir")
 
 
-def _install_kill_hooks(kill_at: int, when: str, counts: Counter[str]) -> None:
-    """Make this (child) process SIGKILL itself at the ``kill_at``-th hooked os call."""
-    total = [0]
-    for name in HOOKED_CALLS:
-        real = getattr(os, name)
+def _install_kill_hooks(
+    kill_at: int,
+    when: str,
+    counts: Counter[str],
+    extra: Sequence[tuple[Any, str]] = (),
+    log: Optional[list[tuple[int, str, str]]] = None,
+) -> None:
+    """Make this (child) process SIGKILL itself at the ``kill_at``-th hooked os call.
+
+    ``extra``: more ``(owner, name)`` callables to count and kill at alike (writers in C,
+    such as ``(torch, "save")``, whose own system calls Python cannot see). ``log``, when
+    given, gets ``(number, name, path)`` of each call (its first path argument, or "").
+    """
+    numbers = itertools.count(1)  # next() is atomic: calls from threads (a seal's fsyncs)
+    for owner, name in [*((os, n) for n in HOOKED_CALLS), *extra]:
+        real = getattr(owner, name)
 
         def hook(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            total[0] += 1
-            n = total[0]
+            n = next(numbers)
             counts[_name] += 1
+            if log is not None:
+                paths = (os.fspath(a) for a in args if isinstance(a, (str, os.PathLike)))
+                log.append((n, _name, next(paths, "")))
             if n == kill_at and when == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
             result = _real(*args, **kwargs)
@@ -554,7 +568,7 @@ def _install_kill_hooks(kill_at: int, when: str, counts: Counter[str]) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
 
-        setattr(os, name, hook)
+        setattr(owner, name, hook)
 
 
 def _crash_paths(kind: str, folder: Path) -> Path:

@@ -8,6 +8,7 @@ says what the Trainer restored.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import signal
@@ -88,7 +89,8 @@ def resume_report(out: Path | str, **train_kwargs: Any) -> dict[str, Any]:
 
     Returns the folder resumed from (None: a fresh start), the global step the Trainer
     started at, whether its weights then equalled that folder's ``model.safetensors``
-    bitwise, the steps run, the final global step and ``args.save_total_limit`` after.
+    bitwise, the steps run, the final global step, ``args.save_total_limit`` after, and the
+    :func:`digest` of the final weights.
     """
     resume = last_verified_checkpoint(out)
     # Read now: the run's rotation may delete the folder once a newer one is sealed.
@@ -104,7 +106,17 @@ def resume_report(out: Path | str, **train_kwargs: Any) -> dict[str, Any]:
         "steps": watch.steps,
         "global_step": trainer.state.global_step,
         "save_total_limit": trainer.args.save_total_limit,
+        "final": digest(trainer.model.state_dict()),
     }
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of every tensor's name, dtype, shape and bytes (equal: bitwise-equal states)."""
+    sha = hashlib.sha256()
+    for key, value in state.items():
+        sha.update(f"{key} {value.dtype} {tuple(value.shape)}".encode())
+        sha.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
 
 
 def in_new_process(fn: Any, *args: Any, limit: float = 300.0, **kwargs: Any) -> Any:

@@ -105,6 +105,7 @@ def test_a_kill_while_sealing_with_save_total_limit_1_resumes_from_the_checkpoin
     assert os.WTERMSIG(status) == signal.SIGKILL
     assert not (tmp_path / "checkpoint-4" / MANIFEST_NAME).exists()  # killed mid-seal
     report = run.in_new_process(run.resume_report, tmp_path, save_total_limit=1)
+    del report["final"]
     assert report == {
         "resume": str(tmp_path / "checkpoint-2"),
         "start_step": 2,
