@@ -563,10 +563,11 @@ def _install_kill_hooks(
                 log.append((n, _name, next(paths, "")))
             if n == kill_at and when == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
-            result = _real(*args, **kwargs)
-            if n == kill_at and when == "after":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return result
+            try:
+                return _real(*args, **kwargs)
+            finally:  # also after a call that raised (os.makedirs(exist_ok=True)'s mkdir)
+                if n == kill_at and when == "after":
+                    os.kill(os.getpid(), signal.SIGKILL)
 
         setattr(owner, name, hook)
 
