@@ -125,7 +125,7 @@ class DDPStateCallback(TrainerCallback):
 def _remove(path: str, kept: str) -> None:
     try:
         _common.remove_checkpoint(path)
-    except DDPStateError as exc:
+    except (DDPStateError, OSError) as exc:  # shutil.rmtree's errors come unwrapped
         raise CheckpointWriteError(
             f"{kept} {COMMITTED_BUT} removing the old checkpoint {path} (save_total_limit) "
             f"failed ({exc}); delete it by hand"
