@@ -15,7 +15,6 @@ from ddpstate import _fs, storage
 from ddpstate._layout.folders import folder_kind
 from ddpstate._layout.hf_index import find_index, is_index_name
 from ddpstate._layout.safetensors import SAFETENSORS_MAX_HEADER
-from ddpstate._layout.zip import LOCAL_MAGIC, ZipEnd, read_directory
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -97,7 +96,7 @@ _LEGACY_PREFIX = (
 
 
 def _is_zip(head: bytes, size: Optional[int]) -> bool:
-    return head.startswith(LOCAL_MAGIC)
+    return head.startswith(b"PK\x03\x04")  # a zip's first local header
 
 
 def _is_legacy(head: bytes, size: Optional[int]) -> bool:
@@ -221,44 +220,29 @@ Source = Union[str, "os.PathLike[str]", IO[bytes]]
 
 @dataclasses.dataclass(frozen=True)
 class Detected:
-    """What detection read of one file: its format and, for a zip, its directory.
-
-    A reader that goes on to parse the file reuses the directory instead of
-    reading and walking it a second time.
+    """What detection read of one file.
 
     Attributes:
         format: The file's format (one of :data:`FORMATS`).
-        zip_end: The zip archive's end records (zip formats only).
-        zip_directory: The zip archive's raw central directory (zip formats only).
     """
 
     format: FormatName
-    zip_end: Optional[ZipEnd] = None
-    zip_directory: bytes = b""
-
-
-def _read_at(fileobj: IO[bytes]) -> Callable[[int, int], bytes]:
-    def read_at(offset: int, length: int) -> bytes:
-        fileobj.seek(offset)
-        return fileobj.read(length)
-
-    return read_at
 
 
 def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> Detected:
-    end, directory = read_directory(_read_at(fileobj), size, name)
-    # Entry names sit in the directory as raw bytes: torch.jit.save writes code/
-    # and constants.pkl, torch.save a data.pkl.
-    if b"/constants.pkl" in directory or b"/code/" in directory:
-        return Detected(TORCHSCRIPT, end, directory)
-    if b"data.pkl" in directory:
-        return Detected(TORCH_ZIP, end, directory)
     fileobj.seek(0)
     try:
-        with zipfile.ZipFile(fileobj) as archive:
-            names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError):
-        names = []
+        names = zipfile.ZipFile(fileobj).namelist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as exc:
+        raise CheckpointCorruptError(
+            f"{name}: starts like a zip archive (torch.save) but its directory cannot be read "
+            f"({type(exc).__name__}: {exc}); it is truncated or damaged: re-save or re-download it"
+        ) from exc
+    # torch.jit.save writes code/ and constants.pkl, torch.save a data.pkl.
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        return Detected(TORCHSCRIPT)
+    if any(n.endswith("data.pkl") for n in names):
+        return Detected(TORCH_ZIP)
     raise CheckpointFormatError(
         f"{name}: a zip archive without data.pkl, so not a torch.save checkpoint "
         f"(entries: {', '.join(names[:5])}{'...' if len(names) > 5 else ''})"
@@ -385,7 +369,7 @@ def classify_file(fileobj: IO[bytes], size: int, name: str) -> Detected:
     """Tell which format an open checkpoint file holds, keeping what was read to tell.
 
     :func:`detect_format` for a file a reader has open already: the streaming
-    reader opens a file once, classifies it here and reuses the zip directory.
+    reader opens a file once and classifies it here.
     Unlike :func:`detect_format`, it does not recognise a Hugging Face index.
 
     Args:
@@ -394,7 +378,7 @@ def classify_file(fileobj: IO[bytes], size: int, name: str) -> Detected:
         name: The file, for messages.
 
     Returns:
-        The :class:`Detected` format (and zip directory).
+        The :class:`Detected` format.
 
     Raises:
         CheckpointFormatError: The bytes match no format ddpstate knows.

@@ -3,7 +3,7 @@
 A CheckpointManager step folder, an Accelerate ``save_state`` folder and a Hugging
 Face Trainer ``checkpoint-N`` folder (:data:`ddpstate.formats.TRAINING_FOLDERS`;
 their files' roles in :mod:`ddpstate._layout.folders`). ``inspect`` and ``convert``
-read the model weights :func:`ddpstate._streaming.opener.model_unit` picks.
+read the model weights :func:`ddpstate._convert.source.model_unit` picks.
 """
 
 from __future__ import annotations

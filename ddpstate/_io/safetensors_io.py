@@ -338,6 +338,9 @@ def save_sharded(
     target: str,
     max_shard_size: Union[int, str],
     metadata: Optional[Mapping[str, str]] = None,
+    *,
+    overwrite: bool = True,
+    fsync: bool = True,
 ) -> dict[str, str]:
     """Save a state dict in the Hugging Face sharded layout (what ``save(max_shard_size=)`` does).
 
@@ -349,6 +352,8 @@ def save_sharded(
         target: The folder.
         max_shard_size: See :func:`ddpstate._streaming.hf_write.parse_size`.
         metadata: str -> str entries for every shard's header.
+        overwrite: Replace a sharded checkpoint already at ``target``.
+        fsync: Fsync every shard (the folder swap is fsynced either way).
 
     Returns:
         The weight map written.
@@ -378,7 +383,7 @@ def save_sharded(
         return sum(nbytes.get(k, 0) for k in shard_keys)
 
     shards = plan_shards(keys, nbytes, owner, limit)
-    return write_sharded(target, shards, write_shard, order=keys, overwrite=True)
+    return write_sharded(target, shards, write_shard, order=keys, overwrite=overwrite, fsync=fsync)
 
 
 # ------------------------------------------------------------------------------------- reading

@@ -18,9 +18,11 @@ import torch
 
 from ddpstate import _fs, storage
 from ddpstate._io.savecheck import loading_allowed
+from ddpstate._layout.torch_zip import TorchZip, read_torch_zip
 from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.errors import (
     CheckpointCorruptError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     DDPStateError,
     DeviceMapError,
@@ -30,6 +32,7 @@ from ddpstate.formats import LEGACY, TORCH_ZIP
 
 __all__ = [
     "DESCRIPTIONS",
+    "check_container",
     "check_dcp_metadata",
     "dcp_failure",
     "dcp_read_errors",
@@ -37,6 +40,7 @@ __all__ = [
     "load_dcp",
     "load_torch_file",
     "module_globals",
+    "too_large",
     "unsafe_globals",
 ]
 
@@ -307,6 +311,8 @@ def load_torch_file(
     """
     allowed = loading_allowed(safe_globals) if weights_only else contextlib.nullcontext()
     try:
+        if kind == TORCH_ZIP:
+            check_container(source, name)
         with allowed, _rewound(source) as src:
             return torch.load(src, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except FileNotFoundError as exc:
@@ -340,6 +346,30 @@ def load_torch_file(
         ) from exc
     except _DAMAGE as exc:
         raise _corrupt(name, kind, exc) from exc
+    except (MemoryError, RecursionError) as exc:
+        raise too_large(name, exc) from exc
+
+
+def too_large(name: str, exc: BaseException) -> CheckpointFormatError:
+    """The error for a file whose reading ran out of memory or of Python's recursion limit."""
+    what = "nests deeper than" if isinstance(exc, RecursionError) else "needs more memory than"
+    return CheckpointFormatError(
+        f"{name}: reading it {what} this process allows ({type(exc).__name__}); if the file "
+        f"is genuine, load it with torch.load in a process with more, and save it flatter"
+    )
+
+
+def check_container(source: Source, name: str) -> TorchZip:
+    """Check a torch.save zip's container (:func:`~ddpstate._layout.torch_zip.read_torch_zip`).
+
+    Raises:
+        CheckpointCorruptError: The container is damaged or crafted.
+    """
+    with _rewound(source) as src, (
+        open(src, "rb") if isinstance(src, str) else contextlib.nullcontext(src)
+    ) as f:
+        size = f.seek(0, os.SEEK_END)
+        return read_torch_zip(f, size, name)
 
 
 # ------------------------------------------------------------------------- DCP folders
