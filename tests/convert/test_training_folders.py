@@ -207,7 +207,7 @@ def test_an_unknown_folder_and_load_of_a_training_folder_say_what_to_do(
         ddpstate.load(folders["hf"][0])
 
 
-def test_cli_verify_on_framework_folders_is_torch_free(
+def test_cli_verify_and_inspect_on_framework_folders(
     folders: dict[str, tuple[Path, dict[str, Any]]],
 ) -> None:
     paths = [str(folders[n][0]) for n in ("hf", "hf_sharded", "accelerate_ddpstate")]
@@ -215,12 +215,11 @@ def test_cli_verify_on_framework_folders_is_torch_free(
         "import sys\n"
         "from ddpstate.cli import main\n"
         f"rcs = [main(['verify', p, '-q']) + main(['inspect', p]) for p in {paths!r}]\n"
-        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
-        "print(rcs, loaded[:3])\n"
+        "print(rcs)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[0, 0, 0] []", done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[0, 0, 0]", done.stdout
 
 
 def _dcp_step(rank: int, world: int, root: str) -> dict[str, Any]:
