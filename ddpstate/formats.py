@@ -233,7 +233,14 @@ def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> Detected:
     fileobj.seek(0)
     try:
         names = zipfile.ZipFile(fileobj).namelist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as exc:
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        OSError,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+    ) as exc:
         raise CheckpointCorruptError(
             f"{name}: starts like a zip archive (torch.save) but its directory cannot be read "
             f"({type(exc).__name__}: {exc}); it is truncated or damaged: re-save or re-download it"

@@ -122,7 +122,9 @@ def cast_floating(ckpt: Checkpoint, tree: Any, dtype: torch.dtype) -> tuple[Any,
             new = value.detach().to(dtype)
             # A Parameter stays a Parameter (as torch.load gives it), with its requires_grad.
             kind = torch.nn.Parameter if isinstance(value, torch.nn.Parameter) else None
-            cast[key] = kind(new, value.requires_grad) if kind else new.requires_grad_(value.requires_grad)
+            cast[key] = (
+                kind(new, value.requires_grad) if kind else new.requires_grad_(value.requires_grad)
+            )
         return cast[key]
 
     return map_nested(tree, leaf), len(cast)

@@ -365,9 +365,10 @@ def check_container(source: Source, name: str) -> TorchZip:
     Raises:
         CheckpointCorruptError: The container is damaged or crafted.
     """
-    with _rewound(source) as src, (
-        open(src, "rb") if isinstance(src, str) else contextlib.nullcontext(src)
-    ) as f:
+    with (
+        _rewound(source) as src,
+        open(src, "rb") if isinstance(src, str) else contextlib.nullcontext(src) as f,
+    ):
         size = f.seek(0, os.SEEK_END)
         return read_torch_zip(f, size, name)
 

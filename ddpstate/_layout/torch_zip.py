@@ -124,7 +124,14 @@ def read_torch_zip(file: IO[bytes], size: int, path: str) -> TorchZip:
     """
     try:
         infos = zipfile.ZipFile(file).infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as exc:
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        OSError,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+    ) as exc:
         raise CheckpointCorruptError(
             f"{path}: its zip directory cannot be read ({type(exc).__name__}: {exc}); the file "
             f"is truncated or damaged: re-save or re-download it"
