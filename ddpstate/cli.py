@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import IO, Any, NoReturn, Optional
 
 from ddpstate import formats
-from ddpstate._streaming.progress import human_bytes
+from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 from ddpstate.convert import StateEdit, convert_file, diff_files, inspect_file, verify_file
 from ddpstate.errors import DDPStateError, InvalidArgumentError

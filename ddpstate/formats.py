@@ -120,7 +120,6 @@ class Format:
         description: How it is named to a person (the CLI's output).
         folder: A folder of files rather than one file.
         suffixes: File-name suffixes that ask for it on output, the default first.
-        torch_free: The streaming commands read it without torch.
         mappable: A local file of it can be memory-mapped when loaded.
         sniff: Whether a file's first bytes (and size, if known) are this format;
             None for folders and for what a zip's directory tells (TorchScript).
@@ -130,7 +129,6 @@ class Format:
     description: str
     folder: bool = False
     suffixes: tuple[str, ...] = ()
-    torch_free: bool = False
     mappable: bool = False
     sniff: Optional[Callable[[bytes, Optional[int]], bool]] = None
 
@@ -140,17 +138,16 @@ TABLE: dict[FormatName, Format] = {
     f.name: f
     for f in (
         Format(TORCH_ZIP, "torch.save zip", suffixes=(".pt", ".pth", ".bin", ".ckpt"),
-               torch_free=True, mappable=True, sniff=_is_zip),
-        Format(LEGACY, "legacy torch.save (pre-1.6)", torch_free=True, sniff=_is_legacy),
-        Format(SAFETENSORS, "safetensors", suffixes=(".safetensors",), torch_free=True,
+               mappable=True, sniff=_is_zip),
+        Format(LEGACY, "legacy torch.save (pre-1.6)", sniff=_is_legacy),
+        Format(SAFETENSORS, "safetensors", suffixes=(".safetensors",),
                mappable=True, sniff=_is_safetensors),
         Format(TORCHSCRIPT, "TorchScript archive"),
         Format(DCP, "torch.distributed.checkpoint folder", folder=True),
-        Format(MANAGER, "CheckpointManager folder", folder=True, torch_free=True),
-        Format(HF_SHARDED, "Hugging Face sharded checkpoint", folder=True, torch_free=True),
-        Format(ACCELERATE, "Accelerate save_state folder", folder=True, torch_free=True),
-        Format(HF_TRAINER, "Hugging Face Trainer checkpoint folder", folder=True,
-               torch_free=True),
+        Format(MANAGER, "CheckpointManager folder", folder=True),
+        Format(HF_SHARDED, "Hugging Face sharded checkpoint", folder=True),
+        Format(ACCELERATE, "Accelerate save_state folder", folder=True),
+        Format(HF_TRAINER, "Hugging Face Trainer checkpoint folder", folder=True),
     )
 }  # fmt: skip
 #: Every format's name, in the order of :data:`TABLE`.

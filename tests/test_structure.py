@@ -9,7 +9,7 @@ These tests read the source with :mod:`ast` (nothing is imported but the public 
 - no import cycle among ddpstate modules, counting imports inside functions (a lazy
   import is still a dependency; only ``if TYPE_CHECKING:`` imports are left out);
 - no ``_private`` name of one module used by another, except between the files of
-  one sub-package (``ddpstate/_streaming/...``), which share their internals.
+  one sub-package (``ddpstate/_convert/...``), which share their internals.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ MODULES = _modules()
 
 
 def _package_of(module: str) -> str:
-    """The package a module's file sits in (``ddpstate`` or ``ddpstate._streaming``...)."""
+    """The package a module's file sits in (``ddpstate`` or ``ddpstate._convert``...)."""
     if MODULES[module].name == "__init__.py":
         return module
     return module.rsplit(".", 1)[0]

@@ -17,7 +17,7 @@ import torch
 from ddpstate import _fs, formats, keys, storage
 from ddpstate._convert.results import ConvertResult
 from ddpstate._fs import PathLike
-from ddpstate._streaming.progress import human_bytes
+from ddpstate._progress import human_bytes
 from ddpstate._warn import warn
 from ddpstate.errors import (
     CheckpointExistsError,

@@ -28,7 +28,7 @@ from ddpstate._convert.source import (
     read_checkpoint,
 )
 from ddpstate._fs import PathLike
-from ddpstate._streaming.progress import Progress
+from ddpstate._progress import Progress
 from ddpstate.errors import AmbiguousStateDictError, StateDictNotFoundError
 
 _DIFF_CHUNK = 1 << 22

@@ -18,7 +18,7 @@ from ddpstate._checksum import error_text
 from ddpstate._convert.results import VerifyResult
 from ddpstate._layout.folders import role_of
 from ddpstate._layout.hf_index import is_index_name
-from ddpstate._streaming.progress import human_bytes
+from ddpstate._progress import human_bytes
 from ddpstate.errors import DDPStateError, UnsafeCheckpointError
 
 # Roles whose files ``verify`` reads through the index (the shards) or as JSON.

@@ -26,7 +26,7 @@ from ddpstate._convert.common import (
 from ddpstate._convert.results import InspectResult, TensorInfo
 from ddpstate._convert.source import failures_named, iter_tensors, model_unit, read_checkpoint
 from ddpstate._fs import PathLike
-from ddpstate._streaming.progress import human_bytes
+from ddpstate._progress import human_bytes
 from ddpstate.errors import StateDictNotFoundError
 
 

@@ -32,8 +32,8 @@ from ddpstate._convert.writers import (
 from ddpstate._fs import PathLike
 from ddpstate._gc import gc_paused
 from ddpstate._layout.hf_index import folder_of
-from ddpstate._streaming.hf_write import parse_size
-from ddpstate._streaming.progress import Progress
+from ddpstate._layout.hf_write import parse_size
+from ddpstate._progress import Progress
 from ddpstate.errors import (
     CheckpointExistsError,
     InvalidArgumentError,

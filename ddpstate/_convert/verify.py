@@ -18,7 +18,7 @@ from ddpstate._io.torch_io import check_container
 from ddpstate._layout.hf_index import find_index, key_problems, read_index
 from ddpstate._layout.torch_zip import check_crcs
 from ddpstate._manifest import verify_checkpoint
-from ddpstate._streaming.progress import Progress
+from ddpstate._progress import Progress
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, DDPStateError
 
 # Files other than torch zips are read through in pieces this size.

@@ -10,7 +10,7 @@ import torch
 
 from ddpstate._convert.source import Checkpoint, check_materializable, iter_tensors
 from ddpstate._io.safetensors_io import save_sharded, write_safetensors
-from ddpstate._streaming.progress import Progress
+from ddpstate._progress import Progress
 from ddpstate.location import map_nested
 
 __all__ = ["cast_floating", "write_pt", "write_safetensors_file", "write_sharded"]

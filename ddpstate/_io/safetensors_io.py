@@ -27,6 +27,7 @@ import safetensors
 import torch
 
 from ddpstate._gc import gc_paused
+from ddpstate._layout.hf_write import parse_size, plan_shards, write_sharded
 from ddpstate._layout.safetensors import (
     ALIASES_KEY,
     DTYPES,
@@ -40,7 +41,6 @@ from ddpstate._layout.safetensors import (
     restore_extras,
     state_dict_metadata_json,
 )
-from ddpstate._streaming.hf_write import parse_size, plan_shards, write_sharded
 from ddpstate._warn import warn
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
 
@@ -350,7 +350,7 @@ def save_sharded(
     Args:
         state: Names to tensors.
         target: The folder.
-        max_shard_size: See :func:`ddpstate._streaming.hf_write.parse_size`.
+        max_shard_size: See :func:`ddpstate._layout.hf_write.parse_size`.
         metadata: str -> str entries for every shard's header.
         overwrite: Replace a sharded checkpoint already at ``target``.
         fsync: Fsync every shard (the folder swap is fsynced either way).

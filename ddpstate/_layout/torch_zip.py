@@ -11,11 +11,12 @@ Torch-free.
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import struct
 import zipfile
 from collections.abc import Callable
-from typing import IO, Optional
+from typing import IO, Optional, cast
 
 from ddpstate._crc import crc32_alongside
 from ddpstate.errors import CheckpointCorruptError
@@ -88,9 +89,11 @@ def _local_offset(file: IO[bytes], path: str, info: zipfile.ZipInfo) -> int:
     head = file.read(_LOCAL.size)
     if len(head) < _LOCAL.size or not head.startswith(_LOCAL_SIGNATURE):
         raise _refuse(path, info.filename, "has no local header where the directory says")
-    name_len, extra_len = _LOCAL.unpack(head)[-2:]
-    name = file.read(name_len)
-    if name != info.orig_filename.encode("utf-8") and name != info.orig_filename.encode("cp437"):
+    name_len, extra_len = (int(n) for n in _LOCAL.unpack(head)[-2:])
+    raw = file.read(name_len)
+    # zipfile decodes a name as UTF-8 when flag bit 11 says so, else as code page 437.
+    name = raw.decode("utf-8" if info.flag_bits & 0x800 else "cp437", errors="replace")
+    if name != info.orig_filename:
         raise _refuse(path, info.filename, f"is named {name[:80]!r} in its local header")
     return info.header_offset + _LOCAL.size + name_len + extra_len
 
@@ -193,12 +196,13 @@ def check_crcs(
     buffer = memoryview(
         bytearray(min(_CRC_BUFFER, max((r.size for r in archive.records.values()), default=0)))
     )
+    reader = cast(io.BufferedIOBase, file)  # every binary file object has readinto
     for record in archive.records.values():
         file.seek(record.offset)
         crc = done = 0
         while done < record.size:
             view = buffer[: min(buffer.nbytes, record.size - done)]
-            moved, crc = crc32_alongside(view, lambda at, piece: file.readinto(piece) or 0, crc)
+            moved, crc = crc32_alongside(view, lambda at, piece: reader.readinto(piece) or 0, crc)
             done += moved
             if progress is not None:
                 progress(moved)

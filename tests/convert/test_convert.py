@@ -537,7 +537,7 @@ def test_remote_urls_go_through_fsspec() -> None:
 
 
 def test_progress_bar_only_for_slow_work_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddpstate._streaming import progress as _progress
+    from ddpstate import _progress as _progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
