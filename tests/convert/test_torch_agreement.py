@@ -181,13 +181,15 @@ def _verify_passes(path: Path) -> bool:
 def _crcs_hold(path: Path) -> bool:
     """A well-formed zip whose every record still matches its CRC-32 (torch never checks)."""
     try:
-        with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                if zlib.crc32(z.read(info)) != info.CRC:
-                    return False
+        archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
-        return True  # not a zip (legacy, or damaged beyond): nothing for verify to add
-    except Exception:  # a record zipfile cannot read back: the same verdict as damage
+        return True  # not a zip (legacy, or no directory left): nothing for verify to add
+    try:
+        with archive:
+            for info in archive.infolist():
+                if zlib.crc32(archive.read(info)) != info.CRC:
+                    return False
+    except Exception:  # zipfile's own CRC check, or a record it cannot read back
         return False
     return True
 
