@@ -226,6 +226,10 @@ class Detected:
     format: FormatName
 
 
+# Records only torch.save writes: a zip holding them and no data.pkl is a damaged one.
+_TORCH_RECORDS = ("/version", "/byteorder", "/.format_version")
+
+
 def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> Detected:
     fileobj.seek(0)
     try:
@@ -247,6 +251,11 @@ def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> Detected:
         return Detected(TORCHSCRIPT)
     if any(n.endswith("data.pkl") for n in names):
         return Detected(TORCH_ZIP)
+    if any(n.endswith(_TORCH_RECORDS) for n in names):
+        raise CheckpointCorruptError(
+            f"{name}: a torch.save archive without its data.pkl record; the file is damaged "
+            f"or was crafted: re-save or re-download it"
+        )
     raise CheckpointFormatError(
         f"{name}: a zip archive without data.pkl, so not a torch.save checkpoint "
         f"(entries: {', '.join(names[:5])}{'...' if len(names) > 5 else ''})"

@@ -147,16 +147,20 @@ class Checkpoint:
         return self.locations.get(tensor.untyped_storage().data_ptr(), "cpu")
 
 
-def iter_tensors(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """``(path, tensor)`` for every tensor in nested dicts, lists, tuples and sets."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from iter_tensors(v, (*path, k))
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for i, v in enumerate(obj):
-            yield from iter_tensors(v, (*path, i))
+def iter_tensors(obj: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """``(path, tensor)`` for every tensor in nested dicts, lists, tuples and sets, in order.
+
+    A loop over an explicit stack: torch loads 100,000-deep nesting, so may this.
+    """
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield path, value
+        elif isinstance(value, dict):
+            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
 
 
 def check_materializable(ckpt: Checkpoint, name: str, tensor: torch.Tensor) -> None:
