@@ -87,12 +87,9 @@ FormatName = Literal[
     "hf_trainer",
 ]
 
-#: torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
+#: torch's legacy format pickles this number first (LONG1 of 10 bytes, any protocol 2-5).
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_PREFIX = (
-    pickle.PROTO + b"\x02" + pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little")
-    + pickle.STOP
-)  # fmt: skip
+_LEGACY_NUMBER = pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little") + pickle.STOP
 
 
 def _is_zip(head: bytes, size: Optional[int]) -> bool:
@@ -100,7 +97,8 @@ def _is_zip(head: bytes, size: Optional[int]) -> bool:
 
 
 def _is_legacy(head: bytes, size: Optional[int]) -> bool:
-    return head.startswith(_LEGACY_PREFIX)
+    protocol = head[1] if len(head) > 1 else 0
+    return head[:1] == pickle.PROTO and 2 <= protocol <= 5 and head[2:].startswith(_LEGACY_NUMBER)
 
 
 def _is_safetensors(head: bytes, size: Optional[int]) -> bool:
