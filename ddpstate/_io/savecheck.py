@@ -383,11 +383,11 @@ _GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
 def _pickle_module(extra: Sequence[Any]) -> Any:
     from torch import _weights_only_unpickler as wou
 
-    # torch's built-in allowlist has no public getter (tests/streaming/test_safe_globals.py pins
-    # the private one); what users added has one.
+    # torch's built-in allowlist has no public getter; what users added has one.
     allowed = {id(v) for v in wou._get_allowed_globals().values()}
     for item in (*torch.serialization.get_safe_globals(), *allowed_globals(extra)):
         allowed.add(id(item[0] if isinstance(item, tuple) else item))
+    allowed.add(id(bytes))  # protocol 2 pickles b"" as bytes(), loaded by _empty_bytes
     # Storage classes travel in torch's persistent ids, which its loader handles itself.
     allowed |= {id(c) for c in (*torch._storage_classes, torch.UntypedStorage)}
     plain = (torch.Tensor, torch.nn.Parameter)

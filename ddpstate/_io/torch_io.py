@@ -7,7 +7,7 @@ import functools
 import io
 import os
 import pickle
-import pickletools
+import re
 import struct
 import sys
 import zipfile
@@ -95,70 +95,17 @@ def _rewound(source: Source) -> Iterator[Source]:
 # ------------------------------------------------------------------------- unsafe globals
 
 
-def _allowed_globals() -> set[str]:
-    # For legacy files only (zip files go through the public get_unsafe_globals_in_checkpoint):
-    # torch has no public getter for its built-in weights_only allowlist, so the private one
-    # is used (tests/streaming/test_safe_globals.py pins it); without it every global is listed.
-    try:
-        from torch import _weights_only_unpickler as wou
-
-        allowed = set(wou._get_allowed_globals())
-        allowed |= set(wou._get_user_allowed_globals())  # type: ignore[no-untyped-call]
-        return allowed
-    except Exception:  # pragma: no cover - a future torch may move it
-        return set()
-
-
-_STRING_OPS = frozenset(
-    {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING"}
-)
-_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
-
-
-def _globals_in_pickle(fileobj: IO[bytes]) -> list[str]:
-    """List the globals one pickle imports, by reading its opcodes (nothing is executed)."""
-    found: list[str] = []
-    memo: dict[int, Any] = {}
-    pushed: list[Any] = []  # the values recent opcodes pushed; strings, or None
-    for op, arg, _pos in pickletools.genops(fileobj):
-        name = op.name
-        if name in ("GLOBAL", "INST"):
-            module, _, attr = str(arg).partition(" ")
-            found.append(f"{module}.{attr}")
-            pushed.append(None)
-        elif name == "STACK_GLOBAL":
-            module, attr = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else ("", "")
-            ok = isinstance(module, str) and isinstance(attr, str)
-            found.append(f"{module}.{attr}" if ok else "<global built at unpickling time>")
-            del pushed[-2:]
-            pushed.append(None)
-        elif name in _STRING_OPS:
-            pushed.append(arg.decode("latin-1") if isinstance(arg, bytes) else arg)
-        elif name in _PUT_OPS:
-            memo[int(arg)] = pushed[-1] if pushed else None  # type: ignore[arg-type]
-        elif name == "MEMOIZE":
-            memo[len(memo)] = pushed[-1] if pushed else None
-        elif name in _GET_OPS:
-            pushed.append(memo.get(int(arg)))  # type: ignore[arg-type]
-        elif name != "STOP":
-            pushed.append(None)
-    return found
-
-
-def _legacy_globals(src: Source) -> list[str]:
-    # A legacy file is: magic number, protocol version, sys info, then the object.
-    with open(src, "rb") if isinstance(src, str) else contextlib.nullcontext(src) as fileobj:
-        for _ in range(3):
-            for _op in pickletools.genops(fileobj):
-                pass
-        return _globals_in_pickle(fileobj)
+def _refused_by_torch(exc: BaseException) -> list[str]:
+    """The globals torch's weights_only unpickler names in its refusal."""
+    return re.findall(r"GLOBAL ([\w.]+)", str(exc))
 
 
 def unsafe_globals(source: Source, kind: str) -> list[str]:
     """List the globals a torch.save file needs beyond torch's weights_only allowlist.
 
-    Nothing in the file is executed: the pickle's opcodes are read statically.
+    Nothing in the file is executed: a zip's by
+    ``torch.serialization.get_unsafe_globals_in_checkpoint``; a legacy file's, which
+    torch cannot list, by the first one its weights_only unpickler refuses.
 
     Args:
         source: A local path or a readable, seekable binary file.
@@ -181,8 +128,11 @@ def unsafe_globals(source: Source, kind: str) -> list[str]:
     with _rewound(source) as src:
         if kind == TORCH_ZIP:
             return sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(src)))
-        allowed = _allowed_globals()
-        return sorted({n for n in _legacy_globals(src) if n not in allowed})
+        try:
+            torch.load(src, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            return _refused_by_torch(exc)
+        return []
 
 
 def _resolve_loaded(qualname: str) -> Any:
@@ -217,9 +167,9 @@ def module_globals(names: Iterable[str]) -> list[str]:
 
 def _unsafe_error(source: Source, kind: str, name: str, exc: BaseException) -> DDPStateError:
     try:
-        needed = unsafe_globals(source, kind)
+        needed = unsafe_globals(source, kind) if kind == TORCH_ZIP else _refused_by_torch(exc)
     except Exception as scan_exc:
-        # The static scan reads the same bytes; if it cannot, they are damaged.
+        # torch's scan reads the same bytes; if it cannot, they are damaged.
         return _corrupt(name, kind, scan_exc)
     if not needed:
         reason = str(exc).strip().splitlines()
