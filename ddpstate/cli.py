@@ -135,6 +135,12 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
         help="remove every wrapper prefix (module., _orig_mod.) wherever torch puts them",
     )  # fmt: skip
     parser.add_argument(
+        "--on-collision", "--on_collision", choices=("error", "keep_existing", "keep_prefixed"),
+        default="error",
+        help="when the rule makes two keys equal: fail (default), keep the entry that had the "
+        "plain key, or keep the renamed one",
+    )  # fmt: skip
+    parser.add_argument(
         "--key", metavar="PATH",
         help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'; in a "
         "training folder, first the entry or weights file (a manager step's 'ema')",
@@ -144,7 +150,8 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
 def _key_rule(args: argparse.Namespace) -> dict[str, Any]:
     """The key options as :func:`ddpstate.convert.convert_file`/``diff_files`` arguments."""
     return {
-        name: getattr(args, name) for name in ("strip_prefix", "add_prefix", "normalize", "key")
+        name: getattr(args, name)
+        for name in ("strip_prefix", "add_prefix", "normalize", "on_collision", "key")
     }
 
 
@@ -452,6 +459,7 @@ _FLAGS = {
     "overwrite=True": "--force",
     "unsafe=True": "--unsafe",
     "weights_only=False": "--unsafe",
+    "on_collision=": "--on-collision",
 }
 # The argument an error carries (DDPStateError.argument) -> its option.
 _ARGUMENT_FLAGS = {spelled.split("=")[0]: flag for spelled, flag in _FLAGS.items()}

@@ -57,8 +57,10 @@ class StateEdit:
         normalize: Remove every wrapper prefix (``module.``, ``_orig_mod.``).
         drop_optimizer: Leave optimizer state out of the output.
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or torch's names): cast every
-            floating tensor written to it, one tensor in memory at a time, exactly
-            as ``tensor.to(dtype)``; integer and bool tensors are kept as they are.
+            floating tensor written to it, exactly as ``tensor.to(dtype)``; integer
+            and bool tensors are kept as they are.
+        on_collision: When the rule makes two keys equal: ``"error"``,
+            ``"keep_existing"`` or ``"keep_prefixed"`` (:func:`ddpstate.keys.strip_prefix`).
 
     Raises:
         InvalidArgumentError: More than one key rule.
@@ -75,6 +77,7 @@ class StateEdit:
     normalize: bool = False
     drop_optimizer: bool = False
     dtype: Optional[str] = None
+    on_collision: keys.OnCollision = "error"
 
     def __post_init__(self) -> None:
         rules = [self.strip_prefix is not None, self.add_prefix is not None, bool(self.normalize)]
@@ -88,11 +91,12 @@ class StateEdit:
 
     def rename(self, sd: Any) -> Any:
         """The state dict with the one key rule given applied (itself when none is)."""
+        rule = self.on_collision
         if self.strip_prefix is not None:
-            return keys.strip_prefix(sd, self.strip_prefix)
+            return keys.strip_prefix(sd, self.strip_prefix, on_collision=rule)
         if self.add_prefix is not None:
-            return keys.add_prefix(sd, self.add_prefix)
-        return keys.normalize_keys(sd) if self.normalize else sd
+            return keys.add_prefix(sd, self.add_prefix, on_collision=rule)
+        return keys.normalize_keys(sd, on_collision=rule) if self.normalize else sd
 
 
 def find_state_dict(root: Any, key: Optional[str]) -> tuple[tuple[Any, ...], Any]:

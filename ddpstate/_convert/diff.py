@@ -100,6 +100,7 @@ def diff_files(
     strip_prefix: Optional[str] = None,
     add_prefix: Optional[str] = None,
     normalize: bool = False,
+    on_collision: keys.OnCollision = "error",
     atol: float = 0.0,
     weights_only: bool = True,
     progress: bool = False,
@@ -127,6 +128,8 @@ def diff_files(
         add_prefix: Add this prefix to both files' model keys.
         normalize: Remove every wrapper prefix from both (the default unless
             ``raw_keys``; with ``raw_keys`` it still applies).
+        on_collision: When renaming makes two keys of a file equal: ``"error"``,
+            ``"keep_existing"`` or ``"keep_prefixed"``.
         atol: Differences up to this count as equal.
         weights_only: ``False`` loads with torch's full unpickler, which runs
             whatever code the files name: only for files you trust.
@@ -158,7 +161,10 @@ def diff_files(
         True
     """
     unsafe = not old_arguments("diff_files", legacy, weights_only=weights_only)[0]
-    edit = StateEdit(strip_prefix=strip_prefix, add_prefix=add_prefix, normalize=normalize)
+    edit = StateEdit(
+        strip_prefix=strip_prefix, add_prefix=add_prefix, normalize=normalize,
+        on_collision=on_collision,
+    )  # fmt: skip
     with contextlib.ExitStack() as stack:
         stack.enter_context(failures_named(f"{os.fspath(a)} or {os.fspath(b)}"))
         ca, cb = (
@@ -169,7 +175,8 @@ def diff_files(
         where_b, sd_b, note_b = _model_tensors(cb, key)
         sd_a, sd_b = edit.rename(sd_a), edit.rename(sd_b)
         if not raw_keys:
-            sd_a, sd_b = keys.normalize_keys(sd_a), keys.normalize_keys(sd_b)
+            sd_a = keys.normalize_keys(sd_a, on_collision=on_collision)
+            sd_b = keys.normalize_keys(sd_b, on_collision=on_collision)
         only_a = tuple(str(k) for k in sd_a if k not in sd_b)
         only_b = tuple(str(k) for k in sd_b if k not in sd_a)
         mismatched: list[tuple[str, str, str]] = []

@@ -66,10 +66,10 @@ def verify_training_folder(
     """Check an Accelerate or Hugging Face Trainer folder: its manifest if any, then each file.
 
     Weights, optimizer and other torch files are read end to end by ``verify_one``
-    (``(path, weights_only)``: :func:`ddpstate.convert.verify_file`) weights-only,
-    and, where they pickle other Python objects (RNG states, TrainingArguments),
-    again with those left as placeholders, never run; a sharded model is
-    checked through its index; JSON files must parse.
+    (``(path, weights_only)``: :func:`ddpstate.convert.verify_file`) weights-only;
+    where they pickle other Python objects (RNG states, TrainingArguments), only
+    their zip records are checked (``weights_only=False``), never unpickled; a
+    sharded model is checked through its index; JSON files must parse.
     """
     problems: list[str] = []
     notes: list[str] = []
@@ -107,7 +107,8 @@ def verify_training_folder(
                 result = verify_one(where, False)
                 notes.append(
                     f"{name} ({role}) pickles Python objects beyond tensors "
-                    f"({', '.join(exc.unsafe_globals[:3])}...): read as structure, never run"
+                    f"({', '.join(exc.unsafe_globals[:3])}...): its records checked, never "
+                    f"unpickled"
                 )
         except DDPStateError as exc:
             problems.append(f"{name}: {exc}")

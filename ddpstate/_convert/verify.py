@@ -95,6 +95,8 @@ def verify_file(
         if kind in (formats.ACCELERATE, formats.HF_TRAINER):
 
             def verify_one(path: str, weights_only: bool) -> VerifyResult:
+                if not (weights_only or unsafe):  # never unpickled: its records alone
+                    return _verify_bytes(path, None, progress, storage_options)
                 return verify_file(
                     path, weights_only=weights_only and not unsafe, progress=progress,
                     storage_options=storage_options,
@@ -111,22 +113,27 @@ def verify_file(
             ckpt = read_checkpoint(text, unsafe=unsafe, storage_options=storage_options)
     except CheckpointCorruptError as exc:
         return VerifyResult(path=text, format=None, problems=(str(exc),))
-    return _verify_open(ckpt, progress, storage_options)
+    return _verify_bytes(ckpt.path, ckpt, progress, storage_options)
 
 
-def _verify_open(
-    ckpt: Checkpoint, progress: bool, storage_options: Optional[dict[str, Any]]
+def _verify_bytes(
+    path: str, ckpt: Optional[Checkpoint], progress: bool, opts: Optional[dict[str, Any]]
 ) -> VerifyResult:
-    """Read every byte of a checkpoint torch loaded: each zip record against its CRC-32."""
+    """Read every byte of a file, each zip record against its CRC-32.
+
+    ``ckpt`` is the file as torch loaded it; without it nothing is unpickled (a file
+    whose pickle needs more than weights-only: its container and records alone).
+    """
     problems: list[str] = []
     notes: list[str] = []
-    bar = Progress(ckpt.size, "verify", enabled=None if progress else False)
-    with (
-        contextlib.closing(bar),
-        storage.open_read(ckpt.path, storage_options=storage_options) as f,
-    ):
-        if ckpt.format == formats.TORCH_ZIP:
-            archive = check_container(f, ckpt.path)
+    kind = ckpt.format if ckpt is not None else formats.detect_format(path, storage_options=opts)
+    bar = Progress(ckpt.size if ckpt else 0, "verify", enabled=None if progress else False)
+    with contextlib.closing(bar), storage.open_read(path, storage_options=opts) as f:
+        if kind == formats.TORCH_ZIP:
+            try:
+                archive = check_container(f, path)
+            except CheckpointCorruptError as exc:
+                return VerifyResult(path=path, format=None, problems=(str(exc),))
             problems, unchecked = check_crcs(f, archive, bar.update)
             read = sum(r.size for r in archive.records.values())
             if unchecked:
@@ -140,10 +147,10 @@ def _verify_open(
                 read += len(piece)
                 bar.update(len(piece))
     return VerifyResult(
-        path=ckpt.path,
-        format=ckpt.format,
+        path=path,
+        format=kind,
         problems=tuple(problems),
-        tensors=sum(1 for _ in iter_tensors(ckpt.obj)),
+        tensors=sum(1 for _ in iter_tensors(ckpt.obj)) if ckpt is not None else 0,
         bytes_read=read,
         notes=tuple(notes),
     )
@@ -204,7 +211,7 @@ def verify_sharded(
         except DDPStateError as exc:
             problems.append(f"shard {shard}: {exc}")
             continue
-        found = _verify_open(ckpt, progress, storage_options)
+        found = _verify_bytes(ckpt.path, ckpt, progress, storage_options)
         problems += [f"shard {shard}: {p}" for p in found.problems]
         tensors += found.tensors
         read += found.bytes_read
