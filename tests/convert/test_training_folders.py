@@ -238,3 +238,26 @@ def test_manager_step_with_sharded_entries_reads_its_dcp_folder(tmp_path: Path) 
     loaded = load_file(out.dst)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     assert verify_file(folder).ok
+
+
+def test_verify_never_unpickles_a_folder_file_beyond_weights_only(
+    folders: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """training_args.bin pickles Python objects; verify checks its zip records and never
+    unpickles it (weights_only=False is torch's full unpickler, which would run them)."""
+    from tests.payloads import RunsCommand
+
+    folder = tmp_path / "checkpoint-1"
+    shutil.copytree(folders["hf"][0], folder)
+    marker = tmp_path / "marker"
+    torch.save({"args": RunsCommand(marker)}, folder / "training_args.bin")
+    found = verify_file(folder)
+    assert found.ok, found.problems
+    assert any("training_args.bin" in n and "never unpickled" in n for n in found.notes)
+    assert not marker.exists()
+    raw = bytearray((folder / "training_args.bin").read_bytes())
+    at = raw.index(b"data.pkl") + 60  # inside data.pkl's bytes: its CRC-32 no longer matches
+    raw[at] ^= 0xFF
+    (folder / "training_args.bin").write_bytes(bytes(raw))
+    assert not verify_file(folder).ok
+    assert not marker.exists()
