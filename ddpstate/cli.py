@@ -105,8 +105,8 @@ def _add_common(parser: argparse.ArgumentParser, *, progress: bool = True) -> No
     parser.add_argument(
         "--unsafe",
         action="store_true",
-        help="read files whose pickle names globals torch.load(weights_only=True) refuses "
-        "(they are never run; only for files you trust)",
+        help="load with torch.load(weights_only=False), torch's full unpickler: it runs the "
+        "code a file's pickle names; only for files you trust",
     )
     if progress:
         parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
@@ -158,7 +158,7 @@ def _key_rule(args: argparse.Namespace) -> dict[str, Any]:
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="ddpstate",
-        description="Convert, inspect, compare and verify PyTorch checkpoint files, streaming.",
+        description="Convert, inspect, compare and verify PyTorch checkpoint files.",
         epilog=_MAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -184,9 +184,9 @@ def _command(
 def _add_convert(commands: Any) -> None:
     convert = _command(
         commands, "convert", _cmd_convert, _CONVERT_EPILOG,
-        help="rewrite keys or format without loading the file into memory",
-        description="Rewrite a checkpoint's model keys or format, streaming: constant memory, "
-        "about the time of a copy.",
+        help="rewrite keys or format; tensors stay memory-mapped",
+        description="Rewrite a checkpoint's model keys or format: torch.load (memory-mapped), "
+        "then torch.save; memory does not grow with the file.",
     )  # fmt: skip
     convert.add_argument("src", metavar="SRC", help=_SRC_HELP)
     convert.add_argument(
