@@ -213,22 +213,11 @@ _SNIFF_BYTES = 64
 Source = Union[str, "os.PathLike[str]", IO[bytes]]
 
 
-@dataclasses.dataclass(frozen=True)
-class Detected:
-    """What detection read of one file.
-
-    Attributes:
-        format: The file's format (one of :data:`FORMATS`).
-    """
-
-    format: FormatName
-
-
 # Records only torch.save writes: a zip holding them and no data.pkl is a damaged one.
 _TORCH_RECORDS = ("/version", "/byteorder", "/.format_version")
 
 
-def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> Detected:
+def _zip_kind(fileobj: IO[bytes], name: str) -> FormatName:
     fileobj.seek(0)
     try:
         names = zipfile.ZipFile(fileobj).namelist()
@@ -246,9 +235,9 @@ def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> Detected:
         ) from exc
     # torch.jit.save writes code/ and constants.pkl, torch.save a data.pkl.
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
-        return Detected(TORCHSCRIPT)
+        return TORCHSCRIPT
     if any(n.endswith("data.pkl") for n in names):
-        return Detected(TORCH_ZIP)
+        return TORCH_ZIP
     if any(n.endswith(_TORCH_RECORDS) for n in names):
         raise CheckpointCorruptError(
             f"{name}: a torch.save archive without its data.pkl record; the file is damaged "
@@ -330,7 +319,7 @@ def detect_format(
         fileobj.seek(0, os.SEEK_END)
         size = fileobj.tell() - start
         fileobj.seek(start)
-        return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>")).format
+        return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>"))
 
     name = os.fspath(source)
     remote = _fs.is_remote(name)
@@ -350,7 +339,7 @@ def detect_format(
             head = f.read(_SNIFF_BYTES)
             if _is_index(name, head):
                 return HF_SHARDED
-            return _classify(f, head, f.seek(0, os.SEEK_END), name).format
+            return _classify(f, head, f.seek(0, os.SEEK_END), name)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
 
@@ -376,42 +365,10 @@ def _folder_kind(name: str, storage_options: Optional[dict[str, Any]]) -> Format
     )
 
 
-def classify_file(fileobj: IO[bytes], size: int, name: str) -> Detected:
-    """Tell which format an open checkpoint file holds, keeping what was read to tell.
-
-    :func:`detect_format` for a file a reader has open already: the streaming
-    reader opens a file once and classifies it here.
-    Unlike :func:`detect_format`, it does not recognise a Hugging Face index.
-
-    Args:
-        fileobj: The file, readable and seekable; its data starts at offset 0.
-        size: The file's size in bytes.
-        name: The file, for messages.
-
-    Returns:
-        The :class:`Detected` format.
-
-    Raises:
-        CheckpointFormatError: The bytes match no format ddpstate knows.
-        CheckpointCorruptError: The bytes start like a torch.save zip or a
-            safetensors file but are cut short or damaged.
-
-    Example:
-        >>> import io
-        >>> from ddpstate.formats import classify_file
-        >>> raw = b"\\x80\\x02\\x8a\\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
-        >>> classify_file(io.BytesIO(raw), len(raw), "old.pt").format
-        'pt_legacy'
-    """
-    fileobj.seek(0)
-    head = fileobj.read(_SNIFF_BYTES)
-    return _classify(fileobj, head, size, name)
-
-
-def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> Detected:
+def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> FormatName:
     kind = sniff_format(head, size)
     if kind == TORCH_ZIP:
-        return _zip_kind(fileobj, size, name)
+        return _zip_kind(fileobj, name)
     if kind is None and len(head) >= 9 and head[8:9] == b"{":
         claimed = int.from_bytes(head[:8], "little")
         if 2 <= claimed <= SAFETENSORS_MAX_HEADER:
@@ -426,4 +383,4 @@ def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> Detected
             f"torch.save file, a legacy torch file, safetensors or a torch.distributed.checkpoint "
             f"folder"
         )
-    return Detected(kind)
+    return kind
