@@ -96,7 +96,7 @@ def verify_file(
 
             def verify_one(path: str, weights_only: bool) -> VerifyResult:
                 if not (weights_only or unsafe):  # never unpickled: its records alone
-                    return _verify_bytes(path, None, progress, storage_options)
+                    return verify_records(path, progress=progress, storage_options=storage_options)
                 return verify_file(
                     path, weights_only=weights_only and not unsafe, progress=progress,
                     storage_options=storage_options,
@@ -114,6 +114,34 @@ def verify_file(
     except CheckpointCorruptError as exc:
         return VerifyResult(path=text, format=None, problems=(str(exc),))
     return _verify_bytes(ckpt.path, ckpt, progress, storage_options)
+
+
+def verify_records(
+    path: str, *, progress: bool = False, storage_options: Optional[dict[str, Any]] = None
+) -> VerifyResult:
+    """Check a file's bytes without unpickling it: a torch zip's container and CRC-32s.
+
+    For files whose pickle holds objects beyond weights-only (a Lightning ``.ckpt``, a
+    Trainer's ``training_args.bin``): their integrity, with nothing from them run. Legacy
+    and safetensors files are read through.
+
+    Args:
+        path: The file (local path or fsspec URL).
+        progress: Draw a progress bar on stderr (only on a terminal).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        A :class:`~ddpstate.convert.VerifyResult` (``tensors`` is 0: nothing is unpickled).
+
+    Example:
+        >>> import torch, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "m.pt")
+        >>> torch.save({"w": torch.ones(2)}, p)
+        >>> verify_records(p).ok
+        True
+    """
+    with failures_named(path):
+        return _verify_bytes(path, None, progress, storage_options)
 
 
 def _verify_bytes(
