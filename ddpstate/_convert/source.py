@@ -15,6 +15,8 @@ import collections
 import contextlib
 import dataclasses
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -44,6 +46,9 @@ __all__ = [
     "model_unit",
     "read_checkpoint",
 ]
+
+# A remote torch file is copied to local disk in pieces of this size.
+_COPY_PIECE = 16 << 20
 
 # Among several models, the one so named is the model (a manager's "model" beside "ema";
 # Accelerate's model.safetensors beside model_1.safetensors).
@@ -204,7 +209,13 @@ def _load(path: str, kind: FormatName, unsafe: bool, opts: Optional[dict[str, An
     )
     with contextlib.ExitStack() as stack:
         src: Any = local
-        if _fs.is_remote(path) or misnamed:
+        if _fs.is_remote(path) and kind == formats.TORCH_ZIP:
+            # Copied to local disk once and mapped from there: torch.load reads a file object
+            # whole into memory. The mapping outlives the copy's name (removed on exit).
+            src = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "src.pt")
+            with storage.open_read(path, storage_options=opts) as remote, open(src, "wb") as f:
+                shutil.copyfileobj(remote, f, _COPY_PIECE)
+        elif _fs.is_remote(path) or misnamed:
             src = stack.enter_context(storage.open_read(path, storage_options=opts))
         size = os.path.getsize(src) if isinstance(src, str) else src.seek(0, os.SEEK_END)
         mapped = isinstance(src, str)
