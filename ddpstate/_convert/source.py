@@ -122,7 +122,10 @@ def model_unit(
     file = str(entries[picked]["file"])
     if file.startswith(_manifest.DCP_SUBDIR + "/"):  # sharded entries share one DCP folder
         return storage.join(path, _manifest.DCP_SUBDIR), ".".join(filter(None, (picked, rest)))
-    return storage.join(path, file), rest or None
+    where = _fs.confined_file(
+        path, file, checkpoint=path, entry=f"its {_manifest.MANIFEST_NAME} entry {picked!r}"
+    )
+    return where, rest or None
 
 
 @dataclasses.dataclass(eq=False)
