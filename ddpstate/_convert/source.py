@@ -230,6 +230,7 @@ def _load(path: str, kind: FormatName, unsafe: bool, opts: Optional[dict[str, An
         locations: dict[int, str] = {}
 
         def place(stored: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+            torch.device(location)  # a tag no device has is damage, as torch.load finds it
             locations[stored.data_ptr()] = location
             return stored  # read to the CPU; every output is tagged cpu
 

@@ -174,7 +174,7 @@ def _unsafe_error(source: Source, kind: str, name: str, exc: BaseException) -> D
     if not needed:
         reason = str(exc).strip().splitlines()
         detail = next((r for r in reason if "WeightsUnpickler error" in r), reason[-1:])
-        if "Unsupported operand" in str(detail):
+        if "Unsupported operand" in str(exc):  # an opcode no torch.save pickle holds
             return _corrupt(name, kind, exc)
         return UnsafeCheckpointError(
             f"{name}: loading needs more than weights_only=True allows ({str(detail).strip()}). "
