@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from ddpstate import formats, storage
+from ddpstate import _fs, formats, storage
 from ddpstate._convert.common import (
     Edited,
     StateEdit,
@@ -298,10 +298,12 @@ def _convert(
     cast = 0
     if out.dtype is not None:
         dtype = str(out.dtype).removeprefix("torch.")
+        # Cast tensors are made in files mapped beside a local output (memory stays flat).
+        spill = None if _fs.is_remote(out.dst) else os.path.dirname(os.path.abspath(out.dst))
         if out.format == PT:
-            done.root, cast = cast_floating(ckpt, done.root, out.dtype)
+            done.root, cast = cast_floating(ckpt, done.root, out.dtype, spill)
         else:
-            done.sd, cast = cast_floating(ckpt, done.sd, out.dtype)
+            done.sd, cast = cast_floating(ckpt, done.sd, out.dtype, spill)
         if cast:
             done.notes.append(
                 f"cast {cast} floating tensor(s) to {dtype}; integer and bool tensors kept"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, Any, Optional
 
 import torch
 
@@ -12,6 +14,9 @@ from ddpstate._convert.source import Checkpoint, check_materializable, iter_tens
 from ddpstate._io.safetensors_io import save_sharded, write_safetensors
 from ddpstate._progress import Progress
 from ddpstate.location import map_nested
+
+# Cast tensors this large are made in mapped files (``cast_floating(spill=)``).
+_SPILL_BYTES = 1 << 20
 
 __all__ = ["cast_floating", "write_pt", "write_safetensors_file", "write_sharded"]
 
@@ -97,11 +102,30 @@ def write_sharded(
     return len(sd), _stored(sd)[1]
 
 
-def cast_floating(ckpt: Checkpoint, tree: Any, dtype: torch.dtype) -> tuple[Any, int]:
+def _spilled(value: torch.Tensor, dtype: torch.dtype, folder: str) -> torch.Tensor:
+    """``value.to(dtype)`` written into a file mapped from ``folder``, not into anonymous memory.
+
+    The file is unlinked at once: its pages are page cache the kernel can write back and
+    reclaim, and they go with the mapping once the output is written.
+    """
+    fd, name = tempfile.mkstemp(prefix=".ddpstate-cast-", dir=folder)
+    try:
+        os.close(fd)
+        out = torch.from_file(name, shared=True, size=value.numel(), dtype=dtype)
+    finally:
+        os.unlink(name)
+    return out.view(value.shape).copy_(value.detach())
+
+
+def cast_floating(
+    ckpt: Checkpoint, tree: Any, dtype: torch.dtype, spill: Optional[str] = None
+) -> tuple[Any, int]:
     """``tree`` with every floating tensor as ``tensor.to(dtype)``; ``(tree, tensors cast)``.
 
     Integer and bool tensors, and those already of ``dtype``, are kept. Views that are
-    the very same tensor (tied weights) stay one tensor.
+    the very same tensor (tied weights) stay one tensor. With ``spill`` (a local folder),
+    cast tensors of :data:`_SPILL_BYTES` or more are made in files mapped from it, so
+    anonymous memory does not grow with what is cast.
     """
     cast: dict[tuple[Any, ...], torch.Tensor] = {}
 
@@ -119,7 +143,8 @@ def cast_floating(ckpt: Checkpoint, tree: Any, dtype: torch.dtype) -> tuple[Any,
         )
         if key not in cast:
             check_materializable(ckpt, "(cast)", value)
-            new = value.detach().to(dtype)
+            big = value.numel() * dtype.itemsize >= _SPILL_BYTES
+            new = _spilled(value, dtype, spill) if spill and big else value.detach().to(dtype)
             # A Parameter stays a Parameter (as torch.load gives it), with its requires_grad.
             kind = torch.nn.Parameter if isinstance(value, torch.nn.Parameter) else None
             cast[key] = (
