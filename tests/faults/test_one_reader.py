@@ -321,6 +321,7 @@ def _hostile_files(folder: Path) -> dict[str, Path]:
     return files
 
 
+@pytest.mark.slow
 def test_the_console_script_refuses_each_kind(tmp_path: Path) -> None:
     """One ``ddpstate`` run per kind of crafted file, the four commands in turn."""
     files = _hostile_files(tmp_path)
