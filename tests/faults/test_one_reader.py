@@ -146,6 +146,7 @@ def test_archive_layouts_torch_refuses_are_refused(
 # --------------------------------------------------------------------------- deep nesting
 
 
+@pytest.mark.slow
 def test_deep_nesting_loads_or_is_a_format_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
