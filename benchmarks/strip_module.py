@@ -14,11 +14,12 @@ For a 512 MiB and a 2 GiB DataParallel-style file (600 tensors, every key ``modu
 * the script: ``torch.load(SRC, mmap=True, weights_only=True)``, rename the keys,
   ``torch.save`` (no fsync, as a user writes it), after ``import torch``.
 
-Memory is anonymous memory only: ``RssAnon`` of /proc/self/status, sampled every 5 ms
-during the timed call, the largest value minus the value before it (mapped page cache of
-the file does not count; the kernel can take it back). Targets (issue 40): <= 2.0x cp +
-sync and <= 1.2x the script at 512 MiB, RssAnon growth <= 128 MiB at 512 MiB and 2 GiB,
-<= 1.2x the script at 20,000 tensors. The table's RSS column is RssAnon growth here.
+Memory is anonymous memory only: the process's ``RssAnon`` (/proc/PID/status), sampled by
+the parent every 5 ms during the timed call, the largest value minus the value before it
+(mapped page cache of the file does not count; the kernel can take it back). Targets
+(issue 40): <= 2.0x cp + sync and <= 1.2x the script at 512 MiB, RssAnon growth <= 128 MiB
+at 512 MiB and 2 GiB, <= 1.2x the script at 20,000 tensors. The table's RSS column is
+RssAnon growth here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from benchmarks.harness import MIB, Results, Settings, timing
 
 RSS_ANON_TARGET_MIB = 128.0
 SIZE_TENSORS = 600
+_SAMPLE_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -51,19 +54,17 @@ class Points:
 ISSUE = Points(sizes_mib=(512, 2048), count=20_000, count_size_mib=256)
 QUICK = Points(sizes_mib=(16, 64), count=1000, count_size_mib=16)
 
-# Runs one implementation in a fresh process: imports first, then the timed call while a
-# thread samples RssAnon. Prints {"seconds", "rss_anon_mib"} as JSON.
+# Runs one implementation in a fresh process: imports first, then it prints "start" with
+# its RssAnon (bytes) and makes the timed call; the parent samples the child's RssAnon from
+# outside while it runs (a thread inside would miss what one GIL-holding call allocates and
+# frees). Prints {"seconds"} as JSON last.
 _RUNNER = r"""
-import json, sys, threading, time
+import json, sys, time
 impl, src, dst = sys.argv[1:4]
 import torch
 if impl == "ddpstate":
     import ddpstate.cli
     import ddpstate.convert
-
-def rss_anon():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("RssAnon:")) * 1024
 
 def work():
     if impl == "ddpstate":
@@ -77,21 +78,12 @@ def work():
                            for k, v in sd.items()}
     torch.save(state, dst)
 
-before = rss_anon()
-peak = [before]
-done = threading.Event()
-def sample():
-    while not done.wait(0.005):
-        peak[0] = max(peak[0], rss_anon())
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
+with open("/proc/self/status") as f:
+    before = next(int(l.split()[1]) for l in f if l.startswith("RssAnon:")) * 1024
+print("start", before, flush=True)
 start = time.perf_counter()
 work()
-seconds = time.perf_counter() - start
-done.set()
-sampler.join()
-peak[0] = max(peak[0], rss_anon())
-print(json.dumps({"seconds": seconds, "rss_anon_mib": (peak[0] - before) / (1 << 20)}))
+print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
 """
 
 _CP_SYNC = 'cp "$0" "$1" && sync "$1"'
@@ -120,15 +112,35 @@ def _run_timed(impl: str, src: Path, dst: Path) -> tuple[float, float | None]:
         seconds, _ = harness.run_command(["sh", "-c", _CP_SYNC, str(src), str(dst)])
         return seconds, None
     which = "ddpstate" if impl == OURS else "script"
-    done = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-c", _RUNNER, which, str(src), str(dst)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"{impl} failed ({done.returncode}) on {src}:\n{done.stderr[-2000:]}")
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    return float(report["seconds"]), float(report["rss_anon_mib"])
+    assert proc.stdout is not None
+    started = proc.stdout.readline().split()
+    before = peak = int(started[1]) if started[:1] == ["start"] else 0
+    while proc.poll() is None:
+        anon = _rss_anon(proc.pid)
+        if anon is None:  # exited between poll and read
+            break
+        peak = max(peak, anon)
+        time.sleep(_SAMPLE_S)
+    out, err = proc.communicate()
+    if proc.returncode != 0 or not started:
+        raise RuntimeError(f"{impl} failed ({proc.returncode}) on {src}:\n{err[-2000:]}")
+    report = json.loads(out.strip().splitlines()[-1])
+    return float(report["seconds"]), (peak - before) / MIB
+
+
+def _rss_anon(pid: int) -> int | None:
+    """RssAnon of a running process in bytes; None once it has exited."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def run_point(
@@ -180,7 +192,8 @@ def run(results: Results, settings: Settings) -> None:
         results.notes.append("strip_module: no /dev/shm here; disk only")
     results.notes.append(
         "strip_module: the RSS column is RssAnon growth during the timed call (sampled "
-        "every 5 ms); ddpstate and the script are timed inside their process after imports"
+        "from outside every 5 ms); ddpstate and the script are timed inside their process "
+        "after imports"
     )
     cases = [("size_mib", size, size, SIZE_TENSORS) for size in points.sizes_mib]
     cases.append(("tensors", points.count, points.count_size_mib, points.count))

@@ -146,6 +146,7 @@ def test_archive_layouts_torch_refuses_are_refused(
 # --------------------------------------------------------------------------- deep nesting
 
 
+@pytest.mark.slow
 def test_deep_nesting_loads_or_is_a_format_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -321,6 +322,7 @@ def _hostile_files(folder: Path) -> dict[str, Path]:
     return files
 
 
+@pytest.mark.slow
 def test_the_console_script_refuses_each_kind(tmp_path: Path) -> None:
     """One ``ddpstate`` run per kind of crafted file, the four commands in turn."""
     files = _hostile_files(tmp_path)
