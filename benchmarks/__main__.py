@@ -1,6 +1,7 @@
 """``python -m benchmarks [--quick | --full]``: every ddpstate benchmark, one table, one plot.
 
-Runs the families in ``benchmarks/`` (save/load, safetensors vs its library, convert, async
+Runs the families in ``benchmarks/`` (save/load, safetensors vs its library, convert,
+``convert --strip-module`` against ``cp`` + ``sync`` and the load-rename-save script, async
 stall, 2-rank gloo, Hugging Face sharded folders, DCP saves, CUDA state where a GPU is
 present) at every checkpoint size and tensor count, and writes
 ``results.md``, ``results.json`` and ``results.png`` to ``--out``
@@ -39,12 +40,14 @@ from benchmarks import (
     report,
     safetensors_lib,
     save_load,
+    strip_module,
 )
 
 FAMILIES: dict[str, Callable[[harness.Results, harness.Settings], None]] = {
     "save_load": save_load.run,
     "safetensors": safetensors_lib.run,
     "convert": convert.run,
+    "strip_module": strip_module.run,
     "async": async_save.run,
     "dist": distributed.run,
     "hf_sharded": hf_sharded.run,

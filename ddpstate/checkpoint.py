@@ -33,7 +33,7 @@ from ddpstate._io.model_state import (
 from ddpstate._io.safetensors_io import save_sharded, write_safetensors
 from ddpstate._io.tensor_broadcast import broadcast_with_tensors
 from ddpstate._keys.wrappers import unwrapped_state_dict
-from ddpstate._streaming.hf_write import parse_size
+from ddpstate._layout.hf_write import parse_size
 from ddpstate.batchnorm import warn_if_stats_differ
 from ddpstate.dist import (
     Timeout,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import IO, Any, NoReturn, Optional
 
 from ddpstate import formats
-from ddpstate._streaming.progress import human_bytes
+from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 from ddpstate.convert import StateEdit, convert_file, diff_files, inspect_file, verify_file
 from ddpstate.errors import DDPStateError, InvalidArgumentError
@@ -105,8 +105,8 @@ def _add_common(parser: argparse.ArgumentParser, *, progress: bool = True) -> No
     parser.add_argument(
         "--unsafe",
         action="store_true",
-        help="read files whose pickle names globals torch.load(weights_only=True) refuses "
-        "(they are never run; only for files you trust)",
+        help="load with torch.load(weights_only=False), torch's full unpickler: it runs the "
+        "code a file's pickle names; only for files you trust",
     )
     if progress:
         parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
@@ -135,6 +135,12 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
         help="remove every wrapper prefix (module., _orig_mod.) wherever torch puts them",
     )  # fmt: skip
     parser.add_argument(
+        "--on-collision", "--on_collision", choices=("error", "keep_existing", "keep_prefixed"),
+        default="error",
+        help="when the rule makes two keys equal: fail (default), keep the entry that had the "
+        "plain key, or keep the renamed one",
+    )  # fmt: skip
+    parser.add_argument(
         "--key", metavar="PATH",
         help="dotted path of the model state dict in the checkpoint, e.g. 'model.ema'; in a "
         "training folder, first the entry or weights file (a manager step's 'ema')",
@@ -144,14 +150,15 @@ def _add_key_options(parser: argparse.ArgumentParser) -> None:
 def _key_rule(args: argparse.Namespace) -> dict[str, Any]:
     """The key options as :func:`ddpstate.convert.convert_file`/``diff_files`` arguments."""
     return {
-        name: getattr(args, name) for name in ("strip_prefix", "add_prefix", "normalize", "key")
+        name: getattr(args, name)
+        for name in ("strip_prefix", "add_prefix", "normalize", "on_collision", "key")
     }
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="ddpstate",
-        description="Convert, inspect, compare and verify PyTorch checkpoint files, streaming.",
+        description="Convert, inspect, compare and verify PyTorch checkpoint files.",
         epilog=_MAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -177,9 +184,9 @@ def _command(
 def _add_convert(commands: Any) -> None:
     convert = _command(
         commands, "convert", _cmd_convert, _CONVERT_EPILOG,
-        help="rewrite keys or format without loading the file into memory",
-        description="Rewrite a checkpoint's model keys or format, streaming: constant memory, "
-        "about the time of a copy.",
+        help="rewrite keys or format; tensors stay memory-mapped",
+        description="Rewrite a checkpoint's model keys or format: torch.load (memory-mapped), "
+        "then torch.save; memory does not grow with the file.",
     )  # fmt: skip
     convert.add_argument("src", metavar="SRC", help=_SRC_HELP)
     convert.add_argument(
@@ -452,6 +459,7 @@ _FLAGS = {
     "overwrite=True": "--force",
     "unsafe=True": "--unsafe",
     "weights_only=False": "--unsafe",
+    "on_collision=": "--on-collision",
 }
 # The argument an error carries (DDPStateError.argument) -> its option.
 _ARGUMENT_FLAGS = {spelled.split("=")[0]: flag for spelled, flag in _FLAGS.items()}

@@ -1,10 +1,10 @@
-"""File-to-file checkpoint conversion, inspection, comparison and verification, streaming.
+"""File-to-file checkpoint conversion, inspection, comparison and verification.
 
 The public names of the ``ddpstate`` file commands; each lives in its own module of
 ``ddpstate._convert`` (``rewrite``: :func:`convert_file`, ``inspect``:
 :func:`inspect_file`, ``diff``: :func:`diff_files`, ``verify``: :func:`verify_file`,
 ``results``: the result types; ``common``: :class:`StateEdit`, what a conversion
-changes), which import torch only where tensors are needed.
+changes), which read every torch file with torch's own reader.
 """
 
 from __future__ import annotations

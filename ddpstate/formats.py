@@ -15,7 +15,6 @@ from ddpstate import _fs, storage
 from ddpstate._layout.folders import folder_kind
 from ddpstate._layout.hf_index import find_index, is_index_name
 from ddpstate._layout.safetensors import SAFETENSORS_MAX_HEADER
-from ddpstate._layout.zip import LOCAL_MAGIC, ZipEnd, read_directory
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -88,20 +87,18 @@ FormatName = Literal[
     "hf_trainer",
 ]
 
-#: torch's legacy format pickles this number first (protocol 2, LONG1 of 10 bytes).
+#: torch's legacy format pickles this number first (LONG1 of 10 bytes, any protocol 2-5).
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_PREFIX = (
-    pickle.PROTO + b"\x02" + pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little")
-    + pickle.STOP
-)  # fmt: skip
+_LEGACY_NUMBER = pickle.LONG1 + b"\x0a" + LEGACY_MAGIC.to_bytes(10, "little") + pickle.STOP
 
 
 def _is_zip(head: bytes, size: Optional[int]) -> bool:
-    return head.startswith(LOCAL_MAGIC)
+    return head.startswith(b"PK\x03\x04")  # a zip's first local header
 
 
 def _is_legacy(head: bytes, size: Optional[int]) -> bool:
-    return head.startswith(_LEGACY_PREFIX)
+    protocol = head[1] if len(head) > 1 else 0
+    return head[:1] == pickle.PROTO and 2 <= protocol <= 5 and head[2:].startswith(_LEGACY_NUMBER)
 
 
 def _is_safetensors(head: bytes, size: Optional[int]) -> bool:
@@ -121,7 +118,6 @@ class Format:
         description: How it is named to a person (the CLI's output).
         folder: A folder of files rather than one file.
         suffixes: File-name suffixes that ask for it on output, the default first.
-        torch_free: The streaming commands read it without torch.
         mappable: A local file of it can be memory-mapped when loaded.
         sniff: Whether a file's first bytes (and size, if known) are this format;
             None for folders and for what a zip's directory tells (TorchScript).
@@ -131,7 +127,6 @@ class Format:
     description: str
     folder: bool = False
     suffixes: tuple[str, ...] = ()
-    torch_free: bool = False
     mappable: bool = False
     sniff: Optional[Callable[[bytes, Optional[int]], bool]] = None
 
@@ -141,17 +136,16 @@ TABLE: dict[FormatName, Format] = {
     f.name: f
     for f in (
         Format(TORCH_ZIP, "torch.save zip", suffixes=(".pt", ".pth", ".bin", ".ckpt"),
-               torch_free=True, mappable=True, sniff=_is_zip),
-        Format(LEGACY, "legacy torch.save (pre-1.6)", torch_free=True, sniff=_is_legacy),
-        Format(SAFETENSORS, "safetensors", suffixes=(".safetensors",), torch_free=True,
+               mappable=True, sniff=_is_zip),
+        Format(LEGACY, "legacy torch.save (pre-1.6)", sniff=_is_legacy),
+        Format(SAFETENSORS, "safetensors", suffixes=(".safetensors",),
                mappable=True, sniff=_is_safetensors),
         Format(TORCHSCRIPT, "TorchScript archive"),
         Format(DCP, "torch.distributed.checkpoint folder", folder=True),
-        Format(MANAGER, "CheckpointManager folder", folder=True, torch_free=True),
-        Format(HF_SHARDED, "Hugging Face sharded checkpoint", folder=True, torch_free=True),
-        Format(ACCELERATE, "Accelerate save_state folder", folder=True, torch_free=True),
-        Format(HF_TRAINER, "Hugging Face Trainer checkpoint folder", folder=True,
-               torch_free=True),
+        Format(MANAGER, "CheckpointManager folder", folder=True),
+        Format(HF_SHARDED, "Hugging Face sharded checkpoint", folder=True),
+        Format(ACCELERATE, "Accelerate save_state folder", folder=True),
+        Format(HF_TRAINER, "Hugging Face Trainer checkpoint folder", folder=True),
     )
 }  # fmt: skip
 #: Every format's name, in the order of :data:`TABLE`.
@@ -219,46 +213,36 @@ _SNIFF_BYTES = 64
 Source = Union[str, "os.PathLike[str]", IO[bytes]]
 
 
-@dataclasses.dataclass(frozen=True)
-class Detected:
-    """What detection read of one file: its format and, for a zip, its directory.
-
-    A reader that goes on to parse the file reuses the directory instead of
-    reading and walking it a second time.
-
-    Attributes:
-        format: The file's format (one of :data:`FORMATS`).
-        zip_end: The zip archive's end records (zip formats only).
-        zip_directory: The zip archive's raw central directory (zip formats only).
-    """
-
-    format: FormatName
-    zip_end: Optional[ZipEnd] = None
-    zip_directory: bytes = b""
+# Records only torch.save writes: a zip holding them and no data.pkl is a damaged one.
+_TORCH_RECORDS = ("/version", "/byteorder", "/.format_version")
 
 
-def _read_at(fileobj: IO[bytes]) -> Callable[[int, int], bytes]:
-    def read_at(offset: int, length: int) -> bytes:
-        fileobj.seek(offset)
-        return fileobj.read(length)
-
-    return read_at
-
-
-def _zip_kind(fileobj: IO[bytes], size: int, name: str) -> Detected:
-    end, directory = read_directory(_read_at(fileobj), size, name)
-    # Entry names sit in the directory as raw bytes: torch.jit.save writes code/
-    # and constants.pkl, torch.save a data.pkl.
-    if b"/constants.pkl" in directory or b"/code/" in directory:
-        return Detected(TORCHSCRIPT, end, directory)
-    if b"data.pkl" in directory:
-        return Detected(TORCH_ZIP, end, directory)
+def _zip_kind(fileobj: IO[bytes], name: str) -> FormatName:
     fileobj.seek(0)
     try:
-        with zipfile.ZipFile(fileobj) as archive:
-            names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError):
-        names = []
+        names = zipfile.ZipFile(fileobj).namelist()
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        OSError,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+    ) as exc:
+        raise CheckpointCorruptError(
+            f"{name}: starts like a zip archive (torch.save) but its directory cannot be read "
+            f"({type(exc).__name__}: {exc}); it is truncated or damaged: re-save or re-download it"
+        ) from exc
+    # torch.jit.save writes code/ and constants.pkl, torch.save a data.pkl.
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        return TORCHSCRIPT
+    if any(n.endswith("data.pkl") for n in names):
+        return TORCH_ZIP
+    if any(n.endswith(_TORCH_RECORDS) for n in names):
+        raise CheckpointCorruptError(
+            f"{name}: a torch.save archive without its data.pkl record; the file is damaged "
+            f"or was crafted: re-save or re-download it"
+        )
     raise CheckpointFormatError(
         f"{name}: a zip archive without data.pkl, so not a torch.save checkpoint "
         f"(entries: {', '.join(names[:5])}{'...' if len(names) > 5 else ''})"
@@ -335,7 +319,7 @@ def detect_format(
         fileobj.seek(0, os.SEEK_END)
         size = fileobj.tell() - start
         fileobj.seek(start)
-        return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>")).format
+        return _classify(fileobj, head, size, getattr(fileobj, "name", "<file object>"))
 
     name = os.fspath(source)
     remote = _fs.is_remote(name)
@@ -355,7 +339,7 @@ def detect_format(
             head = f.read(_SNIFF_BYTES)
             if _is_index(name, head):
                 return HF_SHARDED
-            return _classify(f, head, f.seek(0, os.SEEK_END), name).format
+            return _classify(f, head, f.seek(0, os.SEEK_END), name)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{name}: no such file; check the path") from exc
 
@@ -381,42 +365,10 @@ def _folder_kind(name: str, storage_options: Optional[dict[str, Any]]) -> Format
     )
 
 
-def classify_file(fileobj: IO[bytes], size: int, name: str) -> Detected:
-    """Tell which format an open checkpoint file holds, keeping what was read to tell.
-
-    :func:`detect_format` for a file a reader has open already: the streaming
-    reader opens a file once, classifies it here and reuses the zip directory.
-    Unlike :func:`detect_format`, it does not recognise a Hugging Face index.
-
-    Args:
-        fileobj: The file, readable and seekable; its data starts at offset 0.
-        size: The file's size in bytes.
-        name: The file, for messages.
-
-    Returns:
-        The :class:`Detected` format (and zip directory).
-
-    Raises:
-        CheckpointFormatError: The bytes match no format ddpstate knows.
-        CheckpointCorruptError: The bytes start like a torch.save zip or a
-            safetensors file but are cut short or damaged.
-
-    Example:
-        >>> import io
-        >>> from ddpstate.formats import classify_file
-        >>> raw = b"\\x80\\x02\\x8a\\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
-        >>> classify_file(io.BytesIO(raw), len(raw), "old.pt").format
-        'pt_legacy'
-    """
-    fileobj.seek(0)
-    head = fileobj.read(_SNIFF_BYTES)
-    return _classify(fileobj, head, size, name)
-
-
-def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> Detected:
+def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> FormatName:
     kind = sniff_format(head, size)
     if kind == TORCH_ZIP:
-        return _zip_kind(fileobj, size, name)
+        return _zip_kind(fileobj, name)
     if kind is None and len(head) >= 9 and head[8:9] == b"{":
         claimed = int.from_bytes(head[:8], "little")
         if 2 <= claimed <= SAFETENSORS_MAX_HEADER:
@@ -431,4 +383,4 @@ def _classify(fileobj: IO[bytes], head: bytes, size: int, name: str) -> Detected
             f"torch.save file, a legacy torch file, safetensors or a torch.distributed.checkpoint "
             f"folder"
         )
-    return Detected(kind)
+    return kind

@@ -3,7 +3,7 @@
 - each module of the package is named in the module table (``## Modules`` up to
   ``<!-- MODULES-END -->``), and each file the table names exists;
 - each ``path.py`` the document cites under ``ddpstate/`` exists;
-- each private module reference such as ```_streaming/reader.read_checkpoint``` or
+- each private module reference such as ```_convert/source.read_checkpoint``` or
   ```_manifest.verify_checkpoint``` names a module that exists and a name that module
   defines (a function, class, constant, method or attribute written in it).
 """
@@ -21,7 +21,7 @@ DOC = PACKAGE.parent / "docs" / "architecture.md"
 
 
 def _module_files() -> dict[str, Path]:
-    """``"_streaming/reader.py"`` style names (relative to the package) -> path."""
+    """``"_convert/source.py"`` style names (relative to the package) -> path."""
     return {
         path.relative_to(PACKAGE).as_posix(): path
         for path in sorted(PACKAGE.rglob("*.py"))
@@ -53,8 +53,8 @@ def _module_table(text: str) -> str:
 def _rows(text: str) -> dict[str, set[str]]:
     """First cell of each module-table row -> the files the row names.
 
-    A package row (first cell ```_streaming/```) names its files by their own
-    name (```reader.py```), which count as ``_streaming/reader.py``.
+    A package row (first cell ```_convert/```) names its files by their own
+    name (```source.py```), which count as ``_convert/source.py``.
     """
     rows: dict[str, set[str]] = {}
     for line in _module_table(text).splitlines():

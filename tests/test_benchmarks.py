@@ -55,3 +55,23 @@ def test_safetensors_family_compares_with_the_library_on_tmpfs_and_disk(tmp_path
     assert ("st load mmap (disk)", "safetensors load_file") in cases
     assert ("st load read (disk)", "safetensors load_file (pread)") in cases
     assert all(c.x == 600 and c.target == 1.05 for c in results.comparisons)
+
+
+@pytest.mark.slow
+def test_strip_module_family_runs_against_cp_and_the_script(tmp_path: Path) -> None:
+    """Issue 40's family at its quick points: every row measured, RssAnon recorded."""
+    from benchmarks import strip_module
+    from benchmarks.__main__ import main
+
+    results = main(
+        ["--only", "strip_module", "--quick", "--no-plot", "--out", str(tmp_path / "results"),
+         "--work", str(tmp_path)]
+    )  # fmt: skip
+    cases = {(c.case, c.x, c.baseline) for c in results.comparisons}
+    for place in ("disk", "tmpfs"):
+        for size in strip_module.QUICK.sizes_mib:
+            assert (f"strip-module ({place})", size, strip_module.CP) in cases
+            assert (f"strip-module ({place})", size, strip_module.SCRIPT) in cases
+        assert (f"strip-module ({place})", 1000, strip_module.SCRIPT) in cases
+    for row in results.comparisons:
+        assert row.ours_s > 0 and row.baseline_s > 0 and row.peak_rss_mib is not None, row

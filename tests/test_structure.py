@@ -9,7 +9,7 @@ These tests read the source with :mod:`ast` (nothing is imported but the public 
 - no import cycle among ddpstate modules, counting imports inside functions (a lazy
   import is still a dependency; only ``if TYPE_CHECKING:`` imports are left out);
 - no ``_private`` name of one module used by another, except between the files of
-  one sub-package (``ddpstate/_streaming/...``), which share their internals.
+  one sub-package (``ddpstate/_convert/...``), which share their internals.
 """
 
 from __future__ import annotations
@@ -245,6 +245,7 @@ CLI_OPTIONS = {
         "--strip-prefix",
         "--add-prefix",
         "--normalize",
+        "--on-collision",
         "--key",
         "--to",
         "--max-shard-size",
@@ -263,6 +264,7 @@ CLI_OPTIONS = {
         "--strip-prefix",
         "--add-prefix",
         "--normalize",
+        "--on-collision",
         "--key",
         "--raw-keys",
         "--atol",
@@ -288,7 +290,7 @@ MODULES = _modules()
 
 
 def _package_of(module: str) -> str:
-    """The package a module's file sits in (``ddpstate`` or ``ddpstate._streaming``...)."""
+    """The package a module's file sits in (``ddpstate`` or ``ddpstate._convert``...)."""
     if MODULES[module].name == "__init__.py":
         return module
     return module.rsplit(".", 1)[0]

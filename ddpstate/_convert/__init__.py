@@ -1,6 +1,6 @@
-"""The file commands' engine: ``convert``, ``inspect``, ``diff`` and ``verify``, streaming.
+"""The file commands' engine: ``convert``, ``inspect``, ``diff`` and ``verify``.
 
 :mod:`ddpstate.convert` re-exports the public functions and result types; these
-modules sit on the torch-free streaming engine (:mod:`ddpstate._streaming`) and
-import torch only inside the functions that need tensors.
+modules read every torch file through torch's own reader (:mod:`ddpstate._convert.source`)
+and write through ``torch.save`` or the safetensors writer.
 """

@@ -12,24 +12,14 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
+import torch
+
 from ddpstate import _fs, formats, keys, storage
 from ddpstate._convert.results import ConvertResult
 from ddpstate._fs import PathLike
-from ddpstate._streaming.pickle_scan import (
-    GlobalRef,
-    Opaque,
-    StorageRecord,
-    TensorRecord,
-    is_pickled_module,
-    iter_tensors,
-    module_state_dict,
-    opaque_name,
-)
-from ddpstate._streaming.progress import human_bytes
-from ddpstate._streaming.reader import Checkpoint
+from ddpstate._progress import human_bytes
 from ddpstate._warn import warn
 from ddpstate.errors import (
-    CheckpointCorruptError,
     CheckpointExistsError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
@@ -67,8 +57,10 @@ class StateEdit:
         normalize: Remove every wrapper prefix (``module.``, ``_orig_mod.``).
         drop_optimizer: Leave optimizer state out of the output.
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or torch's names): cast every
-            floating tensor written to it, one tensor in memory at a time, exactly
-            as ``tensor.to(dtype)``; integer and bool tensors are kept as they are.
+            floating tensor written to it, exactly as ``tensor.to(dtype)``; integer
+            and bool tensors are kept as they are.
+        on_collision: When the rule makes two keys equal: ``"error"``,
+            ``"keep_existing"`` or ``"keep_prefixed"`` (:func:`ddpstate.keys.strip_prefix`).
 
     Raises:
         InvalidArgumentError: More than one key rule.
@@ -85,6 +77,7 @@ class StateEdit:
     normalize: bool = False
     drop_optimizer: bool = False
     dtype: Optional[str] = None
+    on_collision: keys.OnCollision = "error"
 
     def __post_init__(self) -> None:
         rules = [self.strip_prefix is not None, self.add_prefix is not None, bool(self.normalize)]
@@ -98,17 +91,16 @@ class StateEdit:
 
     def rename(self, sd: Any) -> Any:
         """The state dict with the one key rule given applied (itself when none is)."""
+        rule = self.on_collision
         if self.strip_prefix is not None:
-            return keys.strip_prefix(sd, self.strip_prefix)
+            return keys.strip_prefix(sd, self.strip_prefix, on_collision=rule)
         if self.add_prefix is not None:
-            return keys.add_prefix(sd, self.add_prefix)
-        return keys.normalize_keys(sd) if self.normalize else sd
+            return keys.add_prefix(sd, self.add_prefix, on_collision=rule)
+        return keys.normalize_keys(sd, on_collision=rule) if self.normalize else sd
 
 
 def find_state_dict(root: Any, key: Optional[str]) -> tuple[tuple[Any, ...], Any]:
     """``(path, state dict)`` in ``root``; a failure carries ``key`` for the CLI's ``--key``."""
-    # keys.find_state_dict counts TensorRecord placeholders as tensors (they are
-    # marked `_ddpstate_tensor_like`), so the scanned tree goes in as is.
     try:
         return keys.find_state_dict(root, key)
     except StateDictNotFoundError as exc:
@@ -188,11 +180,11 @@ def apply_edit(root: Any, edit: StateEdit, *, whole: bool) -> Edited:
     """
     done = Edited(root)
     if edit.renames or edit.key is not None or not whole:
-        if is_pickled_module(root):
-            done.sd = module_state_dict(root)
+        if isinstance(root, torch.nn.Module):
+            done.sd = root.state_dict()
             done.notes.append(
-                f"the source is a pickled whole nn.Module ({opaque_name(root)}); its parameters "
-                f"and buffers were written as a plain state dict"
+                f"the source is a pickled whole nn.Module ({type(root).__name__}); its "
+                f"parameters and buffers were written as a plain state dict"
             )
         else:
             done.path, done.sd = find_state_dict(root, edit.key)
@@ -335,33 +327,6 @@ def same_file(a: str, b: str) -> bool:
         return os.path.abspath(_fs.local_path(a)) == os.path.abspath(_fs.local_path(b))
 
 
-def extent_problems(ckpt: Checkpoint) -> list[str]:
-    """A line per tensor whose view reaches past the end of its storage."""
-    # A damaged shape, stride or offset can make a view reach past its storage;
-    # torch.load refuses such a file, so copying it through would hide the damage.
-    problems = []
-    for path, rec in iter_tensors(ckpt.obj):
-        if isinstance(rec, TensorRecord):
-            reach = rec.extent() * rec.itemsize
-            if reach > rec.storage.nbytes:
-                problems.append(
-                    f"tensor {dotted(path)} reaches byte {reach} of a "
-                    f"{rec.storage.nbytes}-byte storage"
-                )
-    return problems
-
-
-def raise_problems(ckpt: Checkpoint) -> None:
-    """Raise :class:`CheckpointCorruptError` naming the first damage found, if any."""
-    problems = [*ckpt.problems, *extent_problems(ckpt)]
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointCorruptError(
-            f"{ckpt.path}: {problems[0]}{more}; the file is damaged or truncated "
-            f"(`ddpstate verify` lists everything): re-save or re-download it"
-        )
-
-
 def destination(
     src: str,
     dst: Optional[PathLike],
@@ -400,11 +365,9 @@ def format_from_name(dst: Optional[PathLike]) -> Optional[FormatName]:
 
 
 def describe(value: Any) -> str:
-    """A short description of one value of a scanned checkpoint (``tensor float32 [2]``...)."""
-    if isinstance(value, TensorRecord):
-        return f"tensor {value.dtype} {list(value.shape)}"
-    if isinstance(value, StorageRecord):
-        return f"storage {value.dtype} x{value.numel}"
+    """A short description of one value of a checkpoint (``tensor float32 [2]``...)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
     if isinstance(value, bool) or value is None:
         return repr(value)
     if isinstance(value, (int, float)):
@@ -413,12 +376,8 @@ def describe(value: Any) -> str:
         return f"str {value[:40]!r}" + ("..." if len(value) > 40 else "")
     if isinstance(value, (bytes, bytearray)):
         return f"{type(value).__name__} of {len(value)} bytes"
-    if is_pickled_module(value):
-        return f"pickled nn.Module {opaque_name(value)}"
-    if isinstance(value, (Opaque, GlobalRef)) or (
-        isinstance(value, type) and issubclass(value, Opaque)
-    ):
-        return f"{opaque_name(value)} object"
+    if isinstance(value, torch.nn.Module):
+        return f"pickled nn.Module {type(value).__name__}"
     if isinstance(value, Mapping):
         return f"{type(value).__name__} of {len(value)} entries"
     if isinstance(value, (list, tuple, set, frozenset)):

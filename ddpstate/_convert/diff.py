@@ -6,7 +6,9 @@ import collections
 import contextlib
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
+
+import torch
 
 from ddpstate import keys
 from ddpstate._collectives import with_message
@@ -16,26 +18,18 @@ from ddpstate._convert.common import (
     dotted,
     find_state_dict,
     old_arguments,
-    raise_problems,
 )
 from ddpstate._convert.results import DiffResult
-from ddpstate._convert.tensor_data import load_tensor
-from ddpstate._fs import PathLike
-from ddpstate._streaming.opener import read_checkpoint
-from ddpstate._streaming.pickle_scan import (
-    TensorRecord,
-    is_pickled_module,
+from ddpstate._convert.source import (
+    Checkpoint,
+    check_materializable,
+    failures_named,
     iter_tensors,
-    module_state_dict,
-    opaque_name,
+    read_checkpoint,
 )
-from ddpstate._streaming.progress import Progress
-from ddpstate._streaming.reader import Checkpoint
+from ddpstate._fs import PathLike
+from ddpstate._progress import Progress
 from ddpstate.errors import AmbiguousStateDictError, StateDictNotFoundError
-
-if TYPE_CHECKING:
-    import torch
-
 
 _DIFF_CHUNK = 1 << 22
 
@@ -51,8 +45,8 @@ def _model_tensors(
     is refused, as :func:`ddpstate.load_model_state` refuses it.
     """
     root = ckpt.obj
-    if is_pickled_module(root):
-        return f"the parameters of the pickled {opaque_name(root)}", module_state_dict(root), None
+    if isinstance(root, torch.nn.Module):
+        return f"the parameters of the pickled {type(root).__name__}", root.state_dict(), None
     note = None
     try:
         path, sd = find_state_dict(root, key)
@@ -60,9 +54,7 @@ def _model_tensors(
         raise with_message(exc, f"{ckpt.path}: {exc}") from exc
     except StateDictNotFoundError as exc:
         if key is None:
-            every = collections.OrderedDict(
-                (dotted(p) or "", r) for p, r in iter_tensors(root) if isinstance(r, TensorRecord)
-            )
+            every = collections.OrderedDict((dotted(p) or "", t) for p, t in iter_tensors(root))
             return "every tensor (no model state dict found)", every, None
         try:
             path, sd = find_state_dict(root, None)
@@ -75,8 +67,6 @@ def _model_tensors(
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    import torch
-
     flat_a = a.reshape(-1)
     flat_b = b.reshape(-1)
     worst = 0.0
@@ -110,6 +100,7 @@ def diff_files(
     strip_prefix: Optional[str] = None,
     add_prefix: Optional[str] = None,
     normalize: bool = False,
+    on_collision: keys.OnCollision = "error",
     atol: float = 0.0,
     weights_only: bool = True,
     progress: bool = False,
@@ -137,8 +128,11 @@ def diff_files(
         add_prefix: Add this prefix to both files' model keys.
         normalize: Remove every wrapper prefix from both (the default unless
             ``raw_keys``; with ``raw_keys`` it still applies).
+        on_collision: When renaming makes two keys of a file equal: ``"error"``,
+            ``"keep_existing"`` or ``"keep_prefixed"``.
         atol: Differences up to this count as equal.
-        weights_only: ``False`` also reads pickles naming unsafe globals (never run).
+        weights_only: ``False`` loads with torch's full unpickler, which runs
+            whatever code the files name: only for files you trust.
         progress: Draw a progress bar on stderr (only on a terminal).
         storage_options: fsspec options for URLs.
         **legacy: ``unsafe=`` (now ``weights_only=``, inverted), with a
@@ -167,28 +161,29 @@ def diff_files(
         True
     """
     unsafe = not old_arguments("diff_files", legacy, weights_only=weights_only)[0]
-    edit = StateEdit(strip_prefix=strip_prefix, add_prefix=add_prefix, normalize=normalize)
+    edit = StateEdit(
+        strip_prefix=strip_prefix, add_prefix=add_prefix, normalize=normalize,
+        on_collision=on_collision,
+    )  # fmt: skip
     with contextlib.ExitStack() as stack:
+        stack.enter_context(failures_named(f"{os.fspath(a)} or {os.fspath(b)}"))
         ca, cb = (
-            stack.enter_context(
-                read_checkpoint(os.fspath(p), unsafe=unsafe, storage_options=storage_options)
-            )
+            read_checkpoint(os.fspath(p), unsafe=unsafe, storage_options=storage_options)
             for p in (a, b)
         )
-        for ckpt in (ca, cb):
-            raise_problems(ckpt)
         where_a, sd_a, note_a = _model_tensors(ca, key)
         where_b, sd_b, note_b = _model_tensors(cb, key)
         sd_a, sd_b = edit.rename(sd_a), edit.rename(sd_b)
         if not raw_keys:
-            sd_a, sd_b = keys.normalize_keys(sd_a), keys.normalize_keys(sd_b)
+            sd_a = keys.normalize_keys(sd_a, on_collision=on_collision)
+            sd_b = keys.normalize_keys(sd_b, on_collision=on_collision)
         only_a = tuple(str(k) for k in sd_a if k not in sd_b)
         only_b = tuple(str(k) for k in sd_b if k not in sd_a)
         mismatched: list[tuple[str, str, str]] = []
         diffs: dict[str, float] = {}
         shared = [k for k in sd_a if k in sd_b]
         total = sum(
-            v.nbytes for k in shared for v in (sd_a[k], sd_b[k]) if isinstance(v, TensorRecord)
+            v.nbytes for k in shared for v in (sd_a[k], sd_b[k]) if isinstance(v, torch.Tensor)
         )
         bar = stack.enter_context(
             contextlib.closing(Progress(total, "diff", enabled=None if progress else False))
@@ -199,9 +194,11 @@ def diff_files(
             what_a, what_b = describe(va), describe(vb)
             if what_a != what_b:
                 mismatched.append((str(k), what_a, what_b))
-            if what_a != what_b or not isinstance(va, TensorRecord):
+            if what_a != what_b or not isinstance(va, torch.Tensor):
                 continue
-            diffs[str(k)] = _max_abs_diff(load_tensor(ca, va), load_tensor(cb, vb))
+            check_materializable(ca, str(k), va)
+            check_materializable(cb, str(k), vb)
+            diffs[str(k)] = _max_abs_diff(va, vb)
             bar.update(va.nbytes + vb.nbytes)
         notes = [f"compared {where_a} of {ca.path} with {where_b} of {cb.path}"]
         notes += [n for n in (note_a, note_b) if n]

@@ -3,7 +3,7 @@
 A CheckpointManager step folder, an Accelerate ``save_state`` folder and a Hugging
 Face Trainer ``checkpoint-N`` folder (:data:`ddpstate.formats.TRAINING_FOLDERS`;
 their files' roles in :mod:`ddpstate._layout.folders`). ``inspect`` and ``convert``
-read the model weights :func:`ddpstate._streaming.opener.model_unit` picks.
+read the model weights :func:`ddpstate._convert.source.model_unit` picks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ddpstate._checksum import error_text
 from ddpstate._convert.results import VerifyResult
 from ddpstate._layout.folders import role_of
 from ddpstate._layout.hf_index import is_index_name
-from ddpstate._streaming.progress import human_bytes
+from ddpstate._progress import human_bytes
 from ddpstate.errors import DDPStateError, UnsafeCheckpointError
 
 # Roles whose files ``verify`` reads through the index (the shards) or as JSON.
@@ -66,10 +66,10 @@ def verify_training_folder(
     """Check an Accelerate or Hugging Face Trainer folder: its manifest if any, then each file.
 
     Weights, optimizer and other torch files are read end to end by ``verify_one``
-    (``(path, weights_only)``: :func:`ddpstate.convert.verify_file`) weights-only,
-    and, where they pickle other Python objects (RNG states, TrainingArguments),
-    again with those left as placeholders, never run; a sharded model is
-    checked through its index; JSON files must parse.
+    (``(path, weights_only)``: :func:`ddpstate.convert.verify_file`) weights-only;
+    where they pickle other Python objects (RNG states, TrainingArguments), only
+    their zip records are checked (``weights_only=False``), never unpickled; a
+    sharded model is checked through its index; JSON files must parse.
     """
     problems: list[str] = []
     notes: list[str] = []
@@ -107,7 +107,8 @@ def verify_training_folder(
                 result = verify_one(where, False)
                 notes.append(
                     f"{name} ({role}) pickles Python objects beyond tensors "
-                    f"({', '.join(exc.unsafe_globals[:3])}...): read as structure, never run"
+                    f"({', '.join(exc.unsafe_globals[:3])}...): its records checked, never "
+                    f"unpickled"
                 )
         except DDPStateError as exc:
             problems.append(f"{name}: {exc}")

@@ -1,4 +1,4 @@
-"""``inspect_file``: describe a checkpoint from its headers and pickle, never its tensor data."""
+"""``inspect_file``: describe a checkpoint as torch loads it (tensor data stays mapped, unread)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, Optional
+
+import torch
 
 from ddpstate import formats, keys
 from ddpstate import storage as _storage
@@ -22,22 +24,15 @@ from ddpstate._convert.common import (
     structure,
 )
 from ddpstate._convert.results import InspectResult, TensorInfo
+from ddpstate._convert.source import failures_named, iter_tensors, model_unit, read_checkpoint
 from ddpstate._fs import PathLike
-from ddpstate._streaming.opener import model_unit, read_checkpoint
-from ddpstate._streaming.pickle_scan import (
-    TensorRecord,
-    is_pickled_module,
-    iter_tensors,
-    module_state_dict,
-    opaque_name,
-)
-from ddpstate._streaming.progress import human_bytes
+from ddpstate._progress import human_bytes
 from ddpstate.errors import StateDictNotFoundError
 
 
 def _summary(value: Any, role: Optional[str]) -> str:
-    tensors = [r for _, r in iter_tensors(value) if isinstance(r, TensorRecord)]
-    size = sum(r.nbytes for r in tensors)
+    tensors = [t for _, t in iter_tensors(value)]
+    size = sum(t.nbytes for t in tensors)
     if role is None and is_optimizer_state(value):
         if isinstance(value, Mapping) and "param_groups" in value:
             groups = value.get("param_groups")
@@ -49,7 +44,7 @@ def _summary(value: Any, role: Optional[str]) -> str:
                 f"{len(tensors)} tensors, {human_bytes(size)}"
             )
         return f"optimizer states: {len(tensors)} tensors, {human_bytes(size)}"
-    whole = isinstance(value, TensorRecord)  # a tensor's own description says its size
+    whole = isinstance(value, torch.Tensor)  # a tensor's own description says its size
     return counted(describe(value), role, 0 if whole else len(tensors), size)
 
 
@@ -60,7 +55,9 @@ def inspect_file(
     storage_options: Optional[dict[str, Any]] = None,
     **legacy: Any,
 ) -> InspectResult:
-    """Describe a checkpoint from its headers and pickle structure, never its tensor data.
+    """Describe a checkpoint as ``torch.load(weights_only=True, mmap=True)`` reads it.
+
+    The tensors are memory-mapped, never read: only the pickle is unpickled.
 
     A ``torch.distributed.checkpoint`` folder is described from its ``.metadata``
     (read with an unpickler that allows only DCP's metadata classes): keys, whole
@@ -71,8 +68,8 @@ def inspect_file(
 
     Args:
         src: The checkpoint file, DCP folder or training folder.
-        weights_only: ``False`` also reads pickles that name unsafe globals (still
-            never run).
+        weights_only: ``False`` reads with torch's full unpickler, which runs
+            whatever code the file names: only for files you trust.
         storage_options: fsspec options for URLs.
         **legacy: ``unsafe=`` (now ``weights_only=``, inverted), with a
             ``DeprecationWarning``.
@@ -114,48 +111,60 @@ def inspect_file(
             found = inspect_file(unit, weights_only=weights_only, storage_options=storage_options)
             about = folders.describe(text, kind, unit, storage_options)
             return dataclasses.replace(found, notes=(*about, *found.notes))
-    unsafe = not weights_only
-    with read_checkpoint(text, unsafe=unsafe, storage_options=storage_options) as ckpt:
-        root = ckpt.obj
-        notes: list[str] = []
-        path: Optional[tuple[Any, ...]] = None
-        sd: Any = None
-        if is_pickled_module(root):
-            sd = module_state_dict(root)
-            notes.append(
-                f"a pickled whole nn.Module ({opaque_name(root)}), not a state dict; "
-                f"the table lists its parameters and buffers"
-            )
-        else:
-            path, sd = find_or_note(root, notes)
-        all_tensors = [r for _, r in iter_tensors(root) if isinstance(r, TensorRecord)]
-        # A storage is counted under the dtype of the first tensor viewing it.
-        dtype_of = {id(rec.storage): rec.dtype for rec in reversed(all_tensors)}
-        dtype_bytes: dict[str, int] = collections.Counter()
-        for storage in ckpt.storages:
-            dtype_bytes[dtype_of.get(id(storage), storage.dtype)] += storage.nbytes
-        devices = collections.Counter(storage.location for storage in ckpt.storages)
-        every = ((dotted(p) or "", r) for p, r in iter_tensors(root))  # no state dict
-        rows = tuple(
-            TensorInfo(str(name), value.dtype, value.shape, value.nbytes, value.storage.location)
-            if isinstance(value, TensorRecord)
-            else TensorInfo(str(name), describe(value), (), 0, "")
-            for name, value in (sd.items() if sd is not None else every)
+    with failures_named(text):
+        return _inspect(text, not weights_only, storage_options)
+
+
+def _inspect(text: str, unsafe: bool, storage_options: Optional[dict[str, Any]]) -> InspectResult:
+    ckpt = read_checkpoint(text, unsafe=unsafe, storage_options=storage_options)
+    root = ckpt.obj
+    notes: list[str] = []
+    path: Optional[tuple[Any, ...]] = None
+    sd: Any = None
+    if isinstance(root, torch.nn.Module):
+        sd = root.state_dict()
+        notes.append(
+            f"a pickled whole nn.Module ({type(root).__name__}), not a state dict; "
+            f"the table lists its parameters and buffers"
         )
-        prefixes = tuple(keys.detect_prefixes(sd)) if sd is not None else ()
-        return InspectResult(
-            path=ckpt.path,
-            format=ckpt.format,
-            file_size=ckpt.size,
-            tensor_count=len(all_tensors),
-            tensor_bytes=sum(s.nbytes for s in ckpt.storages),
-            dtype_bytes=dict(dtype_bytes),
-            devices=dict(devices),
-            prefixes=prefixes,
-            state_dict_path=dotted(path),
-            structure=structure(root, path, _summary),
-            tensors=rows,
-            unsafe_globals=ckpt.unsafe_globals,
-            problems=tuple(ckpt.problems),
-            notes=tuple(notes),
+    else:
+        path, sd = find_or_note(root, notes)
+    all_tensors = [t for _, t in iter_tensors(root)]
+    # A storage is counted once, under the dtype of the first tensor viewing it.
+    storages: dict[int, tuple[str, int, str]] = {}
+    for t in all_tensors:
+        storages.setdefault(
+            t.untyped_storage().data_ptr() or id(t),
+            (_dtype(t), t.untyped_storage().nbytes(), ckpt.location(t)),
         )
+    dtype_bytes: dict[str, int] = collections.Counter()
+    for dtype, nbytes, _ in storages.values():
+        dtype_bytes[dtype] += nbytes
+    devices = collections.Counter(location for _, _, location in storages.values())
+    every = ((dotted(p) or "", t) for p, t in iter_tensors(root))  # no state dict
+    rows = tuple(
+        TensorInfo(str(name), _dtype(v), tuple(v.shape), v.nbytes, ckpt.location(v))
+        if isinstance(v, torch.Tensor)
+        else TensorInfo(str(name), describe(v), (), 0, "")
+        for name, v in (sd.items() if sd is not None else every)
+    )
+    return InspectResult(
+        path=ckpt.path,
+        format=ckpt.format,
+        file_size=ckpt.size,
+        tensor_count=len(all_tensors),
+        tensor_bytes=sum(nbytes for _, nbytes, _ in storages.values()),
+        dtype_bytes=dict(dtype_bytes),
+        devices=dict(devices),
+        prefixes=tuple(keys.detect_prefixes(sd)) if sd is not None else (),
+        state_dict_path=dotted(path),
+        structure=structure(root, path, _summary),
+        tensors=rows,
+        unsafe_globals=ckpt.unsafe_globals,
+        problems=(),
+        notes=tuple(notes),
+    )
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")

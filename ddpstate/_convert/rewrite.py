@@ -1,14 +1,15 @@
-"""``convert_file``: rewrite a checkpoint's keys or format, streaming, without loading it."""
+"""``convert_file``: rewrite a checkpoint's keys or format, read by torch and written by torch."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-import sys
 from typing import Any, NamedTuple, Optional, Union
 
-from ddpstate import formats, storage
+import torch
+
+from ddpstate import _fs, formats, storage
 from ddpstate._convert.common import (
     Edited,
     StateEdit,
@@ -18,35 +19,30 @@ from ddpstate._convert.common import (
     format_from_name,
     is_dcp_folder,
     old_arguments,
-    raise_problems,
     same_file,
 )
 from ddpstate._convert.results import ConvertResult
-from ddpstate._convert.tensor_data import load_tensor
+from ddpstate._convert.source import Checkpoint, failures_named, model_unit, read_checkpoint
 from ddpstate._convert.writers import (
-    alias_notes,
-    copied_pickle,
+    cast_floating,
     write_pt,
-    write_safetensors,
-    write_sharded_safetensors,
+    write_safetensors_file,
+    write_sharded,
 )
 from ddpstate._fs import PathLike
 from ddpstate._gc import gc_paused
 from ddpstate._layout.hf_index import folder_of
-from ddpstate._streaming.cast import Casts, target_dtype
-from ddpstate._streaming.hf_write import parse_size
-from ddpstate._streaming.opener import model_unit, read_checkpoint
-from ddpstate._streaming.pickle_scan import is_pickled_module, iter_tensors
-from ddpstate._streaming.progress import Progress
-from ddpstate._streaming.reader import Checkpoint
-from ddpstate._streaming.stream import Sink
+from ddpstate._layout.hf_write import parse_size
+from ddpstate._progress import Progress
 from ddpstate.errors import (
     CheckpointExistsError,
-    CheckpointFormatError,
     InvalidArgumentError,
     concerning,
 )
 from ddpstate.formats import HF_SHARDED, PT, SAFETENSORS, FormatName, parse_format
+
+# ``convert --dtype``'s short names, and the dtype each stands for (torch's own names work too).
+_SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def convert_file(
@@ -64,17 +60,18 @@ def convert_file(
     storage_options: Optional[dict[str, Any]] = None,
     **legacy: Any,
 ) -> ConvertResult:
-    """Rewrite a checkpoint file's keys or format without loading it into memory.
+    """Rewrite a checkpoint file's keys or format, through torch's own reader and writer.
 
-    torch.save files: only the pickled structure is rewritten; every tensor
-    record is copied byte for byte (in the kernel where the OS allows).
-    safetensors: the header is rewritten and the data copied. Across formats,
-    one tensor at a time. Legacy (pre-1.6) files are streamed the same way.
-    Key rules are :mod:`ddpstate.keys`' own, applied to the model state dict
-    :func:`ddpstate.keys.find_state_dict` locates (or ``edit.key``); everything else
-    in the checkpoint comes through unchanged. The output is written atomically
-    and every storage is tagged ``cpu``, so it loads without ``map_location``
-    on a machine without a GPU. No code from the file runs.
+    The source is read by ``torch.load(weights_only=True)``, memory-mapped for a
+    local zip (tensor bytes stay in the page cache: memory does not grow with
+    the file), after ddpstate's container check; safetensors by the
+    ``safetensors`` library. The output is written by ``torch.save`` (or
+    ddpstate's safetensors writer, one tensor at a time), so it holds exactly
+    what torch loads from the source. Key rules are :mod:`ddpstate.keys`' own,
+    applied to the model state dict :func:`ddpstate.keys.find_state_dict`
+    locates (or ``edit.key``); everything else in the checkpoint comes through
+    unchanged. The output is written atomically and every storage is tagged
+    ``cpu``, so it loads without ``map_location`` on a machine without a GPU.
 
     A ``torch.distributed.checkpoint`` folder as ``src`` is consolidated into
     one ``.pt`` or ``.safetensors`` file (read whole, with torch: DCP has no
@@ -96,9 +93,9 @@ def convert_file(
             ``model.safetensors.index.json``), atomically as a whole; safetensors only.
         in_place: Replace ``src`` itself (atomically).
         overwrite: Replace an existing ``dst``.
-        weights_only: ``False`` accepts pickles naming globals
-            ``torch.load(weights_only=True)`` refuses; they are copied through as they
-            are, never run.
+        weights_only: ``False`` reads with ``torch.load(weights_only=False)``:
+            torch's full unpickler, which runs whatever code the file names; only
+            for files you trust.
         progress: Draw a progress bar on stderr (only when it is a terminal).
         fsync: ``False`` skips the fsyncs of a local output: as fast as ``cp``
             and still atomic against a crashed process, but a power loss or OS
@@ -180,13 +177,9 @@ def convert_file(
             overwrite=overwrite, weights_only=weights_only, fsync=fsync,
             storage_options=storage_options,
         )  # fmt: skip
-    # The scan makes a few objects per tensor, none in a cycle: without the collector
-    # held off, full collections over them took a seventh of the time at 100,000 tensors.
-    with (
-        gc_paused(),
-        read_checkpoint(src_text, unsafe=not weights_only, storage_options=storage_options) as ckpt,
-    ):
-        raise_problems(ckpt)
+    # Unpickling makes a few objects per tensor, none in a cycle: the collector is held off.
+    with gc_paused(), failures_named(src_text):
+        ckpt = read_checkpoint(src_text, unsafe=not weights_only, storage_options=storage_options)
         dst_format = format or format_from_name(dst) or _kind(ckpt)
         if shard_dst is not None:
             dst_format = SAFETENSORS
@@ -272,11 +265,25 @@ class _Output(NamedTuple):
 
     dst: str
     format: FormatName
-    dtype: Optional[str]
+    dtype: Optional[torch.dtype]
     shard_limit: Optional[int]
     in_place: bool
     overwrite: bool
     fsync: bool
+
+
+def target_dtype(name: str) -> torch.dtype:
+    """The dtype ``name`` (``"bf16"``, ``"fp16"``, ``"fp32"`` or torch's name) stands for.
+
+    Raises:
+        InvalidArgumentError: An unknown name (also a ``ValueError``).
+    """
+    found = _SHORT_NAMES.get(str(name).lower(), str(name).lower())
+    if found not in _SHORT_NAMES.values():
+        raise concerning("dtype", InvalidArgumentError(
+            f"dtype must be one of bf16, fp16, fp32 (or bfloat16, float16, float32), got {name!r}"
+        ))  # fmt: skip
+    return getattr(torch, found)  # type: ignore[no-any-return]
 
 
 def _convert(
@@ -288,76 +295,56 @@ def _convert(
     storage_options: Optional[dict[str, Any]],
 ) -> ConvertResult:
     done = apply_edit(ckpt.obj, edit, whole=out.format != SAFETENSORS)
-    casts = _plan_casts(ckpt, done.root if out.format == PT else done.sd, out.dtype)
-    if casts is not None and casts.count:
-        done.notes.append(
-            f"cast {casts.count} floating tensor(s) to {out.dtype}; integer and bool tensors kept"
-        )
-    if out.in_place and not _changes(ckpt, done, out.format, casts):
+    cast = 0
+    if out.dtype is not None:
+        dtype = str(out.dtype).removeprefix("torch.")
+        # Cast tensors are made in files mapped beside a local output (memory stays flat).
+        spill = None if _fs.is_remote(out.dst) else os.path.dirname(os.path.abspath(out.dst))
+        if out.format == PT:
+            done.root, cast = cast_floating(ckpt, done.root, out.dtype, spill)
+        else:
+            done.sd, cast = cast_floating(ckpt, done.sd, out.dtype, spill)
+        if cast:
+            done.notes.append(
+                f"cast {cast} floating tensor(s) to {dtype}; integer and bool tensors kept"
+            )
+    if out.in_place and not _changes(ckpt, done, out.format, cast):
         done.notes.append("nothing to change; the file was left as it is")
         return done.result(ckpt.path, out.dst, ckpt.format, out.format, 0, 0, written=False)
     dst_format = out.format
-    total = sum(s.nbytes for s in ckpt.storages)
-    with contextlib.closing(Progress(total, "convert", enabled=None if progress else False)) as bar:
+    meta = dict(ckpt.st_metadata)
+    if ckpt.format != SAFETENSORS:
+        meta.setdefault("format", "pt")  # Hugging Face loaders ask for it in torch-made files
+    with contextlib.closing(
+        Progress(ckpt.size, "convert", enabled=None if progress else False)
+    ) as bar:
         if out.shard_limit is not None:
-            meta = dict(ckpt.st_metadata)
-            meta.setdefault("format", "pt")
-            count, copied, aliases, overlaps = write_sharded_safetensors(
-                ckpt, done.sd, meta, casts, out.dst, out.shard_limit, bar,
+            count, copied = write_sharded(
+                ckpt, done.sd, meta, out.dst, out.shard_limit,
                 fsync=out.fsync, overwrite=out.overwrite,
             )  # fmt: skip
-            done.notes += alias_notes(aliases, overlaps)
             dst_format = HF_SHARDED
         else:
             with storage.atomic_write(
                 out.dst, storage_options=storage_options, fsync=out.fsync
             ) as f:
-                sink = Sink(f, bar, write_back=out.fsync)
-                count, copied = _write_file(sink, ckpt, done, out.format, casts)
-    cast = casts.count if casts is not None else 0
+                if out.format == SAFETENSORS:
+                    count, copied, notes = write_safetensors_file(f, ckpt, done.sd, meta, bar)
+                    done.notes += notes
+                else:
+                    count, copied = write_pt(f, done.root, bar)
     return done.result(ckpt.path, out.dst, ckpt.format, dst_format, count, copied, cast=cast)
 
 
-def _changes(ckpt: Checkpoint, done: Edited, dst_format: str, casts: Optional[Casts]) -> bool:
+def _changes(ckpt: Checkpoint, done: Edited, dst_format: str, cast: int) -> bool:
     """True when the output would differ from the source (``in_place`` skips the write if not)."""
     return bool(
-        (casts is not None and casts.count)
+        cast
         or done.renamed
         or done.metadata_changed
         or done.dropped
         or dst_format != _kind(ckpt)
         or ckpt.format == formats.LEGACY
-        or any(s.location != "cpu" for s in ckpt.storages)
+        or any(location != "cpu" for location in ckpt.locations.values())
         or (done.sd is not None and done.path is None)
     )
-
-
-def _write_file(
-    sink: Sink, ckpt: Checkpoint, done: Edited, dst_format: str, casts: Optional[Casts]
-) -> tuple[int, int]:
-    """Write one output file; ``(tensors, bytes)``."""
-    if dst_format == SAFETENSORS:
-        meta = dict(ckpt.st_metadata)
-        if ckpt.format != SAFETENSORS:
-            # Hugging Face loaders ask for this entry in torch-made files.
-            meta.setdefault("format", "pt")
-        count, copied, aliases, overlaps = write_safetensors(sink, ckpt, done.sd, meta, casts)
-        done.notes += alias_notes(aliases, overlaps)
-        return count, copied
-    pickle_bytes = None
-    # A cast rewrites tensor records: the tree is re-emitted, never copied.
-    if not done.dropped and not is_pickled_module(ckpt.obj) and casts is None:
-        pickle_bytes = copied_pickle(ckpt, done.path, done.source_sd, done.sd)
-    return write_pt(sink, ckpt, done.root, pickle_bytes, casts)
-
-
-def _plan_casts(ckpt: Checkpoint, tree: Any, dtype: Optional[str]) -> Optional[Casts]:
-    if dtype is None:
-        return None
-    if ckpt.byteorder != sys.byteorder:
-        raise CheckpointFormatError(
-            f"{ckpt.path}: its tensors are stored {ckpt.byteorder}-endian; convert it without "
-            f"--dtype first, load it and save it again on this machine, then cast"
-        )
-    records = (r for _, r in iter_tensors(tree))
-    return Casts(records, dtype, lambda rec: load_tensor(ckpt, rec), ckpt.path)

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-import zipfile
 from typing import Any, Optional
 
+import torch
+
 from ddpstate import formats, storage
-from ddpstate._convert.common import extent_problems, old_arguments
+from ddpstate._convert.common import old_arguments
 from ddpstate._convert.folders import verify_training_folder
 from ddpstate._convert.results import VerifyResult
+from ddpstate._convert.source import Checkpoint, failures_named, iter_tensors, read_checkpoint
 from ddpstate._fs import PathLike
+from ddpstate._io.torch_io import check_container
 from ddpstate._layout.hf_index import find_index, key_problems, read_index
+from ddpstate._layout.torch_zip import check_crcs
 from ddpstate._manifest import verify_checkpoint
-from ddpstate._streaming.opener import read_checkpoint
-from ddpstate._streaming.pickle_scan import TensorRecord, iter_tensors
-from ddpstate._streaming.progress import Progress
-from ddpstate._streaming.reader import Checkpoint, zip_entry_bytes
+from ddpstate._progress import Progress
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, DDPStateError
+
+# Files other than torch zips are read through in pieces this size.
+_PIECE = 4 << 20
 
 
 def verify_file(
@@ -29,12 +33,14 @@ def verify_file(
     storage_options: Optional[dict[str, Any]] = None,
     **legacy: Any,
 ) -> VerifyResult:
-    """Check that a checkpoint file is readable end to end and every tensor record is whole.
+    """Check that a checkpoint file loads with torch and every record is whole.
 
-    torch.save files: every zip record is read and its CRC-32 compared with
-    the directory's; every storage the pickle refers to must have a record of
-    the right size, and every tensor must lie inside its storage. Legacy and
-    safetensors files: every tensor's data must be present (and is read).
+    The verdict is torch's: the file must load with ``torch.load(weights_only=True)``
+    (safetensors: the ``safetensors`` library), after the container check that
+    refuses what torch's reader does not (duplicate or overlapping records, names
+    outside the archive folder, compressed records). torch.save files: every zip
+    record is then read and its CRC-32 compared with the directory's. Legacy and
+    safetensors files are read through.
 
     A folder is checked as a CheckpointManager step folder or directory by
     :func:`ddpstate.manager.verify_checkpoint` (manifest, sizes, CRC-32s,
@@ -49,7 +55,8 @@ def verify_file(
 
     Args:
         src: The checkpoint file, or a CheckpointManager, Accelerate or Trainer folder.
-        weights_only: ``False`` also reads pickles naming unsafe globals (never run).
+        weights_only: ``False`` loads with torch's full unpickler, which runs
+            whatever code the file names: only for files you trust.
         progress: Draw a progress bar on stderr (only on a terminal).
         storage_options: fsspec options for URLs.
         **legacy: ``unsafe=`` (now ``weights_only=``, inverted), with a
@@ -88,6 +95,8 @@ def verify_file(
         if kind in (formats.ACCELERATE, formats.HF_TRAINER):
 
             def verify_one(path: str, weights_only: bool) -> VerifyResult:
+                if not (weights_only or unsafe):  # never unpickled: its records alone
+                    return verify_records(path, progress=progress, storage_options=storage_options)
                 return verify_file(
                     path, weights_only=weights_only and not unsafe, progress=progress,
                     storage_options=storage_options,
@@ -100,73 +109,79 @@ def verify_file(
     if index_path is not None:
         return verify_sharded(index_path, unsafe, progress, storage_options)
     try:
-        ckpt = read_checkpoint(text, unsafe=unsafe, storage_options=storage_options)
+        with failures_named(text):
+            ckpt = read_checkpoint(text, unsafe=unsafe, storage_options=storage_options)
     except CheckpointCorruptError as exc:
         return VerifyResult(path=text, format=None, problems=(str(exc),))
-    with ckpt:
-        return _verify_open(ckpt, progress)
+    return _verify_bytes(ckpt.path, ckpt, progress, storage_options)
 
 
-def _verify_open(ckpt: Checkpoint, progress: bool) -> VerifyResult:
-    """Check an open checkpoint file: its structure, then every record's bytes."""
-    problems = [*ckpt.problems, *extent_problems(ckpt)]
+def verify_records(
+    path: str, *, progress: bool = False, storage_options: Optional[dict[str, Any]] = None
+) -> VerifyResult:
+    """Check a file's bytes without unpickling it: a torch zip's container and CRC-32s.
+
+    For files whose pickle holds objects beyond weights-only (a Lightning ``.ckpt``, a
+    Trainer's ``training_args.bin``): their integrity, with nothing from them run. Legacy
+    and safetensors files are read through.
+
+    Args:
+        path: The file (local path or fsspec URL).
+        progress: Draw a progress bar on stderr (only on a terminal).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        A :class:`~ddpstate.convert.VerifyResult` (``tensors`` is 0: nothing is unpickled).
+
+    Example:
+        >>> import torch, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "m.pt")
+        >>> torch.save({"w": torch.ones(2)}, p)
+        >>> verify_records(p).ok
+        True
+    """
+    with failures_named(path):
+        return _verify_bytes(path, None, progress, storage_options)
+
+
+def _verify_bytes(
+    path: str, ckpt: Optional[Checkpoint], progress: bool, opts: Optional[dict[str, Any]]
+) -> VerifyResult:
+    """Read every byte of a file, each zip record against its CRC-32.
+
+    ``ckpt`` is the file as torch loaded it; without it nothing is unpickled (a file
+    whose pickle needs more than weights-only: its container and records alone).
+    """
+    problems: list[str] = []
     notes: list[str] = []
-    tensors = [r for _, r in iter_tensors(ckpt.obj) if isinstance(r, TensorRecord)]
-    zipped = ckpt.format == formats.TORCH_ZIP
-    if zipped:
-        total = sum(r.compressed_size for r in ckpt.zip_records.values())
-    else:
-        total = sum(s.stored_size for s in ckpt.storages if s.data_offset >= 0)
-    read = 0
-    with contextlib.closing(Progress(total, "verify", enabled=None if progress else False)) as bar:
-        if zipped:
-            read = _verify_zip_records(ckpt, problems, notes, bar)
+    kind = ckpt.format if ckpt is not None else formats.detect_format(path, storage_options=opts)
+    bar = Progress(ckpt.size if ckpt else 0, "verify", enabled=None if progress else False)
+    with contextlib.closing(bar), storage.open_read(path, storage_options=opts) as f:
+        if kind == formats.TORCH_ZIP:
+            try:
+                archive = check_container(f, path)
+            except CheckpointCorruptError as exc:
+                return VerifyResult(path=path, format=None, problems=(str(exc),))
+            problems, unchecked = check_crcs(f, archive, bar.update)
+            read = sum(r.size for r in archive.records.values())
+            if unchecked:
+                notes.append(
+                    f"{unchecked} record(s) carry no CRC (saved with CRC turned off): read, "
+                    f"not checked"
+                )
         else:
-            for s in ckpt.storages:
-                if s.data_offset >= 0 and s.data_offset + s.stored_size <= ckpt.size:
-                    ckpt.source.crc32(s.data_offset, s.stored_size, bar)
-                    read += s.stored_size
+            read = 0
+            while piece := f.read(_PIECE):
+                read += len(piece)
+                bar.update(len(piece))
     return VerifyResult(
-        path=ckpt.path,
-        format=ckpt.format,
+        path=path,
+        format=kind,
         problems=tuple(problems),
-        tensors=len(tensors),
+        tensors=sum(1 for _ in iter_tensors(ckpt.obj)) if ckpt is not None else 0,
         bytes_read=read,
         notes=tuple(notes),
     )
-
-
-def _verify_zip_records(
-    ckpt: Checkpoint, problems: list[str], notes: list[str], bar: Progress
-) -> int:
-    read = 0
-    unchecked = 0
-    for record in ckpt.zip_records.values():
-        end = record.data_offset + record.compressed_size
-        if end > ckpt.size:
-            continue  # already reported by the reader
-        if record.method != zipfile.ZIP_STORED:
-            try:
-                zip_entry_bytes(ckpt.source, record, ckpt.path)  # inflating checks the CRC
-            except CheckpointCorruptError as exc:
-                problems.append(f"zip entry {record.name}: {exc.__cause__ or exc}")
-            read += record.compressed_size
-            bar.update(record.compressed_size)
-            continue
-        crc = ckpt.source.crc32(record.data_offset, record.size, bar)
-        read += record.size
-        if record.crc32 == 0 and record.size and crc != 0:
-            unchecked += 1  # written with torch's CRC computation turned off
-        elif crc != record.crc32:
-            problems.append(
-                f"zip entry {record.name}: CRC-32 {crc:08x} does not match the recorded "
-                f"{record.crc32:08x}; its bytes are damaged"
-            )
-    if unchecked:
-        notes.append(
-            f"{unchecked} record(s) carry no CRC (saved with CRC turned off): read, not checked"
-        )
-    return read
 
 
 def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> VerifyResult:
@@ -221,31 +236,31 @@ def verify_sharded(
         if not storage.exists(where, storage_options=storage_options):
             problems.append(f"shard {shard} is missing (the index names it)")
             continue
-        # One open per shard: the same checks verify_file runs, then the index's keys.
+        # The same checks verify_file runs, then the index's keys.
         try:
-            ckpt = read_checkpoint(where, unsafe=unsafe, storage_options=storage_options)
+            with failures_named(where):
+                ckpt = read_checkpoint(where, unsafe=unsafe, storage_options=storage_options)
         except DDPStateError as exc:
             problems.append(f"shard {shard}: {exc}")
             continue
-        with ckpt:
-            found = _verify_open(ckpt, progress)
-            problems += [f"shard {shard}: {p}" for p in found.problems]
-            tensors += found.tensors
-            read += found.bytes_read
-            if found.problems:
-                continue
-            obj = ckpt.obj
-            if not isinstance(obj, dict):
-                problems.append(f"shard {shard} is not a flat map of names to tensors")
-                continue
-            problems += key_problems(index, shard, [str(k) for k in obj])
-            # Tied entries (aliases of one stored tensor) count once, as they are stored.
-            stored = {
-                id(v): v.nbytes
-                for k, v in obj.items()
-                if isinstance(v, TensorRecord) and index.weight_map.get(k) == shard
-            }
-            listed_bytes += sum(stored.values())
+        found = _verify_bytes(ckpt.path, ckpt, progress, storage_options)
+        problems += [f"shard {shard}: {p}" for p in found.problems]
+        tensors += found.tensors
+        read += found.bytes_read
+        if found.problems:
+            continue
+        obj = ckpt.obj
+        if not isinstance(obj, dict):
+            problems.append(f"shard {shard} is not a flat map of names to tensors")
+            continue
+        problems += key_problems(index, shard, [str(k) for k in obj])
+        # Tied entries (aliases of one stored tensor) count once, as they are stored.
+        stored = {
+            (v.data_ptr(), v.shape, v.stride(), v.dtype): v.nbytes
+            for k, v in obj.items()
+            if isinstance(v, torch.Tensor) and index.weight_map.get(k) == shard
+        }
+        listed_bytes += sum(stored.values())
     if index.total_size is not None and not problems and listed_bytes != index.total_size:
         problems.append(
             f"metadata.total_size is {index.total_size} but the tensors the index lists hold "

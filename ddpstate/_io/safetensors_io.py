@@ -27,6 +27,7 @@ import safetensors
 import torch
 
 from ddpstate._gc import gc_paused
+from ddpstate._layout.hf_write import parse_size, plan_shards, write_sharded
 from ddpstate._layout.safetensors import (
     ALIASES_KEY,
     DTYPES,
@@ -40,7 +41,6 @@ from ddpstate._layout.safetensors import (
     restore_extras,
     state_dict_metadata_json,
 )
-from ddpstate._streaming.hf_write import parse_size, plan_shards, write_sharded
 from ddpstate._warn import warn
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
 
@@ -338,6 +338,9 @@ def save_sharded(
     target: str,
     max_shard_size: Union[int, str],
     metadata: Optional[Mapping[str, str]] = None,
+    *,
+    overwrite: bool = True,
+    fsync: bool = True,
 ) -> dict[str, str]:
     """Save a state dict in the Hugging Face sharded layout (what ``save(max_shard_size=)`` does).
 
@@ -347,8 +350,10 @@ def save_sharded(
     Args:
         state: Names to tensors.
         target: The folder.
-        max_shard_size: See :func:`ddpstate._streaming.hf_write.parse_size`.
+        max_shard_size: See :func:`ddpstate._layout.hf_write.parse_size`.
         metadata: str -> str entries for every shard's header.
+        overwrite: Replace a sharded checkpoint already at ``target``.
+        fsync: Fsync every shard (the folder swap is fsynced either way).
 
     Returns:
         The weight map written.
@@ -378,7 +383,7 @@ def save_sharded(
         return sum(nbytes.get(k, 0) for k in shard_keys)
 
     shards = plan_shards(keys, nbytes, owner, limit)
-    return write_sharded(target, shards, write_shard, order=keys, overwrite=True)
+    return write_sharded(target, shards, write_shard, order=keys, overwrite=overwrite, fsync=fsync)
 
 
 # ------------------------------------------------------------------------------------- reading

@@ -32,7 +32,6 @@ from typing import IO, Any, Optional
 
 import torch
 
-from ddpstate._layout.everyday import EVERYDAY_GLOBALS
 from ddpstate.errors import (
     CheckpointFormatError,
     InvalidArgumentError,
@@ -41,6 +40,7 @@ from ddpstate.errors import (
 )
 
 __all__ = [
+    "EVERYDAY_GLOBALS",
     "allowed_globals",
     "check_safe_globals",
     "check_tensors",
@@ -48,6 +48,47 @@ __all__ = [
     "save_torch",
     "sharded_types",
 ]
+
+#: ``module.name`` of every global the everyday values ddpstate saves and loads with
+#: ``weights_only`` name, beyond torch's own list. They carry data and run no code of
+#: the file's choosing: numpy scalars and numeric arrays (numpy 1.x and 2.x names),
+#: paths, datetime values, ``argparse.Namespace``, the empty ``bytes`` of protocol 2
+#: (only as ``_empty_bytes``: the real ``bytes(n)`` would allocate what a file asks) and
+#: ddpstate's own ``defaultdict`` rebuilder, which only files of earlier versions name.
+EVERYDAY_GLOBALS: tuple[str, ...] = (
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.core.multiarray.scalar",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray.scalar",
+    "numpy._core.multiarray._reconstruct",
+    "builtins.bytes",
+    "pathlib.PurePosixPath",
+    "pathlib.PureWindowsPath",
+    "pathlib.PosixPath",
+    "pathlib.WindowsPath",
+    "pathlib._local.PurePosixPath",
+    "pathlib._local.PureWindowsPath",
+    "pathlib._local.PosixPath",
+    "pathlib._local.WindowsPath",
+    "datetime.datetime",
+    "datetime.date",
+    "datetime.time",
+    "datetime.timedelta",
+    "datetime.timezone",
+    "argparse.Namespace",
+    "ddpstate._io.savecheck._rebuild_defaultdict",
+)
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``builtins.bytes`` as protocol 2 pickles ``b""``; any argument is refused."""
+    # Non-empty bytes pickle as _codecs.encode(str, "latin1"), on torch's own list;
+    # bytes(2**33) would allocate 8 GiB because a 100-byte file asks.
+    if args:
+        raise pickle.UnpicklingError(f"builtins.bytes{args!r}: only bytes() is allowed")
+    return b""
+
 
 # Files ddpstate wrote before it refused defaultdicts name this rebuilder; loading
 # them still works (the factory comes from this fixed table, never from the file).
@@ -63,6 +104,12 @@ def _rebuild_defaultdict(factory: Optional[str], items: dict[Any, Any]) -> Any:
         raise pickle.UnpicklingError(f"defaultdict factory {factory!r} is not allowed")
     return collections.defaultdict(_FACTORIES[factory] if factory else None, items)
 
+
+# The everyday globals loaded through ddpstate's own function, never the real one.
+_SHIMS = {
+    "builtins.bytes": _empty_bytes,
+    "ddpstate._io.savecheck._rebuild_defaultdict": _rebuild_defaultdict,
+}
 
 # Where a global lives under another numpy or Python version than the one that wrote it.
 _MOVED = (
@@ -95,7 +142,7 @@ def allowed_globals(extra: Sequence[Any] = ()) -> list[Any]:
     """
     found: list[Any] = []
     for name in EVERYDAY_GLOBALS:
-        obj = _rebuild_defaultdict if name.endswith("._rebuild_defaultdict") else _resolve(name)
+        obj = _SHIMS[name] if name in _SHIMS else _resolve(name)
         if obj is not None:
             found.append((obj, name))
     np = sys.modules.get("numpy")  # torch imports numpy when it is installed
@@ -336,11 +383,11 @@ _GLOBAL_KINDS = (type, types.FunctionType, types.BuiltinFunctionType)
 def _pickle_module(extra: Sequence[Any]) -> Any:
     from torch import _weights_only_unpickler as wou
 
-    # torch's built-in allowlist has no public getter (tests/streaming/test_safe_globals.py pins
-    # the private one); what users added has one.
+    # torch's built-in allowlist has no public getter; what users added has one.
     allowed = {id(v) for v in wou._get_allowed_globals().values()}
     for item in (*torch.serialization.get_safe_globals(), *allowed_globals(extra)):
         allowed.add(id(item[0] if isinstance(item, tuple) else item))
+    allowed.add(id(bytes))  # protocol 2 pickles b"" as bytes(), loaded by _empty_bytes
     # Storage classes travel in torch's persistent ids, which its loader handles itself.
     allowed |= {id(c) for c in (*torch._storage_classes, torch.UntypedStorage)}
     plain = (torch.Tensor, torch.nn.Parameter)

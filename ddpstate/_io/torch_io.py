@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
 import pickle
-import pickletools
+import re
 import struct
 import sys
 import zipfile
@@ -17,9 +18,11 @@ import torch
 
 from ddpstate import storage
 from ddpstate._io.savecheck import loading_allowed
+from ddpstate._layout.torch_zip import TorchZip, read_torch_zip
 from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.errors import (
     CheckpointCorruptError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     DDPStateError,
     DeviceMapError,
@@ -29,6 +32,7 @@ from ddpstate.formats import LEGACY, TORCH_ZIP
 
 __all__ = [
     "DESCRIPTIONS",
+    "check_container",
     "check_dcp_metadata",
     "dcp_failure",
     "dcp_read_errors",
@@ -36,6 +40,7 @@ __all__ = [
     "load_dcp",
     "load_torch_file",
     "module_globals",
+    "too_large",
     "unsafe_globals",
 ]
 
@@ -90,70 +95,17 @@ def _rewound(source: Source) -> Iterator[Source]:
 # ------------------------------------------------------------------------- unsafe globals
 
 
-def _allowed_globals() -> set[str]:
-    # For legacy files only (zip files go through the public get_unsafe_globals_in_checkpoint):
-    # torch has no public getter for its built-in weights_only allowlist, so the private one
-    # is used (tests/streaming/test_safe_globals.py pins it); without it every global is listed.
-    try:
-        from torch import _weights_only_unpickler as wou
-
-        allowed = set(wou._get_allowed_globals())
-        allowed |= set(wou._get_user_allowed_globals())  # type: ignore[no-untyped-call]
-        return allowed
-    except Exception:  # pragma: no cover - a future torch may move it
-        return set()
-
-
-_STRING_OPS = frozenset(
-    {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING"}
-)
-_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
-
-
-def _globals_in_pickle(fileobj: IO[bytes]) -> list[str]:
-    """List the globals one pickle imports, by reading its opcodes (nothing is executed)."""
-    found: list[str] = []
-    memo: dict[int, Any] = {}
-    pushed: list[Any] = []  # the values recent opcodes pushed; strings, or None
-    for op, arg, _pos in pickletools.genops(fileobj):
-        name = op.name
-        if name in ("GLOBAL", "INST"):
-            module, _, attr = str(arg).partition(" ")
-            found.append(f"{module}.{attr}")
-            pushed.append(None)
-        elif name == "STACK_GLOBAL":
-            module, attr = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else ("", "")
-            ok = isinstance(module, str) and isinstance(attr, str)
-            found.append(f"{module}.{attr}" if ok else "<global built at unpickling time>")
-            del pushed[-2:]
-            pushed.append(None)
-        elif name in _STRING_OPS:
-            pushed.append(arg.decode("latin-1") if isinstance(arg, bytes) else arg)
-        elif name in _PUT_OPS:
-            memo[int(arg)] = pushed[-1] if pushed else None  # type: ignore[arg-type]
-        elif name == "MEMOIZE":
-            memo[len(memo)] = pushed[-1] if pushed else None
-        elif name in _GET_OPS:
-            pushed.append(memo.get(int(arg)))  # type: ignore[arg-type]
-        elif name != "STOP":
-            pushed.append(None)
-    return found
-
-
-def _legacy_globals(src: Source) -> list[str]:
-    # A legacy file is: magic number, protocol version, sys info, then the object.
-    with open(src, "rb") if isinstance(src, str) else contextlib.nullcontext(src) as fileobj:
-        for _ in range(3):
-            for _op in pickletools.genops(fileobj):
-                pass
-        return _globals_in_pickle(fileobj)
+def _refused_by_torch(exc: BaseException) -> list[str]:
+    """The globals torch's weights_only unpickler names in its refusal."""
+    return re.findall(r"GLOBAL ([\w.]+)", str(exc))
 
 
 def unsafe_globals(source: Source, kind: str) -> list[str]:
     """List the globals a torch.save file needs beyond torch's weights_only allowlist.
 
-    Nothing in the file is executed: the pickle's opcodes are read statically.
+    Nothing in the file is executed: a zip's by
+    ``torch.serialization.get_unsafe_globals_in_checkpoint``; a legacy file's, which
+    torch cannot list, by the first one its weights_only unpickler refuses.
 
     Args:
         source: A local path or a readable, seekable binary file.
@@ -176,8 +128,11 @@ def unsafe_globals(source: Source, kind: str) -> list[str]:
     with _rewound(source) as src:
         if kind == TORCH_ZIP:
             return sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(src)))
-        allowed = _allowed_globals()
-        return sorted({n for n in _legacy_globals(src) if n not in allowed})
+        try:
+            torch.load(src, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            return _refused_by_torch(exc)
+        return []
 
 
 def _resolve_loaded(qualname: str) -> Any:
@@ -212,14 +167,14 @@ def module_globals(names: Iterable[str]) -> list[str]:
 
 def _unsafe_error(source: Source, kind: str, name: str, exc: BaseException) -> DDPStateError:
     try:
-        needed = unsafe_globals(source, kind)
+        needed = unsafe_globals(source, kind) if kind == TORCH_ZIP else _refused_by_torch(exc)
     except Exception as scan_exc:
-        # The static scan reads the same bytes; if it cannot, they are damaged.
+        # torch's scan reads the same bytes; if it cannot, they are damaged.
         return _corrupt(name, kind, scan_exc)
     if not needed:
         reason = str(exc).strip().splitlines()
         detail = next((r for r in reason if "WeightsUnpickler error" in r), reason[-1:])
-        if "Unsupported operand" in str(detail):
+        if "Unsupported operand" in str(exc):  # an opcode no torch.save pickle holds
             return _corrupt(name, kind, exc)
         return UnsafeCheckpointError(
             f"{name}: loading needs more than weights_only=True allows ({str(detail).strip()}). "
@@ -306,6 +261,8 @@ def load_torch_file(
     """
     allowed = loading_allowed(safe_globals) if weights_only else contextlib.nullcontext()
     try:
+        if kind == TORCH_ZIP:
+            check_container(source, name)
         with allowed, _rewound(source) as src:
             return torch.load(src, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except FileNotFoundError as exc:
@@ -339,6 +296,31 @@ def load_torch_file(
         ) from exc
     except _DAMAGE as exc:
         raise _corrupt(name, kind, exc) from exc
+    except (MemoryError, RecursionError) as exc:
+        raise too_large(name, exc) from exc
+
+
+def too_large(name: str, exc: BaseException) -> CheckpointFormatError:
+    """The error for a file whose reading ran out of memory or of Python's recursion limit."""
+    what = "nests deeper than" if isinstance(exc, RecursionError) else "needs more memory than"
+    return CheckpointFormatError(
+        f"{name}: reading it {what} this process allows ({type(exc).__name__}); if the file "
+        f"is genuine, load it with torch.load in a process with more, and save it flatter"
+    )
+
+
+def check_container(source: Source, name: str) -> TorchZip:
+    """Check a torch.save zip's container (:func:`~ddpstate._layout.torch_zip.read_torch_zip`).
+
+    Raises:
+        CheckpointCorruptError: The container is damaged or crafted.
+    """
+    with (
+        _rewound(source) as src,
+        open(src, "rb") if isinstance(src, str) else contextlib.nullcontext(src) as f,
+    ):
+        size = f.seek(0, os.SEEK_END)
+        return read_torch_zip(f, size, name)
 
 
 # ------------------------------------------------------------------------- DCP folders

@@ -34,25 +34,22 @@ def optimized_module_type() -> type | None:
 
 
 def is_tensor(value: Any) -> bool:
-    """True for a torch.Tensor or a streaming placeholder that stands for one.
+    """True for a torch.Tensor (False whenever torch is not imported).
 
     Args:
         value: Anything.
 
     Returns:
-        Whether ``value`` is tensor-like.
+        Whether ``value`` is a tensor.
 
     Example:
         >>> from ddpstate._keys.wrappers import is_tensor
         >>> is_tensor([1.0])
         False
     """
-    # A torch.Tensor exists only once torch is imported; the streaming
-    # converter's placeholders declare themselves tensor-like instead.
+    # A torch.Tensor exists only once torch is imported.
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        return True
-    return getattr(type(value), "_ddpstate_tensor_like", False) is True
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def is_module(value: Any) -> bool:

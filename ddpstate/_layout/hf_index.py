@@ -21,7 +21,7 @@ from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, Check
 
 #: How the index files of the layout end (transformers writes these two).
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
-#: The index name ``transformers`` and :mod:`ddpstate._streaming.hf_write` give safetensors shards.
+#: The index name ``transformers`` and :mod:`ddpstate._layout.hf_write` give safetensors shards.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # An index is a few MB at most even for 100,000 keys; a larger one is not an index.
 _MAX_INDEX_BYTES = 256 << 20

@@ -16,10 +16,10 @@ from typing import Any, Optional
 
 from ddpstate import _fs, _manifest, storage
 from ddpstate._checksum import checksum_hex, error_text
+from ddpstate._convert.verify import verify_records
 from ddpstate._fs import PathLike
 from ddpstate._manifest import MANIFEST_NAME, verify_checkpoint
 from ddpstate._warn import warn
-from ddpstate.convert import verify_file
 from ddpstate.dist import get_rank
 from ddpstate.errors import CheckpointFormatError, CheckpointWriteError, DDPStateError
 
@@ -57,8 +57,9 @@ def _problem(path: str, opts: Optional[dict[str, Any]]) -> Optional[str]:
                 )
             problems = verify_checkpoint(path, storage_options=opts).problems
         else:
-            # Integrity only: the pickle is scanned, never run, so unsafe globals are no problem.
-            problems = verify_file(path, weights_only=False, storage_options=opts).problems
+            # Integrity only: the records against their CRC-32s, the pickle never unpickled
+            # (a framework's checkpoint holds objects beyond weights-only).
+            problems = verify_records(path, storage_options=opts).problems
     except DDPStateError as exc:
         return str(exc)
     return "; ".join(problems) or None
@@ -71,7 +72,7 @@ def newest_verified(
 
     A folder verifies when its ddpstate ``manifest.json`` is present and every file it
     lists has its recorded size and CRC-32 (:func:`ddpstate.manager.verify_checkpoint`);
-    a file when :func:`ddpstate.convert.verify_file` finds it whole (every record's
+    a file when :func:`ddpstate._convert.verify.verify_records` finds it whole (every record's
     CRC-32). Each candidate that does not is named in a warning (on rank 0) with the
     reason, and the next one is tried. Every byte of the candidates checked is read.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +143,38 @@ def test_bad_dtype_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="bf16, fp16, fp32"):
         convert_file(tmp_path / "a.pt", tmp_path / "b.pt", edit=StateEdit(dtype="int8"))
     assert not (tmp_path / "b.pt").exists()
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) << 10 for line in status if line.startswith("RssAnon"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux's RssAnon")
+def test_large_casts_are_made_in_mapped_files_not_anonymous_memory(tmp_path: Path) -> None:
+    """--dtype on the torch reader: cast tensors of 1 MiB and more are made in files mapped
+    beside the output (unlinked at once), so anonymous memory stays flat while the output is
+    still bitwise tensor.to(dtype)."""
+    torch.manual_seed(0)
+    sd = {f"module.w{i}": torch.randn(1 << 20) for i in range(8)}  # 8 x 4 MiB -> 8 x 2 MiB
+    src = tmp_path / "big.pt"
+    torch.save(sd, src)
+    peak = [_rss_anon()]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.002):
+            peak.append(_rss_anon())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        convert_file(src, tmp_path / "out.pt", edit=StateEdit(strip_prefix="module.", dtype="bf16"))
+    finally:
+        stop.set()
+        sampler.join()
+    assert max(peak) - peak[0] < 6 << 20, (max(peak) - peak[0]) >> 20
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    for i in range(8):
+        assert torch.equal(out[f"w{i}"], sd[f"module.w{i}"].to(torch.bfloat16))
+    assert sorted(os.listdir(tmp_path)) == ["big.pt", "out.pt"]  # no cast file left behind

@@ -206,15 +206,21 @@ def write_sample(fmt: str, path: Path, seed: int) -> Any:
 
 
 def payload_ranges(path: Path) -> list[tuple[int, int]]:
-    """Byte ranges of raw tensor data in a single checkpoint file (from the undamaged file)."""
-    from ddpstate._streaming.opener import read_checkpoint
+    """Byte ranges of raw tensor data in a single checkpoint file (from the undamaged file).
 
-    with read_checkpoint(str(path)) as ckpt:
-        return [
-            (s.data_offset, s.data_offset + s.stored_size)
-            for s in ckpt.storages
-            if s.data_offset >= 0
-        ]
+    A torch zip's ``data/`` records, a safetensors file's data section; none for a
+    legacy file (its storages are not told apart from the rest, a label only).
+    """
+    from ddpstate._io.safetensors_io import read_safetensors_header
+    from ddpstate._layout.torch_zip import read_torch_zip
+
+    data = path.read_bytes()
+    if data.startswith(b"PK"):
+        records = read_torch_zip(io.BytesIO(data), len(data), str(path)).records.values()
+        return [(r.offset, r.offset + r.size) for r in records if r.name.startswith("data/")]
+    if path.suffix == ".safetensors":
+        return [(read_safetensors_header(path).data_start, len(data))]
+    return []
 
 
 # ---------------------------------------------------------------------------- corrupters
@@ -1011,9 +1017,9 @@ def malicious_trial(
     container: str, name: str, workdir: Path, cli: tuple[str, ...] = MALICIOUS_CLI
 ) -> Trial:
     """Every operation refuses the payload file with UnsafeCheckpointError (the API) or exit
-    2 and one line (the ``cli`` commands of the console script); with the explicit opt-in
-    (``unsafe=True``) inspect, verify and convert read and copy it without running it. The
-    marker file must never appear."""
+    2 and one line (the ``cli`` commands of the console script). The marker file must
+    never appear. (The explicit opt-in, ``unsafe=True``, is torch's full unpickler: it runs
+    the payload, as :func:`test_the_payloads_are_live_under_the_explicit_opt_in` shows.)"""
     workdir.mkdir(parents=True, exist_ok=True)
     marker = workdir / "marker"
     src = workdir / f"{container}-{name.replace('.', '_')}.pt"
@@ -1053,24 +1059,6 @@ def malicious_trial(
             trial.defects.append(f"{op}: {type(exc).__name__}: {exc}")
         if op == "convert" and out.exists():
             trial.defects.append("convert left an output file behind")
-    opted_in: list[tuple[str, Callable[[], Any]]] = [
-        ("inspect --unsafe", lambda: inspect_file(str(src), unsafe=True).unsafe_globals),
-        ("verify --unsafe", lambda: verify_file(str(src), unsafe=True).ok),
-        (
-            "convert --unsafe",
-            lambda: (
-                inspect_file(
-                    convert_file(str(src), str(out), overwrite=True, unsafe=True).dst, unsafe=True
-                ).unsafe_globals
-            ),
-        ),
-    ]
-    for op, fn in opted_in:
-        res = run_op(fn)
-        trial.note(op, res)
-        trial.verdicts[op] = res.kind
-        if res.kind != "ok" or not res.value:
-            trial.defects.append(f"{op}: {res.kind} {res.value!r} {res.error}")
     for command in cli:
         args = {
             "inspect": ["inspect", str(src)],
@@ -1084,11 +1072,6 @@ def malicious_trial(
             trial.defects.append(f"cli {command}: {ran.defect}")
         elif ran.returncode != 2 or "--unsafe" not in ran.stderr:
             trial.defects.append(f"cli {command}: exit {ran.returncode}, {ran.stderr.strip()!r}")
-    if "inspect" in cli:  # the console script's explicit opt-in reads, never runs
-        ran = run_cli(["inspect", "--unsafe", str(src)])
-        trial.verdicts["cli inspect --unsafe"] = f"exit {ran.returncode}"
-        if ran.defect or ran.returncode != 0 or "unsafe" not in ran.stdout:
-            trial.defects.append(f"cli inspect --unsafe: exit {ran.returncode} {ran.defect}")
     if marker.exists():
         trial.defects.append("THE PAYLOAD RAN: the marker file exists")
     return trial

@@ -21,8 +21,7 @@ _PAYLOADS = sorted(h.malicious_payloads(Path("marker")))
 @pytest.mark.parametrize("payload", _PAYLOADS)
 def test_payloads_are_refused_and_never_run(container: str, payload: str, tmp_path: Path) -> None:
     """os.system, builtins.exec, subprocess.Popen/call and a whole nn.Module, in torch zip
-    and legacy files: load/inspect/diff/convert/verify raise UnsafeCheckpointError; with
-    unsafe=True inspect/verify/convert read and copy the file without running it; one
+    and legacy files: load/inspect/diff/convert/verify raise UnsafeCheckpointError; one
     `ddpstate` command per case exits 2 with one line; the marker file never appears."""
     command = h.MALICIOUS_CLI[_PAYLOADS.index(payload) % len(h.MALICIOUS_CLI)]
     trial = h.malicious_trial(container, payload, tmp_path, cli=(command,))

@@ -15,7 +15,7 @@ from torch import nn
 
 import ddpstate
 from ddpstate import formats
-from ddpstate._streaming.hf_write import parse_size
+from ddpstate._layout.hf_write import parse_size
 from ddpstate.cli import main
 from ddpstate.convert import convert_file, verify_file
 from ddpstate.errors import (

@@ -148,6 +148,21 @@ def test_last_verified_checkpoint_takes_the_newest_whole_file(
         assert lt.last_verified_checkpoint(tmp_path) == str(tmp_path / "epoch=1-step=20.ckpt")
 
 
+def test_last_verified_checkpoint_never_unpickles_the_candidates(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    """A .ckpt holds objects beyond weights-only; choosing one checks its records'
+    CRC-32s and never unpickles it (torch's full unpickler would run the file's code)."""
+    from tests.payloads import RunsCommand
+
+    marker = tmp_path / "marker"
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hook": RunsCommand(marker)}, folder / "a.ckpt")
+    assert lt.last_verified_checkpoint(folder) == str(folder / "a.ckpt")
+    assert not marker.exists()
+
+
 def test_a_missing_lightning_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "ddpstate.integrations.lightning", raising=False)
     monkeypatch.setitem(sys.modules, "lightning.fabric.plugins.io.checkpoint_io", None)

@@ -476,8 +476,7 @@ def test_the_command_reads_what_save_writes(
 
 
 def test_every_everyday_global_resolves_here() -> None:
-    from ddpstate._io.savecheck import allowed_globals
-    from ddpstate._layout.everyday import EVERYDAY_GLOBALS
+    from ddpstate._io.savecheck import EVERYDAY_GLOBALS, allowed_globals
 
     named = {name for g in allowed_globals() if isinstance(g, tuple) for name in [g[1]]}
     moved = {n for n in EVERYDAY_GLOBALS if n.startswith(("pathlib._local.", "numpy.core."))}
