@@ -448,10 +448,12 @@ def _load(
 
     ``mapped``: the local tier is node-local memory, so its files are mapped, not copied.
     """
-    folder, saved_entries = str(source.path), manifest["entries"]
+    opts = writer.config.storage_options
+    # On a URL, a step saved over another lives in the version folder its manifest names.
+    folder = storage.committed_folder(str(source.path), storage_options=opts)
+    saved_entries = manifest["entries"]
     if strict:
         _check_entries(names, saved_entries, folder)
-    opts = writer.config.storage_options
     error: Optional[Exception] = None
     try:
         # Entries in the step's DCP checkpoint load first, on every rank together.
