@@ -525,13 +525,17 @@ class StagedFolder:
         self._remove_superseded()
 
     def _remove_superseded(self) -> None:
-        """After a URL commit: delete the previous commit's files and killed saves' versions."""
+        """After a URL commit: delete the previous commit's files and killed saves' versions.
+
+        Also, once the target is versioned, DCP files beside the versions: an earlier
+        commit in place whose clean-up a crash cut short.
+        """
         opts: dict[str, Any] = {"storage_options": self.storage_options}
         try:
             stale = [
                 join(self.target, n)
-                for n in listdir(self.target, **opts)
-                if versions.is_version_name(n) and n != self.version
+                for n in listdir(self.target, include_temp=True, **opts)
+                if n != self.version and versions.is_stale_name(n, self.version is not None)
             ]
             for path in dict.fromkeys((*self.superseded, *stale)):
                 remove(path, recursive=True, missing_ok=True, **opts)

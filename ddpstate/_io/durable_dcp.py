@@ -542,10 +542,15 @@ class DurableWriter(FileSystemWriter):
             raise CheckpointWriteError(
                 f"{self.target}: DurableWriter.finish ran on a rank that did not plan the save"
             )
-        super().finish(metadata, plain)  # torch writes .metadata: torch's own objects only
-        files[METADATA_NAME] = fs.whole[METADATA_NAME + ".tmp"]
+        try:
+            super().finish(metadata, plain)  # torch writes .metadata: torch's own objects only
+            files[METADATA_NAME] = fs.whole[METADATA_NAME + ".tmp"]
+            manifest = _manifest.manifest_for(None, {}, len(results), None, files, FOLDER_FORMAT)
+            staged.commit(manifest)
+        except BaseException as exc:  # plain dcp.save never calls discard(): clean up here
+            staged.discard(exc)
+            raise
         self.files = files
-        staged.commit(_manifest.manifest_for(None, {}, len(results), None, files, FOLDER_FORMAT))
         if staged.path == self.target and self.remote:  # a killed save's shards, in place
             for name in storage.listdir(self.target, **self._opts()):
                 if name.endswith(SHARD_SUFFIX) and name not in files:

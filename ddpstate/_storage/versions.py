@@ -23,11 +23,13 @@ from ddpstate._storage.remote import (
     protocol_of,
     publish_method,
 )
+from ddpstate._storage.temps import is_temp_name
 from ddpstate.errors import CheckpointWriteError
 
 __all__ = [
     "VERSION_FIELD",
     "identity",
+    "is_stale_name",
     "is_version_name",
     "moved_error",
     "new_version",
@@ -63,6 +65,29 @@ def is_version_name(name: str) -> bool:
         (True, False)
     """
     return bool(_VERSION_RE.match(name))
+
+
+def is_stale_name(name: str, versioned: bool) -> bool:
+    """Tell whether an entry beside a just-committed checkpoint is a dead save's leftover.
+
+    Args:
+        name: An entry of the target folder.
+        versioned: The commit is a version folder, so nothing lies beside it but the
+            pointer: DCP's files and temporary files there are left by an earlier save.
+
+    Returns:
+        True for other version folders, and with ``versioned`` for ``.metadata``,
+        ``*.distcp`` and ddpstate's temporary names.
+
+    Example:
+        >>> from ddpstate._storage.versions import is_stale_name
+        >>> is_stale_name("v-0123456789abcdef", False), is_stale_name(".metadata", True)
+        (True, True)
+    """
+    if is_version_name(name):
+        return True
+    dcp_file = name.startswith(".metadata") or name.endswith(".distcp")
+    return versioned and (dcp_file or is_temp_name(name))
 
 
 def pointer_bytes(version: str) -> bytes:

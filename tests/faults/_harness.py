@@ -557,6 +557,53 @@ def _install_kill_hooks(kill_at: int, when: str, counts: Counter[str]) -> None:
         setattr(os, name, hook)
 
 
+#: S3 API calls that change the bucket, counted (and killed at) by :func:`install_s3_kill_hooks`:
+#: every PUT (whole or in parts), copy (fsspec's ``mv``) and delete.
+S3_MUTATIONS = frozenset(
+    {
+        "put_object",
+        "create_multipart_upload",
+        "upload_part",
+        "upload_part_copy",
+        "complete_multipart_upload",
+        "abort_multipart_upload",
+        "copy_object",
+        "delete_object",
+        "delete_objects",
+    }
+)
+
+
+def install_s3_kill_hooks(kill_at: int, when: str, counts: Counter[str]) -> None:
+    """Make this (child) process SIGKILL itself at the ``kill_at``-th bucket-changing S3 call.
+
+    Every fsspec operation on S3 (``pipe``, ``put``, ``open(...).commit()``, ``mv``,
+    ``rm``) goes through ``S3FileSystem._call_s3``; ``when`` is ``"before"`` (the
+    request is never sent) or ``"after"`` (the server has answered).
+    """
+    import s3fs
+
+    real = s3fs.S3FileSystem._call_s3
+    total = [0]
+
+    async def hook(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method not in S3_MUTATIONS:
+            return await real(self, method, *args, **kwargs)
+        total[0] += 1
+        n = total[0]
+        counts[method] += 1
+        if n == kill_at and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = await real(self, method, *args, **kwargs)
+        if n == kill_at and when == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    s3fs.S3FileSystem._call_s3 = hook
+    # Uploads through open() call the sync mirror, which s3fs binds to the original.
+    s3fs.S3FileSystem.call_s3 = fsspec.asyn.sync_wrapper(hook)
+
+
 def _crash_paths(kind: str, folder: Path) -> Path:
     if kind == "save_safetensors":
         return folder / "model.safetensors"
