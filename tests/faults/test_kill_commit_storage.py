@@ -41,6 +41,8 @@ from tests.s3server import S3Server, s3_server  # noqa: F401 - the fixture
 KINDS = ("save_folder", "durable_dcp")
 #: What the campaign found, by (kind, where): kill points tried and checkpoints lost.
 TALLY: dict[tuple[str, str], Counter[str]] = {}
+#: On S3 the old checkpoint was committed in place (the first save there) or as a version.
+OVER = ("in place", "version")
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -179,20 +181,29 @@ def _fresh_target(base: str, n: int, opts: Optional[dict[str, Any]]) -> str:
     return f"{base}/t{n}/ckpt"
 
 
-def _campaign(kind: str, base: str, opts: Optional[dict[str, Any]]) -> Counter[str]:
+def _committed_old(kind: str, target: str, opts: Optional[dict[str, Any]], over: str) -> None:
+    """Commit the old checkpoint (seed 1) at ``target``: saved in place on an empty target,
+    or (``over="version"``) over another one, so that on S3 it is a version folder."""
+    for seed in (9, 1) if over == "version" else (1,):
+        done = _in_child(lambda seed=seed: _write(kind, target, seed, opts))  # type: ignore[misc]
+        assert done[0] == "ok", done
+
+
+def _campaign(
+    kind: str, base: str, opts: Optional[dict[str, Any]], over: str = "in place"
+) -> Counter[str]:
     """Every kill point of one kind of save at one place; returns the tally."""
     tally: Counter[str] = Counter()
     problems: list[str] = []
     # How many steps the save over a committed checkpoint takes, uninterrupted.
     target = _fresh_target(base, 0, opts)
-    assert _in_child(lambda: _write(kind, target, 1, opts))[0] == "ok"
+    _committed_old(kind, target, opts, over)
     verdict, steps = _killed_save(kind, target, opts, 0, "")
     assert verdict == "ok" and steps > 0, (verdict, steps)
     points = [(k, "before") for k in range(1, steps + 1)] + [(steps, "after")]
     for n, (k, when) in enumerate(points, start=1):
         target = _fresh_target(base, n, opts)
-        done = _in_child(lambda target=target: _write(kind, target, 1, opts))  # type: ignore[misc]
-        assert done[0] == "ok", done
+        _committed_old(kind, target, opts, over)
         outcome, _ = _killed_save(kind, target, opts, k, when)
         tally["kill points tried"] += 1
         tally["killed"] += outcome == "killed"
@@ -209,8 +220,9 @@ def _campaign(kind: str, base: str, opts: Optional[dict[str, Any]]) -> Counter[s
             problems.append(
                 f"killed {when} step {k}/{steps}: the next save gave {nxt}, left {left}"
             )
-    TALLY[(kind, "local" if opts is None else "s3")] = tally
-    print(f"{kind} at {'local' if opts is None else 's3'}: {dict(tally)}")
+    where = "local" if opts is None else f"s3, over a checkpoint committed {over}"
+    TALLY[(kind, where)] = tally
+    print(f"{kind} at {where}: {dict(tally)}")
     assert not problems, problems
     assert tally["killed"] >= steps  # every "before" kill landed
     return tally
@@ -224,13 +236,15 @@ def test_a_kill_at_every_step_of_a_local_commit_loses_nothing(kind: str, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("over", OVER)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_kill_at_every_step_of_an_s3_commit_loses_nothing(
     kind: str,
+    over: str,
     s3_server: S3Server,  # noqa: F811
 ) -> None:
     base = f"s3://{s3_server.new_bucket()}/run"
-    tally = _campaign(kind, base, s3_server.storage_options)
+    tally = _campaign(kind, base, s3_server.storage_options, over)
     assert tally["checkpoints lost"] == 0 and tally["restored old"] and tally["restored new"]
 
 
