@@ -263,3 +263,37 @@ def test_a_protocol_without_a_known_atomic_publish_is_refused_until_trusted(
         root = url.split("://", 1)[1].split("/", 1)[0]
         if fs.exists(root):
             fs.rm(root, recursive=True)
+
+
+def test_a_manager_step_resaved_on_s3_stays_committed_until_the_new_copy_is(
+    s3_server: S3Server,  # noqa: F811
+) -> None:
+    from ddpstate.manager import CheckpointManager, verify_checkpoint
+
+    opts = s3_server.storage_options
+    run = f"s3://{s3_server.new_bucket()}/run"
+    first = {"weights": {"w": torch.randn(64)}, "epoch": 1}
+    with CheckpointManager(run, storage_options=opts) as manager:
+        manager.save(1, first)
+        step = manager.checkpoint_path(1)
+        # Re-saving the step fails midway (a value that cannot be written): the step
+        # committed before must still be there, whole.
+        with pytest.raises(CheckpointWriteError, match="refuses to be pickled"):
+            manager.save(1, {"weights": {"w": torch.randn(64)}, "epoch": ExplodesWhenPickled()})
+        state: dict[str, Any] = {"weights": None, "epoch": None}
+        assert manager.restore(state) == 1
+        assert torch.equal(state["weights"]["w"], first["weights"]["w"]) and state["epoch"] == 1
+        second = {"weights": {"w": torch.randn(64)}, "epoch": 2}
+        manager.save(1, second)
+    # The new copy lives in a version folder the step's manifest points to; the old one is gone.
+    committed = storage.committed_folder(step, storage_options=opts)
+    assert committed.startswith(f"{step}/v-")
+    assert storage.listdir(step, storage_options=opts) == [
+        "manifest.json",
+        committed[len(step) + 1 :],
+    ]
+    assert verify_checkpoint(step, storage_options=opts).ok
+    with CheckpointManager(run, storage_options=opts) as manager:
+        state = {"weights": None, "epoch": None}
+        assert manager.restore(state) == 1
+        assert torch.equal(state["weights"]["w"], second["weights"]["w"]) and state["epoch"] == 2
