@@ -16,6 +16,7 @@ import os
 import posixpath
 import shutil
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import IO, Any, Optional
 
@@ -467,7 +468,9 @@ class StagedFolder:
         self.expected = expected
         self.superseded = superseded
         self.committed = False
-        self._lock_fd = lock_fd
+        # A staging folder dropped without commit or discard (a save whose other rank
+        # failed) must not stay locked, which would keep later saves from deleting it.
+        self._unlock = None if lock_fd is None else weakref.finalize(self, os.close, lock_fd)
 
     def commit(self, manifest: Optional[bytes] = None) -> None:
         """Write ``manifest`` (if any) last as ``manifest_name``, then put the folder in place.
@@ -547,9 +550,8 @@ class StagedFolder:
             )
 
     def _release(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._unlock is not None:
+            self._unlock()  # closes the fd once, dropping the lock
 
     def discard(self, exc: Optional[BaseException] = None) -> None:
         """Delete the uncommitted folder; a failure to do so becomes a note on ``exc``.
@@ -584,6 +586,9 @@ def _commit_lock(parent: str) -> Iterator[None]:
 
     Saves to other targets in the same folder wait only for that moment.
     """
+    if os.name == "nt":  # Windows cannot open a folder: the check and swap go unlocked
+        yield
+        return
     fd = os.open(parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         flock(fd, wait=True)
