@@ -8,6 +8,12 @@ the calls inside it; a ``with`` block, not a decorator, whose frame would shift
 the stacklevel of the warnings raised inside), and which of that call's rounds
 it is. Ranks whose identities differ at the same call number are in different
 calls: :func:`mismatch_error` names what each called, in the user's words.
+
+The call also owns the deadline: its rounds share one timeout (:func:`wait_left`,
+:func:`waited`), so a call of several rounds (restore: verify, share the outcome,
+broadcast the choice) names a missing rank within its timeout, not within one
+timeout per round. Only time spent waiting for other ranks counts; a rank's own
+work between rounds (reading gigabytes) does not.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class _Call:
 
     text: str
     rounds: int = 0
+    waited: float = 0.0  # seconds this rank's rounds of the call have waited for the others
 
 
 # A contextvar, not a global: each thread (a test's thread-ranks, a background writer)
@@ -58,6 +65,29 @@ def calling(text: str) -> Iterator[None]:
         yield
     finally:
         _CALL.reset(token)
+
+
+def wait_left(seconds: float) -> float:
+    """How long a round of the current call may still wait: ``seconds`` less what it waited.
+
+    Outside a named call each round has the whole ``seconds``.
+
+    Example:
+        >>> from ddpstate._calls import calling, wait_left, waited
+        >>> with calling("ddpstate.barrier()"):
+        ...     waited(4.0)
+        ...     wait_left(10.0)
+        6.0
+    """
+    call = _CALL.get()
+    return seconds if call is None else max(0.0, seconds - call.waited)
+
+
+def waited(seconds: float) -> None:
+    """Count ``seconds`` one round spent waiting against the current call's timeout."""
+    call = _CALL.get()
+    if call is not None:
+        call.waited += seconds
 
 
 def restore_call(step: object) -> str:

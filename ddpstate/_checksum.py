@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ddpstate import _crc, storage
+from ddpstate import _crc, _fs, storage
 from ddpstate.errors import CheckpointNotFoundError, DDPStateError
 
 __all__ = [
@@ -248,7 +248,9 @@ def check_share(
     found: list[Finding] = []
     for filename, start, stop in pieces:
         try:
-            read = read_piece(storage.join(folder, filename), filename, start, stop, opts)
+            # A name the manifest gives is a claim: a symlink out or a FIFO is never opened.
+            path = _fs.confined_file(folder, filename, checkpoint=folder, entry="its manifest")
+            read = read_piece(path, filename, start, stop, opts)
         except Exception as exc:
             read = PieceRead(start, 0, 0, f"{filename} cannot be checked ({error_text(exc)})")
         found.append((filename, read))

@@ -310,6 +310,8 @@ class _Round:
     ) -> None:
         self.group, self.name, self.seconds = group, name, seconds
         self.start = time.monotonic()
+        # The public call's timeout is shared by its rounds: this one waits only for what is left.
+        self.left = _calls.wait_left(seconds)
         self.call = group.next_call()
         self.identity = (identity or _calls.identity(name, kind)).encode()
         self.log: Optional[dict[int, tuple[bytes, bytes]]] = None  # read once, when complete
@@ -393,7 +395,14 @@ class _Round:
         ``missing()`` names the ranks being waited for; it runs only when warning or
         timing out, never on the happy path.
         """
-        group, deadline, warn_every = self.group, self.start + self.seconds, warn_after()
+        entered = time.monotonic()
+        try:
+            return self._wait(key, missing)
+        finally:
+            _calls.waited(time.monotonic() - entered)
+
+    def _wait(self, key: str, missing: Callable[[], list[int]]) -> bytes:
+        group, deadline, warn_every = self.group, self.start + self.left, warn_after()
         while True:
             until = min(deadline, self.start + warn_every)
             try:

@@ -233,6 +233,10 @@ class StepFolders:
                 storage_options=self.storage_options,
                 missing_ok=True,
             )
+            if not _fs.is_remote(folder) and os.path.isdir(_fs.local_path(folder)):
+                # The unlink must be durable before anything relies on the step being
+                # gone: a rollback's newer steps would otherwise come back after a crash.
+                storage.fsync_dir(_fs.local_path(folder))
             if folder_too:
                 storage.remove(
                     folder, storage_options=self.storage_options, recursive=True, missing_ok=True
@@ -490,7 +494,8 @@ def deferred_problems(
         problems.append(f"{inner} is missing (the shards' checksums)")
     for name, entry in later.items():
         try:
-            with storage.open_read(storage.join(folder, name), storage_options=opts) as f:
+            path = _fs.confined_file(folder, name, checkpoint=folder, entry=f"its {MANIFEST_NAME}")
+            with storage.open_read(path, storage_options=opts) as f:
                 size = f.seek(0, os.SEEK_END)
         except CheckpointNotFoundError:
             problems.append(f"{name} is missing")

@@ -149,9 +149,9 @@ class CheckpointManager:
             safetensors, the other entries as torch.save files).
         storage_options: fsspec options for URLs.
         handle_signals: Install the SIGTERM/SIGUSR1 handler (main thread only).
-        timeout: Seconds (or ``timedelta``) a rank waits for the others in each
-            collective; default ``DDPSTATE_TIMEOUT`` or 1800 s. Non-writing ranks
-            wait this long for a synchronous write, too.
+        timeout: Seconds (or ``timedelta``) a rank waits for the others in each call
+            (its rounds share it); default ``DDPSTATE_TIMEOUT`` or 1800 s. Non-writing
+            ranks wait this long for a synchronous write, too.
         safe_globals: Your own data-only types (an ``Enum``, a dataclass...) that
             plain values may hold. ``save`` refuses, before writing, any value
             that ``weights_only`` loading could not restore, naming its path;

@@ -10,6 +10,7 @@ one ``.pt``/``.safetensors`` file, or writes a file's state as a DCP folder.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import os
 import warnings
@@ -187,29 +188,10 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
         metadata = _dcp_read.read_metadata(path, name=path, storage_options=storage_options)
     except CheckpointCorruptError as exc:
         return VerifyResult(path=path, format=formats.DCP, problems=(str(exc),))
-    problems: list[str] = []
     notes: list[str] = []
     sizes = _file_sizes(path, storage_options)
-    needed: dict[str, int] = {}
-    first_item: dict[str, str] = {}
-    stored: set[str] = set()
-    for index, info in (metadata.storage_data or {}).items():
-        name = str(info.relative_path)
-        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-        first_item.setdefault(name, index.fqn)
-        stored.add(index.fqn)
-    for name, end in sorted(needed.items()):
-        size = sizes.get(name)
-        if size is None:
-            problems.append(
-                f"{storage.join(path, name)}: missing (.metadata places {first_item[name]!r} "
-                f"and maybe more there)"
-            )
-        elif size < end:
-            problems.append(
-                f"{storage.join(path, name)}: {size} bytes, but .metadata places data up to "
-                f"byte {end}; the file is truncated"
-            )
+    problems, placed = _item_problems(path, metadata, sizes, storage_options)
+    stored = {index.fqn for index in (metadata.storage_data or {})}
     unplaced = [fqn for fqn in metadata.state_dict_metadata if fqn not in stored]
     if unplaced:
         problems.append(
@@ -229,7 +211,7 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
         notes.append(f"{found.files} file(s) checked against {MANIFEST_NAME} (sizes and CRC-32)")
     else:
         notes.append(
-            f"{len(needed)} data file(s) present and long enough; DCP records no checksums, "
+            f"{placed} data file(s) present and long enough; DCP records no checksums, "
             f"so their bytes were not checked"
         )
     return VerifyResult(
@@ -240,6 +222,85 @@ def verify_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) -
         bytes_read=read,
         notes=tuple(notes),
     )
+
+
+def _chunk_bytes(metadata: Any, fqn: str) -> dict[tuple[int, ...], int]:
+    """A tensor's chunks (by offsets) -> their data bytes; empty for a non-tensor value."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entry = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(entry, TensorStorageMetadata):
+        return {}
+    itemsize = int(entry.properties.dtype.itemsize)
+    return {tuple(c.offsets): math.prod(int(n) for n in c.sizes) * itemsize for c in entry.chunks}
+
+
+def _item_problems(
+    path: str, metadata: Any, sizes: Mapping[str, int], storage_options: Optional[dict[str, Any]]
+) -> tuple[list[str], int]:
+    """Each item's file, offset and length against the folder, the files and the item's size.
+
+    Returns the problems and the number of data files the items use. A file
+    outside the folder (or a FIFO, a device) is named and never opened; an
+    offset or length that is not a byte count, a range past the file's end or
+    shorter than the item's tensor data, and two items sharing bytes are damage.
+    """
+    problems: list[str] = []
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    refused: set[str] = set()
+    chunks: dict[str, dict[tuple[int, ...], int]] = {}  # built once per tensor: many items each
+    for index, info in (metadata.storage_data or {}).items():
+        name, fqn = info.relative_path, index.fqn
+        key = name if isinstance(name, str) else repr(name)
+        if key in refused:
+            continue
+        if key not in ranges:
+            try:
+                _fs.confined_file(path, name, checkpoint=path, entry=f".metadata item {fqn!r}")
+            except CheckpointCorruptError as exc:
+                problems.append(str(exc))
+                refused.add(key)
+                continue
+        offset, length = info.offset, info.length
+        where = storage.join(path, key)
+        if not isinstance(offset, int) or not isinstance(length, int) or min(offset, length) < 0:
+            problems.append(
+                f"{where}: .metadata places item {fqn!r} at offset {offset!r}, length "
+                f"{length!r}, which are not byte counts; the metadata is damaged"
+            )
+            continue
+        if fqn not in chunks:
+            chunks[fqn] = _chunk_bytes(metadata, fqn)
+        # A transformed (compressed) record may hold fewer bytes than its data: no bound then.
+        transformed = bool(getattr(info, "transform_descriptors", None))
+        least = 0 if transformed else chunks[fqn].get(tuple(index.offset or ()), 0)
+        if length < least:
+            problems.append(
+                f"{where}: .metadata gives item {fqn!r} {length} bytes, fewer than its "
+                f"{least} bytes of tensor data; the metadata is damaged"
+            )
+        ranges.setdefault(key, []).append((offset, length, fqn))
+    for name, items in sorted(ranges.items()):
+        items.sort()
+        size, end = sizes.get(name), max(o + n for o, n, _ in items)
+        if size is None:
+            problems.append(
+                f"{storage.join(path, name)}: missing (.metadata places {items[0][2]!r} "
+                f"and maybe more there)"
+            )
+        elif size < end:
+            problems.append(
+                f"{storage.join(path, name)}: {size} bytes, but .metadata places data up to "
+                f"byte {end}; the file is truncated"
+            )
+        for (o1, n1, a), (o2, _, b) in itertools.pairwise(items):
+            if o2 < o1 + n1:
+                problems.append(
+                    f"{storage.join(path, name)}: .metadata places items {a!r} and {b!r} on "
+                    f"the same bytes ({o2}..{o1 + n1}); each item has bytes of its own, so "
+                    f"the metadata is damaged"
+                )
+    return problems, len(ranges)
 
 
 # --------------------------------------------------------------------------- convert

@@ -55,6 +55,7 @@ from torch.futures import Future
 from ddpstate import _fs, _manifest, storage
 from ddpstate._checksum import checksum_hex
 from ddpstate._crc import crc32, crc32_alongside, crc32_combine, crc32_of_pieces
+from ddpstate._io.dcp_items import check_item_files, fsspec_dcp
 from ddpstate._manifest import FOLDER_FORMAT, MANIFEST_NAME, METADATA_NAME, SHARD_SUFFIX
 from ddpstate.dist import get_rank, is_distributed
 from ddpstate.errors import (
@@ -64,11 +65,6 @@ from ddpstate.errors import (
     CheckpointWriteError,
     InvalidArgumentError,
 )
-
-try:  # the public module (newer torch); torch 2.13 has only the private one
-    from torch.distributed.checkpoint import fsspec_filesystem as fsspec_dcp  # type: ignore[attr-defined,unused-ignore]
-except ImportError:
-    from torch.distributed.checkpoint import _fsspec_filesystem as fsspec_dcp
 
 __all__ = ["DurableWriter", "VerifiedReader"]
 
@@ -97,19 +93,6 @@ class _Staging:
 
 def _rank() -> int:
     return get_rank() if is_distributed() else 0
-
-
-def fsspec_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
-    """torch's own ``FsspecReader`` for a DCP folder at an fsspec URL (no checks of its own).
-
-    Args:
-        path: The folder's URL.
-        storage_options: fsspec options.
-
-    Returns:
-        A ``torch.distributed.checkpoint`` storage reader.
-    """
-    return fsspec_dcp.FsspecReader(path, **(storage_options or {}))
 
 
 def _file_system(path: str, storage_options: Optional[dict[str, Any]]) -> FileSystemBase:
@@ -647,6 +630,7 @@ class VerifiedReader(FileSystemReader):
     def set_up_storage_reader(
         self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        check_item_files(os.fspath(self.path), metadata, listed=self.checked.chunks)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.checked.rank = self.rank
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import os
 import pickle
 import pickletools
 import struct
@@ -16,7 +15,7 @@ from typing import IO, Any, Optional, Union
 
 import torch
 
-from ddpstate import _fs, storage
+from ddpstate import storage
 from ddpstate._io.savecheck import loading_allowed
 from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.errors import (
@@ -554,7 +553,8 @@ def dcp_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
 
     A folder with a ddpstate manifest (``DurableWriter``, ``ddpstate.save``) is read
     through ``ddpstate.dcp.VerifiedReader``, every byte range checked as it is read;
-    a plain DCP folder through torch's own reader (``FsspecReader`` for a URL).
+    a plain DCP folder through torch's own reader (``FsspecReader`` for a URL); either
+    refuses an item whose file lies outside the folder before reading (``check_item_files``).
 
     Args:
         path: The folder (local path or fsspec URL).
@@ -563,12 +563,8 @@ def dcp_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
     Returns:
         A ``torch.distributed.checkpoint`` storage reader.
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    from ddpstate._io import durable_dcp  # imports DCP (seconds): DCP reads only
+    from ddpstate._io import dcp_items, durable_dcp  # import DCP (seconds): DCP reads only
 
     if storage.exists(storage.join(path, MANIFEST_NAME), storage_options=storage_options):
         return durable_dcp.VerifiedReader(path, storage_options=storage_options)
-    if _fs.is_remote(os.fspath(path)):
-        return durable_dcp.fsspec_reader(path, storage_options)
-    return FileSystemReader(_fs.local_path(path))
+    return dcp_items.plain_reader(path, storage_options)

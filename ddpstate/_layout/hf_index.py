@@ -48,14 +48,21 @@ class ShardIndex:
     keys_of: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     def shard_path(self, shard: str) -> str:
-        """The full path or URL of one shard."""
-        return storage.join(self.folder, shard)
+        """The full path or URL of one shard, checked to be a regular file in the folder.
+
+        Raises:
+            CheckpointCorruptError: A symlink leading out of the folder, a FIFO
+                or a device stands where the shard should be (:func:`ddpstate._fs.confined_file`).
+        """
+        return _fs.confined_file(
+            self.folder, shard, checkpoint=self.path, entry=f"the index's shard {shard!r}"
+        )
 
     def missing(self, shard: str) -> CheckpointNotFoundError:
         """The error for a shard the index names that is not there."""
         return CheckpointNotFoundError(
-            f"{self.shard_path(shard)}: shard named by {self.path} is missing; download every "
-            f"shard the index lists ({len(self.shards)} in all)"
+            f"{storage.join(self.folder, shard)}: shard named by {self.path} is missing; "
+            f"download every shard the index lists ({len(self.shards)} in all)"
         )
 
 
@@ -126,10 +133,12 @@ def _bad_index(path: str, detail: str) -> CheckpointCorruptError:
 def _check_shard_name(index: str, key: str, shard: Any) -> str:
     if not isinstance(shard, str) or not shard:
         raise _bad_index(index, f"weight_map[{key!r}] is {shard!r}, not a file name")
-    parts = shard.replace("\\", "/").split("/")
     # The names come from a downloaded file: never let one reach outside the folder.
-    if shard.startswith(("/", "\\")) or ".." in parts or ":" in shard:
-        raise _bad_index(index, f"weight_map[{key!r}] names {shard!r}, outside the index's folder")
+    why = _fs.name_problem(shard)
+    if why is not None:
+        raise _bad_index(
+            index, f"weight_map[{key!r}] names {shard!r}, outside the index's folder: it {why}"
+        )
     return shard
 
 

@@ -135,27 +135,27 @@ def state_dicts(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str,
     return out
 
 
-def restore_entries(
-    state: MutableMapping[str, Any],
+def stage_entries(
+    state: Mapping[str, Any],
     kinds: Mapping[str, str],
     step_folder: str,
     ignore_mismatched: bool,
     storage_options: Optional[dict[str, Any]] = None,
-) -> None:
-    """Load a step's DCP entries ``kinds`` into the live objects; resharded as needed.
+) -> dict[str, Any]:
+    """Read a step's DCP entries ``kinds`` into CPU copies of the live state dicts.
 
     A collective where a process group exists (DCP's reader): the live objects'
     own layout (sharded or not, any world size) decides what each rank reads.
+    The live objects are not written: a shard found damaged halfway leaves them
+    as they were, and :func:`apply_entries` loads the copies once every entry
+    of the step has read and verified. The copies cost this rank's share of the
+    entries in host memory (what an async save's snapshot holds), none on a GPU.
 
     Raises:
         InvalidArgumentError: ``ignore_mismatched`` was asked for (DCP entries must
             fit), or a live entry is not the kind of object that was saved.
+        CheckpointCorruptError: A shard failed its check as it was read.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     where = storage.join(step_folder, DCP_SUBDIR)
     if ignore_mismatched:
         raise InvalidArgumentError(
@@ -177,20 +177,34 @@ def restore_entries(
                 f"torch.distributed.checkpoint, keyed by its model's parameter names; put its "
                 f"model in the state passed to restore"
             )
-    targets = state_dicts(state, kinds)
+    # With cpu_offload=False the state dicts hold the live tensors themselves (DCP would
+    # read into the model): the copies keep their layout (a DTensor stays a DTensor).
+    staged: dict[str, Any] = snapshot(state_dicts(state, kinds))
     from torch.distributed.checkpoint.state_dict_loader import load
 
     # A step DurableWriter wrote is checked range by range as it loads (VerifiedReader;
     # restore only stat'ed its shards); an older step's shards were CRC'd before this.
     with _torch_io.dcp_read_errors(where, advice="restore another step"):
-        load(targets, storage_reader=_torch_io.dcp_reader(where, storage_options))
+        load(staged, storage_reader=_torch_io.dcp_reader(where, storage_options))
+    return staged
+
+
+def apply_entries(
+    state: MutableMapping[str, Any], kinds: Mapping[str, str], staged: Mapping[str, Any]
+) -> None:
+    """Load the copies :func:`stage_entries` read into the live models and optimizers."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     models = _models(state)
     for name, kind in kinds.items():
         if kind == KIND_MODULE:
-            set_model_state_dict(state[name], targets[name], options=_options())
+            set_model_state_dict(state[name], staged[name], options=_options())
         else:
             owner = models[str(_owner(state[name], models))]
-            set_optimizer_state_dict(owner, state[name], targets[name], options=_options())
+            set_optimizer_state_dict(owner, state[name], staged[name], options=_options())
 
 
 # ------------------------------------------------------------------------- CheckpointManager

@@ -229,11 +229,17 @@ def _prepare(
     return value
 
 
-def restore_rng(rng: Any, manifest: dict[str, Any]) -> None:
-    """Restore this rank's RNG states from a step's ``_rng.pt`` (see ``restore``'s docstring)."""
+def _rng_states(rng: Any, manifest: dict[str, Any]) -> list[Any]:
+    """Every saving rank's RNG states from a step's ``_rng.pt``; refused when there are none."""
     states = rng.get("ranks") if isinstance(rng, dict) else None
     if not isinstance(states, list) or not states:
         raise CheckpointCorruptError(f"{RNG_FILE} of step {manifest.get('step')} has no RNG states")
+    return states
+
+
+def restore_rng(rng: Any, manifest: dict[str, Any]) -> None:
+    """Restore this rank's RNG states from a step's ``_rng.pt`` (see ``restore``'s docstring)."""
+    states = _rng_states(rng, manifest)
     saved_world, rank, world = len(states), get_rank(), get_world_size()
     if saved_world == world:
         restore_rng_state(states[rank])
@@ -396,7 +402,7 @@ def restore(
             if found is None:
                 choice = _choose_durable(writer, step, below)
                 if choice is None:
-                    if failed is not None:  # the state is no longer untouched
+                    if failed is not None:  # nothing older verifies: the state is untouched
                         raise failed
                     return RestoreSource(None, "none")
                 folder = writer.checkpoint_path(choice.step)
@@ -431,6 +437,20 @@ def restore(
             return source
 
 
+#: Said by a failed restore when nothing had been loaded into the live objects yet.
+UNTOUCHED = "the live state is as it was before restore (nothing was loaded into it)"
+
+
+def _untouched(error: Exception) -> Exception:
+    """``error`` saying the live state is as it was (a ddpstate error; others get a note)."""
+    if isinstance(error, DDPStateError):
+        return with_message(error, f"{error}; {UNTOUCHED}")
+    note = getattr(error, "add_note", None)
+    if note is not None:
+        note(UNTOUCHED)
+    return error
+
+
 def _load(
     writer: StepWriter,
     state: MutableMapping[str, Any],
@@ -446,52 +466,96 @@ def _load(
 ) -> None:
     """Every rank: load ``source``'s entries and RNG states; any rank's failure is raised on all.
 
+    Two phases, so damage found anywhere leaves every rank's live state as it was:
+    every rank reads and checks the whole step first (DCP shards into CPU copies,
+    files into memory, refusals such as a dtype change) and the ranks agree it
+    succeeded; only then is it loaded into the live objects.
     ``mapped``: the local tier is node-local memory, so its files are mapped, not copied.
     """
-    opts = writer.config.storage_options
     # On a URL, a step saved over another lives in the version folder its manifest names.
+    opts = writer.config.storage_options
     folder = storage.committed_folder(str(source.path), storage_options=opts)
     saved_entries = manifest["entries"]
-    if strict:
-        _check_entries(names, saved_entries, folder)
+    timeout = writer.config.timeout
     error: Optional[Exception] = None
+    staged: Optional[_Staged] = None
     try:
-        # Entries in the step's DCP checkpoint load first, on every rank together.
-        dcp_kinds = {
-            n: saved_entries[n]["kind"]
-            for n in state
-            if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
-        }
-        if dcp_kinds:
-            _dcp.restore_entries(state, dcp_kinds, folder, ignore_mismatched, opts)
-        files = {
-            name: storage.join(folder, saved_entries[name]["file"])
-            for name in state
-            if name in saved_entries and name not in dcp_kinds
-        }
-        # No mmap on the durable tier: a later rotation deletes these files, and on
-        # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
-        # A local file unlinked on this node keeps its pages while mapped.
-        load = functools.partial(checkpoint.load, barrier=False, storage_options=opts)
-        safe = writer.config.safe_globals
-        loaded = {
-            name: load(path, map_location=map_location, mmap=mapped, safe_globals=safe)
-            for name, path in files.items()
-        }
-        rng_file = storage.join(folder, str(manifest.get("rng_file", RNG_FILE)))
-        rng = load(rng_file, map_location="cpu", mmap=False)
+        if strict:
+            _check_entries(names, saved_entries, folder)
         policy: model_state.DTypePolicy = "allow" if allow_dtype_change else "refuse"
-        # Everything that can refuse runs before anything is loaded, so a refusal leaves
-        # every model and optimizer as it was: model keys adapted and dtypes checked,
-        # optimizer state mapped by name onto the live layout (_manager/optim_state.py).
-        ready = {
-            name: _prepare(name, value, state, files[name], policy)
-            for name, value in loaded.items()
-        }
-        _load_ready(state, ready, files, ignore_mismatched, policy)
-        restore_rng(rng, manifest)
+        staged = _stage(
+            writer, state, folder, manifest, map_location, ignore_mismatched, policy, mapped
+        )
+    except Exception as exc:
+        error = _untouched(exc)
+        if not is_distributed():
+            if error is exc:
+                raise
+            raise error from exc
+    share_restore_outcome(source.step, error, timeout)
+    assert staged is not None  # every rank staged (an error was raised on all above)
+    try:
+        if staged.dcp_kinds:
+            _dcp.apply_entries(state, staged.dcp_kinds, staged.dcp)
+        _load_ready(state, staged.ready, staged.files, ignore_mismatched, staged.policy)
+        restore_rng(staged.rng, manifest)
     except Exception as exc:
         if not is_distributed():
             raise
         error = exc
-    share_restore_outcome(source.step, error, writer.config.timeout)
+    share_restore_outcome(source.step, error, timeout)
+
+
+class _Staged(NamedTuple):
+    """A step read and checked on this rank, not yet loaded into the live objects."""
+
+    dcp_kinds: dict[str, str]
+    dcp: dict[str, Any]
+    ready: dict[str, Any]
+    files: dict[str, str]
+    rng: Any
+    policy: model_state.DTypePolicy
+
+
+def _stage(
+    writer: StepWriter,
+    state: MutableMapping[str, Any],
+    folder: str,
+    manifest: dict[str, Any],
+    map_location: Any,
+    ignore_mismatched: bool,
+    policy: model_state.DTypePolicy,
+    mapped: bool,
+) -> _Staged:
+    """Read every entry and the RNG states of the step in ``folder``; refuse, never load."""
+    saved_entries, opts = manifest["entries"], writer.config.storage_options
+    # DCP entries read on every rank together (a collective), into copies.
+    dcp_kinds = {
+        n: saved_entries[n]["kind"]
+        for n in state
+        if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
+    }
+    dcp = _dcp.stage_entries(state, dcp_kinds, folder, ignore_mismatched, opts) if dcp_kinds else {}
+    files = {
+        name: storage.join(folder, saved_entries[name]["file"])
+        for name in state
+        if name in saved_entries and name not in dcp_kinds
+    }
+    # No mmap on the durable tier: a later rotation deletes these files, and on
+    # a shared filesystem another node's mapped pages could then vanish (SIGBUS).
+    # A local file unlinked on this node keeps its pages while mapped.
+    load = functools.partial(checkpoint.load, barrier=False, storage_options=opts)
+    safe = writer.config.safe_globals
+    loaded = {
+        name: load(path, map_location=map_location, mmap=mapped, safe_globals=safe)
+        for name, path in files.items()
+    }
+    rng_file = storage.join(folder, str(manifest.get("rng_file", RNG_FILE)))
+    rng = load(rng_file, map_location="cpu", mmap=False)
+    _rng_states(rng, manifest)
+    # Model keys adapted and dtypes checked; optimizer state mapped by name onto the
+    # live layout (_manager/optim_state.py).
+    ready = {
+        name: _prepare(name, value, state, files[name], policy) for name, value in loaded.items()
+    }
+    return _Staged(dcp_kinds, dcp, ready, files, rng, policy)

@@ -55,7 +55,7 @@ class Snapshot:
         if not snapshot:
             return entries, []
         used: set[tuple[Any, ...]] = set()
-        memo: dict[int, Any] = {}
+        memo: dict[Any, Any] = {}
         events: list[Any] = []
         copied = {
             name: Entry(e.kind, self._copy(e.value, (name,), used, memo, events))
@@ -70,15 +70,11 @@ class Snapshot:
         obj: Any,
         path: tuple[Any, ...],
         used: set[tuple[Any, ...]],
-        memo: dict[int, Any],
+        memo: dict[Any, Any],
         events: list[Any],
     ) -> Any:
         if isinstance(obj, torch.Tensor):
-            if id(obj) in memo:  # tied tensors stay tied in the snapshot
-                return memo[id(obj)]
-            copied = self._copy_tensor(obj, path, used, events)
-            memo[id(obj)] = copied
-            return copied
+            return self._copy_tensor(obj, path, used, memo, events)
         if isinstance(obj, Mapping):
             new: Any = OrderedDict() if isinstance(obj, OrderedDict) else {}
             for key, value in obj.items():
@@ -98,28 +94,64 @@ class Snapshot:
         tensor: torch.Tensor,
         path: tuple[Any, ...],
         used: set[tuple[Any, ...]],
+        memo: dict[Any, Any],
         events: list[Any],
     ) -> torch.Tensor:
+        """A CPU copy of ``tensor``, sharing storage with the copies of its storage's other views.
+
+        ``state_dict()`` returns a new tensor object per key, so tied weights are
+        found by their storage, not by ``id``: each storage is copied once, whole
+        (what ``torch.save`` writes of it), and every view is rebuilt on the copy
+        with its own offset, shape and stride. The writer then sees the ties the
+        synchronous save sees, and writes files of the same size and aliases.
+        """
         t = tensor.detach()
         if t.layout != torch.strided or t.is_quantized or t.device.type not in ("cpu", "cuda"):
-            return t.to("cpu", copy=True)
-        on_cuda = t.device.type == "cuda"
+            if id(tensor) not in memo:
+                memo[id(tensor)] = t.to("cpu", copy=True)
+            return memo[id(tensor)]  # type: ignore[no-any-return]
+        # Lazy conjugate/negative bits are not in the storage's bytes: materialise them.
+        t = t.resolve_conj().resolve_neg()
+        source = t.untyped_storage()
+        # A live storage owns its address, so (device, address) names it while the
+        # state holds it; empty storages all sit at address 0 and share nothing.
+        key = (t.device, source.data_ptr()) if source.nbytes() else None
+        copied = memo.get(key) if key is not None else None
+        if copied is None:
+            copied = self._copy_storage(source, t.device, path, used, events)
+            if key is not None:
+                memo[key] = copied
+        view = torch.empty(0, dtype=t.dtype, device="cpu")
+        return view.set_(copied.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+    def _copy_storage(
+        self,
+        source: torch.UntypedStorage,
+        device: torch.device,
+        path: tuple[Any, ...],
+        used: set[tuple[Any, ...]],
+        events: list[Any],
+    ) -> torch.Tensor:
+        """Copy a whole storage into the CPU buffer kept for ``path`` (its first view's path)."""
+        on_cuda = device.type == "cuda"
+        nbytes = source.nbytes()
         buffer = self.buffers.get(path)
         if (
             buffer is None
-            or buffer.shape != t.shape
-            or buffer.dtype != t.dtype
+            or buffer.numel() != nbytes
+            or buffer.dtype != torch.uint8
             or (on_cuda and not buffer.is_pinned())
         ):
-            buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=on_cuda)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=on_cuda)
             self.buffers[path] = buffer
         used.add(path)
+        raw = torch.empty(0, dtype=torch.uint8, device=device).set_(source)
         # The copy is queued on the training stream, so later kernels that change
         # the tensor run after it; the writer thread waits on the event before reading.
-        buffer.copy_(t, non_blocking=on_cuda)
+        buffer.copy_(raw, non_blocking=on_cuda)
         if on_cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(t.device))
+            event.record(torch.cuda.current_stream(device))
             events.append(event)
         return buffer
 

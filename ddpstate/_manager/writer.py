@@ -213,7 +213,9 @@ class StepWriter(StepFolders):
         # A save of an older step is a rollback (save() checked it is one): now that it
         # is committed, `latest` names it, then the newer steps are uncommitted (oldest
         # first, so restore() takes either the old newest or this step, never one in
-        # between). `latest` first: if writing it fails, nothing was uncommitted yet.
+        # between). `latest` first: if writing it fails, nothing was uncommitted yet. Its
+        # atomic write fsyncs the root, which also makes the entry of a step written in
+        # place durable before anything older is deleted.
         newer = [s for s in self.committed_steps() if s > step]
         latest = storage.join(self.directory, LATEST_NAME)
         try:

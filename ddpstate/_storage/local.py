@@ -2,7 +2,8 @@
 
 A replaced large file is renamed aside and its blocks freed by a background thread,
 off the caller's critical path; temp files left by writers killed mid-write are found
-by their free ``flock`` and deleted after the next successful write of the same target.
+by their free ``flock`` and deleted after the next successful write in their folder,
+with the second name of a replaced file a killed writer left.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ddpstate._storage.temps import (
     cleanup_after,
     fsync_dir,
     retired_name_for,
+    retired_original,
     temp_name_for,
 )
 from ddpstate._warn import warn
@@ -124,13 +126,18 @@ def flock(fd: int, *, wait: bool) -> bool:
     return True
 
 
-def remove_stale_temps(target: str, own: str) -> None:
-    """Delete temp files of ``target`` left by writers that were killed mid-write.
+def remove_stale_temps(target: str, own: str, own_retired: Optional[str] = None) -> None:
+    """Delete the temp files of the folder's files left by writers killed mid-write.
 
     A writer holds an exclusive ``flock`` on its temp file from creation until
     it closes it just before the rename, and the kernel drops the lock when the
-    process dies; a temp file of this target that nobody holds locked is stale.
-    Best effort: a failure here never fails the save that just succeeded.
+    process dies; a temp file that nobody holds locked is stale, whichever file
+    of the folder it was for (a killed save is cleaned up by the next save in its
+    folder, not only by the next save of its own target). Temp folders are
+    ``target``'s own ``write_by_name`` ones only: other folders with temp names
+    (a manager's staged steps) are not locked by their writers. Retired copies
+    (:func:`_free_retired`) go too, but ``own_retired``, this write's own, already
+    being freed. Best effort: a failure here never fails the save that just succeeded.
     """
     folder, base = os.path.split(target)
     prefix = f".{base}{TEMP_MARKER}"
@@ -140,7 +147,11 @@ def remove_stale_temps(target: str, own: str) -> None:
         return
     for name in names:
         path = os.path.join(folder, name)
-        if not name.startswith(prefix) or not _TEMP_RE.match(name) or path == own:
+        if retired_original(name) is not None:
+            if path != own_retired:
+                _free_retired(path)
+            continue
+        if TEMP_MARKER not in name or not _TEMP_RE.match(name) or path == own:
             continue
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -150,13 +161,27 @@ def remove_stale_temps(target: str, own: str) -> None:
             mode = os.fstat(fd).st_mode
             if stat.S_ISREG(mode) and flock(fd, wait=False):
                 os.unlink(path)
-            elif stat.S_ISDIR(mode) and flock(fd, wait=False):
+            elif stat.S_ISDIR(mode) and name.startswith(prefix) and flock(fd, wait=False):
                 # A write_by_name staging folder (a library's own temp file inside).
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass
         finally:
             os.close(fd)
+
+
+def _free_retired(path: str) -> None:
+    """Free a retired copy of any file in the folder that a crash left behind.
+
+    A writer killed between :func:`_retire`'s link and its rename leaves a second
+    name of the old file, a full copy once that target is replaced again. It is
+    never the only copy of a checkpoint (the target keeps its name throughout), so
+    it is always safe to drop; a live writer's one only makes its replace free the
+    blocks itself. Folders are the manager's (put back or deleted by its clean-up).
+    """
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            _free_later(path)
 
 
 def create_locked_temp(
@@ -272,7 +297,7 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
     finally:
         if retired is not None and os.path.exists(retired):
             _free_later(retired)
-    remove_stale_temps(target, temp)
+    remove_stale_temps(target, temp, retired)
 
 
 @contextlib.contextmanager

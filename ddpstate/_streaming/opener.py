@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ddpstate import _manifest, formats, storage
+from ddpstate import _fs, _manifest, formats, storage
 from ddpstate._layout.folders import model_files
 from ddpstate._layout.hf_index import find_index, is_index_name
 from ddpstate._streaming.hf_read import open_sharded
@@ -97,7 +97,10 @@ def model_unit(
     file = str(entries[picked]["file"])
     if file.startswith(_manifest.DCP_SUBDIR + "/"):  # sharded entries share one DCP folder
         return storage.join(path, _manifest.DCP_SUBDIR), ".".join(filter(None, (picked, rest)))
-    return storage.join(path, file), rest or None
+    where = _fs.confined_file(
+        path, file, checkpoint=path, entry=f"its {_manifest.MANIFEST_NAME} entry {picked!r}"
+    )
+    return where, rest or None
 
 
 def read_checkpoint(

@@ -535,73 +535,77 @@ CRASH_KINDS = (
 )
 #: os functions counted (and killed at) in "syscall" crash trials.
 HOOKED_CALLS = ("open", "fsync", "replace", "rename", "link", "unlink", "rmdir", "mkdir")
+#: Object-store requests that change a bucket (every PUT, copy and delete, multipart parts
+#: included), counted and killed at like the os calls when ``object_store=True``.
+HOOKED_S3_CALLS = (
+    "put_object",
+    "copy_object",
+    "delete_object",
+    "delete_objects",
+    "create_multipart_upload",
+    "upload_part",
+    "upload_part_copy",
+    "complete_multipart_upload",
+    "abort_multipart_upload",
+)
 
 
-def _install_kill_hooks(kill_at: int, when: str, counts: Counter[str]) -> None:
-    """Make this (child) process SIGKILL itself at the ``kill_at``-th hooked os call."""
-    total = [0]
+class _KillSwitch:
+    """Counts hooked calls in one sequence and SIGKILLs this process at the ``kill_at``-th."""
+
+    def __init__(self, kill_at: int, when: str, counts: Counter[str]) -> None:
+        self.kill_at, self.when, self.counts, self.total = kill_at, when, counts, 0
+
+    def arrive(self, name: str) -> int:
+        self.total += 1
+        self.counts[name] += 1
+        if self.total == self.kill_at and self.when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.total
+
+    def done(self, n: int) -> None:
+        if n == self.kill_at and self.when == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install_kill_hooks(
+    kill_at: int, when: str, counts: Counter[str], *, object_store: bool = False
+) -> None:
+    """Make this (child) process SIGKILL itself at the ``kill_at``-th hooked call.
+
+    The os calls of :data:`HOOKED_CALLS` always count; with ``object_store`` the S3
+    requests of :data:`HOOKED_S3_CALLS` that s3fs sends count in the same sequence
+    (hooked at ``S3FileSystem._call_s3`` and its blocking twin ``call_s3``, through
+    which s3fs sends every request).
+    """
+    switch = _KillSwitch(kill_at, when, counts)
     for name in HOOKED_CALLS:
         real = getattr(os, name)
 
         def hook(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            total[0] += 1
-            n = total[0]
-            counts[_name] += 1
-            if n == kill_at and when == "before":
-                os.kill(os.getpid(), signal.SIGKILL)
+            n = switch.arrive(_name)
             result = _real(*args, **kwargs)
-            if n == kill_at and when == "after":
-                os.kill(os.getpid(), signal.SIGKILL)
+            switch.done(n)
             return result
 
         setattr(os, name, hook)
+    if object_store:
+        import s3fs
 
+        real_call = s3fs.S3FileSystem._call_s3
 
-#: S3 API calls that change the bucket, counted (and killed at) by :func:`install_s3_kill_hooks`:
-#: every PUT (whole or in parts), copy (fsspec's ``mv``) and delete.
-S3_MUTATIONS = frozenset(
-    {
-        "put_object",
-        "create_multipart_upload",
-        "upload_part",
-        "upload_part_copy",
-        "complete_multipart_upload",
-        "abort_multipart_upload",
-        "copy_object",
-        "delete_object",
-        "delete_objects",
-    }
-)
+        async def call_s3(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+            name = method if isinstance(method, str) else getattr(method, "__name__", "")
+            if name not in HOOKED_S3_CALLS:
+                return await real_call(self, method, *args, **kwargs)
+            n = switch.arrive(f"s3:{name}")
+            result = await real_call(self, method, *args, **kwargs)
+            switch.done(n)
+            return result
 
-
-def install_s3_kill_hooks(kill_at: int, when: str, counts: Counter[str]) -> None:
-    """Make this (child) process SIGKILL itself at the ``kill_at``-th bucket-changing S3 call.
-
-    Every fsspec operation on S3 (``pipe``, ``put``, ``open(...).commit()``, ``mv``,
-    ``rm``) goes through ``S3FileSystem._call_s3``; ``when`` is ``"before"`` (the
-    request is never sent) or ``"after"`` (the server has answered).
-    """
-    import s3fs
-
-    real = s3fs.S3FileSystem._call_s3
-    total = [0]
-
-    async def hook(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method not in S3_MUTATIONS:
-            return await real(self, method, *args, **kwargs)
-        total[0] += 1
-        n = total[0]
-        counts[method] += 1
-        if n == kill_at and when == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
-        result = await real(self, method, *args, **kwargs)
-        if n == kill_at and when == "after":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return result
-
-    s3fs.S3FileSystem._call_s3 = hook
-    # Uploads through open() call the sync mirror, which s3fs binds to the original.
-    s3fs.S3FileSystem.call_s3 = fsspec.asyn.sync_wrapper(hook)
+        s3fs.S3FileSystem._call_s3 = call_s3  # type: ignore[method-assign]
+        # Files (S3File) send through the blocking twin, bound to the original at import.
+        s3fs.S3FileSystem.call_s3 = fsspec.asyn.sync_wrapper(call_s3)  # type: ignore[attr-defined]
 
 
 def _crash_paths(kind: str, folder: Path) -> Path:

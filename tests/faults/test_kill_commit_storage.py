@@ -4,7 +4,7 @@ Two writers of a DCP folder: ``ddpstate.save`` of sharded (DTensor) state and pl
 ``dcp.save`` with :class:`ddpstate.dcp.DurableWriter`. A checkpoint is committed at the
 target; a forked writer saving the next one over it is killed just before each step
 of its save (local: every ``os.open/fsync/replace/rename/link/unlink/rmdir/mkdir``;
-S3: every bucket-changing call, i.e. each PUT, part, copy and delete) and just after
+on S3 also every bucket-changing request: each PUT, part, copy and delete) and just after
 the last. Then a NEW process (a fresh fork that never saw the writer) restores the
 target: it must be bitwise the old checkpoint or the new one (the new one whenever the
 writer finished), never an error and never a mix; and the save after it must succeed
@@ -128,10 +128,8 @@ def _killed_save(
     counts: Counter[str] = Counter()
 
     def body() -> int:
-        if opts is None:
-            h._install_kill_hooks(kill_at, when or "never", counts)
-        else:
-            h.install_s3_kill_hooks(kill_at, when or "never", counts)
+        # On S3 every bucket-changing request counts too, in one sequence with the os calls.
+        h._install_kill_hooks(kill_at, when or "never", counts, object_store=opts is not None)
         _write(kind, target, 2, opts)
         return sum(counts.values())
 
