@@ -517,7 +517,8 @@ class StagedFolder:
         at = posixpath.join(where, self.manifest_name)
         url = join(self.target, self.manifest_name)
         if self.version is None:
-            versions.publish(fs, url, at, manifest or b"", self.expected)
+            if manifest is not None:  # else the folder, written in place, is all there is
+                versions.publish(fs, url, at, manifest, self.expected)
         else:
             if manifest is not None:
                 inner = join(self.path, self.manifest_name)

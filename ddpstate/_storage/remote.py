@@ -63,7 +63,8 @@ def trust_protocol(protocol: str, publish: str) -> None:
 
     Example:
         >>> from ddpstate.storage import trust_protocol
-        >>> trust_protocol("sftp", "rename")  # POSIX servers rename atomically
+        >>> # POSIX sftp servers rename atomically:
+        >>> trust_protocol("sftp", "rename")  # doctest: +SKIP
     """
     if publish not in (UPLOAD, RENAME):
         raise CheckpointWriteError(
