@@ -10,6 +10,10 @@ target: it must be bitwise the old checkpoint or the new one (the new one whenev
 writer finished), never an error and never a mix; and the save after it must succeed
 and leave nothing of the killed one behind.
 
+CI tries the first and last kill points and a fixed-seed few between them; all of them:
+
+    DDPSTATE_KILL_EVERY_CALL=1 python -m pytest -q -n 0 tests/faults/test_kill_commit_storage.py -s
+
 Also here: two saves to one ``checkpoint_id`` at once (an un-awaited ``dcp.async_save``,
 then a second save), which must fail loudly instead of wiping each other.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import threading
@@ -39,6 +44,11 @@ from tests.faults import _harness as h
 from tests.s3server import S3Server, s3_server  # noqa: F401 - the fixture
 
 KINDS = ("save_folder", "durable_dcp")
+#: Kill points CI tries between the first and the last (an S3 trial takes ~4 s); the
+#: full enumeration (about 5 min on 2 cores, counts in docs/reliability.md) runs with
+#: DDPSTATE_KILL_EVERY_CALL=1, as tests/faults/test_kill_manager.py's does.
+SAMPLE = 2
+EVERY_CALL = "DDPSTATE_KILL_EVERY_CALL"
 #: What the campaign found, by (kind, where): kill points tried and checkpoints lost.
 TALLY: dict[tuple[str, str], Counter[str]] = {}
 #: On S3 the old checkpoint was committed in place (the first save there) or as a version.
@@ -199,6 +209,9 @@ def _campaign(
     verdict, steps = _killed_save(kind, target, opts, 0, "")
     assert verdict == "ok" and steps > 0, (verdict, steps)
     points = [(k, "before") for k in range(1, steps + 1)] + [(steps, "after")]
+    if os.environ.get(EVERY_CALL) != "1":  # CI: the first, the last and a fixed-seed few
+        middle = random.Random(41).sample(points[1:-1], min(SAMPLE, len(points) - 2))
+        points = [points[0], *sorted(middle), points[-1]]
     for n, (k, when) in enumerate(points, start=1):
         target = _fresh_target(base, n, opts)
         _committed_old(kind, target, opts, over)
@@ -222,7 +235,7 @@ def _campaign(
     TALLY[(kind, where)] = tally
     print(f"{kind} at {where}: {dict(tally)}")
     assert not problems, problems
-    assert tally["killed"] >= steps  # every "before" kill landed
+    assert tally["killed"] == len(points)  # every kill landed
     return tally
 
 

@@ -63,6 +63,7 @@ CONFIGS = [
     for save in ("new", "resave")
 ]
 
+
 def _param(config: Config) -> Any:
     marks = [pytest.mark.slow] if config.where == "s3" else []  # 4-6 s with the S3 server
     return pytest.param(config, id=config.name, marks=marks)
