@@ -3,7 +3,7 @@
 ``seal_folder``/``synced_files`` make a flat folder another program wrote durable
 and verifiable (every file fsynced and CRC-32'd, the folder fsynced, a manifest with
 a ``format`` and no step written last); ``newest_verified`` is the first candidate
-that verifies. Torch-free.
+that verifies; ``remove_checkpoint`` deletes one manifest first. Torch-free.
 """
 
 from __future__ import annotations
@@ -102,6 +102,34 @@ def newest_verified(
             return path
         warn(f"skipping the {what} {path}: {problem}; trying an older one", rank=get_rank())
     return None
+
+
+def remove_checkpoint(path: str, *, storage_options: Optional[dict[str, Any]] = None) -> None:
+    """Delete a checkpoint folder, its manifest first.
+
+    A kill midway leaves a folder without a manifest (uncommitted, skipped by
+    :func:`newest_verified` as never committed), never a committed one with files missing.
+
+    Args:
+        path: The folder (local or fsspec URL); nothing happens when it is gone.
+        storage_options: fsspec options for URLs.
+
+    Raises:
+        DDPStateError: Deleting failed (the folder may then be left uncommitted).
+
+    Example:
+        >>> import os, tempfile
+        >>> from ddpstate.integrations._common import remove_checkpoint, seal_folder
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = open(os.path.join(folder, "weights.bin"), "wb").write(b"abc")
+        >>> _ = seal_folder(folder, format="example")
+        >>> remove_checkpoint(folder)
+        >>> os.path.exists(folder)
+        False
+    """
+    opts = storage_options
+    storage.remove(storage.join(path, MANIFEST_NAME), storage_options=opts, missing_ok=True)
+    storage.remove(path, storage_options=opts, recursive=True, missing_ok=True)
 
 
 def _fsync_file(path: str) -> None:

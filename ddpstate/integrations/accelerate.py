@@ -92,8 +92,7 @@ def _rotate(accelerator: Any, target: str) -> None:
         if n >= oldest_kept:
             break
         try:
-            storage.remove(os.path.join(path, _manifest.MANIFEST_NAME), missing_ok=True)
-            storage.remove(path, recursive=True, missing_ok=True)
+            _common.remove_checkpoint(path)
         except DDPStateError as exc:
             raise CheckpointWriteError(
                 f"save_state: {target} {_manifest.COMMITTED_BUT} removing the old checkpoint "

@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import hashlib
 import io
+import itertools
 import json
 import os
 import pickle
@@ -34,7 +35,7 @@ import time
 import warnings
 import zipfile
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
@@ -550,45 +551,52 @@ HOOKED_S3_CALLS = (
 )
 
 
-class _KillSwitch:
-    """Counts hooked calls in one sequence and SIGKILLs this process at the ``kill_at``-th."""
-
-    def __init__(self, kill_at: int, when: str, counts: Counter[str]) -> None:
-        self.kill_at, self.when, self.counts, self.total = kill_at, when, counts, 0
-
-    def arrive(self, name: str) -> int:
-        self.total += 1
-        self.counts[name] += 1
-        if self.total == self.kill_at and self.when == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.total
-
-    def done(self, n: int) -> None:
-        if n == self.kill_at and self.when == "after":
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _install_kill_hooks(
-    kill_at: int, when: str, counts: Counter[str], *, object_store: bool = False
+    kill_at: int,
+    when: str,
+    counts: Counter[str],
+    extra: Sequence[tuple[Any, str]] = (),
+    log: Optional[list[tuple[int, str, str]]] = None,
+    *,
+    object_store: bool = False,
 ) -> None:
     """Make this (child) process SIGKILL itself at the ``kill_at``-th hooked call.
 
-    The os calls of :data:`HOOKED_CALLS` always count; with ``object_store`` the S3
-    requests of :data:`HOOKED_S3_CALLS` that s3fs sends count in the same sequence
-    (hooked at ``S3FileSystem._call_s3`` and its blocking twin ``call_s3``, through
-    which s3fs sends every request).
+    The os calls of :data:`HOOKED_CALLS` always count. ``extra``: more ``(owner, name)``
+    callables to count and kill at alike (writers in C, such as ``(torch, "save")``, whose
+    own system calls Python cannot see). With ``object_store`` the S3 requests of
+    :data:`HOOKED_S3_CALLS` that s3fs sends count in the same sequence (hooked at
+    ``S3FileSystem._call_s3`` and its blocking twin ``call_s3``, through which s3fs sends
+    every request). ``log``, when given, gets ``(number, name, path)`` of each call (its
+    first path argument, or "").
     """
-    switch = _KillSwitch(kill_at, when, counts)
-    for name in HOOKED_CALLS:
-        real = getattr(os, name)
+    numbers = itertools.count(1)  # next() is atomic: calls from threads (a seal's fsyncs)
+
+    def arrive(name: str, args: Sequence[Any]) -> int:
+        n = next(numbers)
+        counts[name] += 1
+        if log is not None:
+            paths = (os.fspath(a) for a in args if isinstance(a, (str, os.PathLike)))
+            log.append((n, name, next(paths, "")))
+        if n == kill_at and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    def leave(n: int) -> None:
+        if n == kill_at and when == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    for owner, name in [*((os, n) for n in HOOKED_CALLS), *extra]:
+        real = getattr(owner, name)
 
         def hook(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            n = switch.arrive(_name)
-            result = _real(*args, **kwargs)
-            switch.done(n)
-            return result
+            n = arrive(_name, args)
+            try:
+                return _real(*args, **kwargs)
+            finally:  # also after a call that raised (os.makedirs(exist_ok=True)'s mkdir)
+                leave(n)
 
-        setattr(os, name, hook)
+        setattr(owner, name, hook)
     if object_store:
         import s3fs
 
@@ -598,10 +606,11 @@ def _install_kill_hooks(
             name = method if isinstance(method, str) else getattr(method, "__name__", "")
             if name not in HOOKED_S3_CALLS:
                 return await real_call(self, method, *args, **kwargs)
-            n = switch.arrive(f"s3:{name}")
-            result = await real_call(self, method, *args, **kwargs)
-            switch.done(n)
-            return result
+            n = arrive(f"s3:{name}", ())
+            try:
+                return await real_call(self, method, *args, **kwargs)
+            finally:
+                leave(n)
 
         s3fs.S3FileSystem._call_s3 = call_s3  # type: ignore[method-assign]
         # Files (S3File) send through the blocking twin, bound to the original at import.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 
 from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.cli import main
+from ddpstate.integrations._common import seal_folder
+from tests.faults import _harness as h
 from tests.integrations.test_lightning import _same
 from tests.multiproc import run_ranks
 
@@ -29,46 +32,10 @@ def hf() -> ModuleType:
     return importlib.import_module("ddpstate.integrations.transformers")
 
 
-def _train(hf: ModuleType, out: Path, resume: str | None = None) -> tuple[Any, int]:
-    """Train a 1-layer GPT-2 for 6 steps, a checkpoint every 2; the trainer and steps run."""
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
-
-    class CountSteps(TrainerCallback):
-        steps = 0
-
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            self.steps += 1
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(config)
-    if resume is not None:  # weights unlike the first run's: only the resume restores them
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(1.0)
-    ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
-    args = TrainingArguments(
-        str(out), max_steps=6, save_steps=2, per_device_train_batch_size=4, use_cpu=True,
-        report_to="none", logging_strategy="no", disable_tqdm=True, seed=0,
-    )  # fmt: skip
-    count = CountSteps()
-    trainer = Trainer(
-        model,
-        args,
-        train_dataset=[{"input_ids": i, "labels": i} for i in ids],
-        callbacks=[hf.DDPStateCallback(), count],
-    )
-    trainer.train(resume_from_checkpoint=resume)
-    return trainer, count.steps
+@pytest.fixture(scope="module")
+def run(hf: ModuleType) -> ModuleType:
+    """tests/integrations/hf_run.py: the Trainer runs (it imports transformers)."""
+    return importlib.import_module("tests.integrations.hf_run")
 
 
 def _final(trainer: Any) -> dict[str, Any]:
@@ -80,9 +47,9 @@ def _final(trainer: Any) -> dict[str, Any]:
 
 
 def test_sealed_checkpoints_verify_and_a_resume_skips_incomplete_ones_bitwise(
-    hf: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    hf: ModuleType, run: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    first = _final(_train(hf, tmp_path)[0])
+    first = _final(run.train(tmp_path)[0])
     folders = [tmp_path / f"checkpoint-{step}" for step in (2, 4, 6)]
     for folder in folders:
         assert (folder / MANIFEST_NAME).exists()
@@ -101,14 +68,101 @@ def test_sealed_checkpoints_verify_and_a_resume_skips_incomplete_ones_bitwise(
     assert "checkpoint-6" in said[0] and "model.safetensors" in said[0]
     assert "checkpoint-4" in said[1] and "never committed" in said[1]
     # The Trainer's own resume: TrainerState restored, 4 steps run, not 6 from step 0.
-    trainer, steps = _train(hf, tmp_path, resume)
-    assert steps == 4
+    trainer, watch = run.train(tmp_path, resume)
+    assert watch.steps == 4
     second = _final(trainer)
     assert first["global_step"] == second["global_step"] == 6
     assert _same(first["model"], second["model"])
     assert _same(first["optimizer"], second["optimizer"])
     for folder in folders:  # the resumed run saved (and sealed) 4 and 6 again
         assert main(["verify", str(folder)]) == 0
+
+
+def _killed_while_sealing(run: ModuleType, out: Path, folder: str) -> None:
+    """Train with save_total_limit=1; SIGKILL this process as the seal reads ``folder``'s files."""
+    from ddpstate import storage
+
+    real = storage.size_and_crc32
+
+    def crc_or_die(f: Any) -> Any:
+        if f"{os.sep}{folder}{os.sep}" in f.name:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(f)
+
+    storage.size_and_crc32 = crc_or_die  # type: ignore[assignment]
+    run.train(out, save_total_limit=1)
+
+
+def test_a_kill_while_sealing_with_save_total_limit_1_resumes_from_the_checkpoint_before(
+    run: ModuleType, tmp_path: Path
+) -> None:
+    """Regression (issue 41): the Trainer deleted checkpoint-2 (save_total_limit=1) before
+    on_save sealed checkpoint-4, so a kill during the seal left no verified checkpoint and
+    the run started again at step 0. The callback now rotates only after the seal."""
+    pid = h._fork(lambda: _killed_while_sealing(run, tmp_path, "checkpoint-4"))
+    status = h._wait(pid, 300)
+    assert status is not None and os.WIFSIGNALED(status), status
+    assert os.WTERMSIG(status) == signal.SIGKILL
+    assert not (tmp_path / "checkpoint-4" / MANIFEST_NAME).exists()  # killed mid-seal
+    report = run.in_new_process(run.resume_report, tmp_path, save_total_limit=1)
+    del report["final"]
+    assert report == {
+        "resume": str(tmp_path / "checkpoint-2"),
+        "start_step": 2,
+        "weights_equal": True,
+        "steps": 4,
+        "global_step": 6,
+        "save_total_limit": 1,  # the callback gave the Trainer its limit back
+    }
+    # The resumed run sealed 4 and 6, each time deleting the one before only afterwards.
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")] == [
+        "checkpoint-6"
+    ]
+    assert main(["verify", str(tmp_path / "checkpoint-6")]) == 0
+
+
+def _checkpoint(out: Path, step: int, *, sealed: bool) -> Path:
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.full((8,), float(step))}, folder / "model.pt")
+    if sealed:
+        seal_folder(folder, format="test")
+    return folder
+
+
+def _args(out: Path, limit: int | None) -> SimpleNamespace:
+    """The TrainingArguments fields the callback reads, as the Trainer sets them."""
+    return SimpleNamespace(
+        output_dir=str(out), should_save=True, world_size=1, save_total_limit=limit
+    )
+
+
+def test_save_total_limit_is_applied_after_the_seal_keeping_the_newest_and_the_best(
+    hf: ModuleType, tmp_path: Path
+) -> None:
+    """The callback takes save_total_limit over (the Trainer sees None until on_train_end)
+    and rotates after each seal: the folder just sealed and the best are kept, interrupted
+    (unsealed) folders go first, even a stale higher-numbered one, which the Trainer's own
+    rotation would have kept as "the most recent" instead of the one it had just written."""
+    best = _checkpoint(tmp_path, 1, sealed=True)
+    _checkpoint(tmp_path, 2, sealed=True)
+    _checkpoint(tmp_path, 3, sealed=False)  # killed before its seal
+    _checkpoint(tmp_path, 9, sealed=False)  # left by an abandoned run
+    _checkpoint(tmp_path, 4, sealed=False)  # just written by the Trainer
+    callback, args = hf.DDPStateCallback(), _args(tmp_path, 3)
+    callback.on_train_begin(args, SimpleNamespace(), None)
+    assert args.save_total_limit is None  # so the Trainer deletes nothing before on_save
+    state = SimpleNamespace(global_step=4, best_model_checkpoint=str(best))
+    callback.on_save(args, state, None)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
+    assert all(main(["verify", str(tmp_path / name)]) == 0 for name in names)
+    # End of training with a limit of 1: the Trainer's rule keeps only the best.
+    callback, args = hf.DDPStateCallback(), _args(tmp_path, 1)
+    callback.on_train_begin(args, SimpleNamespace(), None)
+    callback.on_train_end(args, state, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+    assert args.save_total_limit == 1
 
 
 def _save_on_two_ranks(rank: int, world_size: int, out: str) -> list[str]:
@@ -121,7 +175,9 @@ def _save_on_two_ranks(rank: int, world_size: int, out: str) -> list[str]:
     torch.save({"cpu": torch.random.get_rng_state()}, os.path.join(folder, f"rng_state_{rank}.pth"))
     # The TrainingArguments fields on_save reads, as the Trainer sets them on each rank.
     args = SimpleNamespace(output_dir=out, should_save=rank == 0, world_size=world_size)
-    DDPStateCallback().on_save(args, SimpleNamespace(global_step=7), None)
+    DDPStateCallback().on_save(
+        args, SimpleNamespace(global_step=7, best_model_checkpoint=None), None
+    )
     return sorted(os.listdir(folder))
 
 
