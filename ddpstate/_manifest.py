@@ -371,8 +371,11 @@ def is_listed(name: Any) -> bool:
 def read_manifest(
     folder: str, opts: Optional[dict[str, Any]]
 ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """Read and check a step folder's manifest; return (manifest, None) or (None, problem)."""
-    path = storage.join(folder, MANIFEST_NAME)
+    """Read and check a step folder's manifest; return (manifest, None) or (None, problem).
+
+    On a URL whose manifest is a pointer, the manifest of the version it names.
+    """
+    path = storage.join(storage.committed_folder(folder, storage_options=opts), MANIFEST_NAME)
     if not storage.exists(path, storage_options=opts):
         return None, (
             f"it has no {MANIFEST_NAME}, so it is not committed (an interrupted save: killed, "
@@ -521,6 +524,7 @@ def check_folder(
     picks from the CPU count and the bytes). ``defer`` (restore): the
     :func:`read_checked` shards are only stat'ed; their bytes are checked as they load.
     """
+    folder = storage.committed_folder(folder, storage_options=opts)  # a URL's version folder
     manifest, problem = read_manifest(folder, opts)
     if manifest is None:
         return FolderCheck(None, [str(problem)], [])

@@ -10,8 +10,10 @@ Plug these into plain DCP (or anything built on it, such as torchtitan)::
 
 :class:`DurableWriter` CRC-32s every item as it is written and commits the
 folder with ddpstate's manifest, written last (on local disks after an fsync
-and a swap into place); :class:`VerifiedReader` refuses an uncommitted folder and
-checks every byte range it reads against the manifest. Importing this module
+and a swap into place; on object stores by one PUT, a save over a committed
+checkpoint going to a fresh version prefix first); of two saves to one path at
+once, the later commit fails, naming it. :class:`VerifiedReader` refuses an
+uncommitted folder and checks every byte range it reads against the manifest. Importing this module
 imports ``torch.distributed.checkpoint``. See docs/dcp.md.
 """
 

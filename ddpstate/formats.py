@@ -350,7 +350,9 @@ def _is_index(name: str, head: bytes) -> bool:
 
 def _folder_kind(name: str, storage_options: Optional[dict[str, Any]]) -> FormatName:
     """The one place a folder's kind is told, from the names in it."""
-    names = storage.listdir(name, storage_options=storage_options)
+    # A URL's checkpoint saved over another lives in the version folder its manifest names.
+    committed = storage.committed_folder(name, storage_options=storage_options)
+    names = storage.listdir(committed, storage_options=storage_options)
     if ".metadata" in names:
         return DCP
     kind = folder_kind(posixpath.basename(name.replace(os.sep, "/").rstrip("/")), names)

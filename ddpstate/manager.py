@@ -28,7 +28,9 @@ beside the old one and swapped in once committed, so until then the old copy
 stays committed, and a crash midway never leaves a mix (the next save deletes
 the unfinished copy, or puts the old one back if the crash fell between the two
 renames of the swap). On object stores (fsspec URLs), which cannot swap
-folders, the old copy is uncommitted and deleted first. Saving a step lower
+folders, the new copy goes to a fresh version prefix below the step folder and
+one PUT of the step's manifest (a pointer to it) commits it; the old copy's
+files are deleted after that. Saving a step lower
 than existing ones is a rollback when :meth:`CheckpointManager.restore` loaded
 that step or a lower one, or with ``save(..., rollback=True)`` (refused
 otherwise: the higher steps may be an earlier run's): once it is committed it

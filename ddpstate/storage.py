@@ -11,25 +11,41 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
 import posixpath
 import shutil
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import IO, Any, Optional
 
 from ddpstate import _crc, _fs
 from ddpstate._fs import PathLike
-from ddpstate._storage.local import atomic_write_local
+from ddpstate._storage import versions
+from ddpstate._storage.local import (
+    atomic_write_local,
+    create_locked_temp,
+    flock,
+    remove_stale_temps,
+)
 from ddpstate._storage.local import wait_for_freed as wait_for_freed
 from ddpstate._storage.local import write_by_name as write_by_name
 from ddpstate._storage.remote import OBJECT_STORE_PROTOCOLS as OBJECT_STORE_PROTOCOLS
-from ddpstate._storage.remote import atomic_write_object_store, atomic_write_rename, protocol_of
+from ddpstate._storage.remote import (
+    UPLOAD,
+    atomic_write_object_store,
+    atomic_write_rename,
+    protocol_of,
+    publish_method,
+)
+from ddpstate._storage.remote import trust_protocol as trust_protocol
 from ddpstate._storage.temps import TEMP_MARKER as TEMP_MARKER
 from ddpstate._storage.temps import cleanup_after, is_temp_name, retired_name_for
 from ddpstate._storage.temps import fsync_dir as fsync_dir
 from ddpstate._storage.temps import retired_original as retired_original
 from ddpstate._storage.temps import temp_path_for as temp_path_for
+from ddpstate._warn import warn
 from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
 
 # What users need; the writers' internals (``temp_path_for``, ``retired_original``,
@@ -37,6 +53,7 @@ from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPSt
 __all__ = [
     "StagedFolder",
     "atomic_write",
+    "committed_folder",
     "exists",
     "isdir",
     "is_temp_name",
@@ -47,6 +64,7 @@ __all__ = [
     "remove",
     "replace_folder",
     "staged_folder",
+    "trust_protocol",
 ]
 
 
@@ -185,7 +203,8 @@ def atomic_write(
 
     Raises:
         CheckpointWriteError: The temporary file could not be created, or
-            flushing, syncing or renaming it failed.
+            flushing, syncing or renaming it failed; or the URL's protocol has no
+            known atomic publish (the message names :func:`trust_protocol`).
 
     Example:
         >>> import os, tempfile
@@ -200,7 +219,7 @@ def atomic_write(
     fs, where = _fs.locate(text, storage_options)
     if fs is None:
         manager = atomic_write_local(where, fsync)
-    elif protocol_of(fs) in OBJECT_STORE_PROTOCOLS:
+    elif publish_method(fs, text) == UPLOAD:
         manager = atomic_write_object_store(fs, text, where)
     else:
         manager = atomic_write_rename(fs, text, where)
@@ -420,9 +439,11 @@ class StagedFolder:
 
     Made by ``stage_folder`` (or :func:`staged_folder`). ``path`` is the folder to
     write into: locally a fresh hidden ``.<name>.ddpstate-tmp-<hex>`` folder beside
-    ``target`` (or, with ``in_place``, a ``target`` that does not exist yet); on fsspec
-    URLs ``target`` itself, whose old copy was uncommitted (manifest first) and
-    removed, since object stores cannot swap folders.
+    ``target``, ``flock``-ed while this save runs (or, with ``in_place``, a ``target``
+    that does not exist yet); on fsspec URLs ``target`` itself when nothing is
+    committed there, else a fresh version folder ``<target>/v-<hex>`` that a pointer
+    manifest commits (``ddpstate._storage.versions``). ``expected`` is what stood at
+    the manifest when the save began: the commit is a compare-and-swap against it.
     """
 
     def __init__(
@@ -433,44 +454,194 @@ class StagedFolder:
         fsync: bool = True,
         storage_options: Optional[dict[str, Any]] = None,
         manifest_name: str = "manifest.json",
+        version: Optional[str] = None,
+        expected: Optional[str] = None,
+        superseded: tuple[str, ...] = (),
+        lock_fd: Optional[int] = None,
     ) -> None:
         self.target = target
         self.path = path
         self.fsync = fsync
         self.storage_options = storage_options
         self.manifest_name = manifest_name
+        self.version = version
+        self.expected = expected
+        self.superseded = superseded
         self.committed = False
+        # A staging folder dropped without commit or discard (a save whose other rank
+        # failed) must not stay locked, which would keep later saves from deleting it.
+        self._unlock = None if lock_fd is None else weakref.finalize(self, os.close, lock_fd)
 
     def commit(self, manifest: Optional[bytes] = None) -> None:
         """Write ``manifest`` (if any) last as ``manifest_name``, then put the folder in place.
 
         Locally the folder's entries are fsynced first (files other ranks created
         in it included, unless ``fsync=False``), and :func:`replace_folder` swaps
-        it in. A failure leaves the old ``target`` as it was (locally) and the
-        staging folder for :meth:`discard`.
+        it in; then staging folders of this target that no running save holds
+        (left by killed saves) are deleted. On URLs the manifest (or, for a version
+        folder, a pointer naming it) is one atomic PUT, then what the previous
+        commit used is deleted. Either way the commit fails, and changes nothing,
+        if another save committed ``target`` since this one was staged. A failure
+        leaves the old ``target`` as it was and the staging folder for :meth:`discard`.
 
         Raises:
-            CheckpointWriteError: Writing the manifest or swapping the folder failed.
+            CheckpointWriteError: Writing the manifest or swapping the folder failed,
+                or another save committed ``target`` meanwhile.
         """
-        if self.fsync and not _fs.is_remote(self.path):
-            fsync_dir(_fs.local_path(self.path))
-        if manifest is not None:
-            name = join(self.path, self.manifest_name)
-            with atomic_write(name, storage_options=self.storage_options, fsync=self.fsync) as f:
-                f.write(manifest)
-        if self.path != self.target:
-            replace_folder(self.path, self.target)
-        self.committed = True
+        if _fs.is_remote(self.target):
+            self._commit_remote(manifest)
+        else:
+            self._commit_local(manifest)
 
-    def discard(self, exc: BaseException) -> None:
-        """Delete the uncommitted folder; a failure to do so becomes a note on ``exc``."""
+    def _commit_local(self, manifest: Optional[bytes]) -> None:
+        name = join(self.path, self.manifest_name)
+        if self.fsync:
+            fsync_dir(self.path)
+        if manifest is not None and self.path != self.target:
+            with atomic_write(name, fsync=self.fsync) as f:
+                f.write(manifest)
+        with _commit_lock(os.path.dirname(self.target)):
+            if _local_identity(self.target, self.manifest_name) != self.expected:
+                raise versions.moved_error(self.target)
+            if self.path != self.target:
+                replace_folder(self.path, self.target)
+            elif manifest is not None:  # in place: the manifest is the commit
+                with atomic_write(name, fsync=self.fsync) as f:
+                    f.write(manifest)
+        self.committed = True
+        self._release()
+        remove_stale_temps(self.target, self.path)
+
+    def _commit_remote(self, manifest: Optional[bytes]) -> None:
+        fs, where = _fs.locate(self.target, self.storage_options)
+        at = posixpath.join(where, self.manifest_name)
+        url = join(self.target, self.manifest_name)
+        if self.version is None:
+            if manifest is not None:  # else the folder, written in place, is all there is
+                versions.publish(fs, url, at, manifest, self.expected)
+        else:
+            if manifest is not None:
+                inner = join(self.path, self.manifest_name)
+                with atomic_write(inner, storage_options=self.storage_options) as f:
+                    f.write(manifest)
+            versions.publish(fs, url, at, versions.pointer_bytes(self.version), self.expected)
+        self.committed = True
+        self._remove_superseded()
+
+    def _remove_superseded(self) -> None:
+        """After a URL commit: delete the previous commit's files and killed saves' versions.
+
+        Also, once the target is versioned, DCP files beside the versions: an earlier
+        commit in place whose clean-up a crash cut short.
+        """
+        opts: dict[str, Any] = {"storage_options": self.storage_options}
+        try:
+            stale = [
+                join(self.target, n)
+                for n in listdir(self.target, include_temp=True, **opts)
+                if n != self.version and versions.is_stale_name(n, self.version is not None)
+            ]
+            for path in dict.fromkeys((*self.superseded, *stale)):
+                remove(path, recursive=True, missing_ok=True, **opts)
+        except Exception as exc:  # the new checkpoint is committed: say so, do not fail it
+            warn(
+                f"{self.target} was committed, but deleting the files of the checkpoint it "
+                f"replaced failed ({type(exc).__name__}: {exc}); the next save deletes them",
+                RuntimeWarning,
+            )
+
+    def _release(self) -> None:
+        if self._unlock is not None:
+            self._unlock()  # closes the fd once, dropping the lock
+
+    def discard(self, exc: Optional[BaseException] = None) -> None:
+        """Delete the uncommitted folder; a failure to do so becomes a note on ``exc``.
+
+        A folder written in place on a URL is left alone (another save may have
+        committed there meanwhile); the next successful save deletes what it left.
+        """
         if self.committed:
             return
 
         def remove_folder() -> None:
-            remove(self.path, storage_options=self.storage_options, recursive=True, missing_ok=True)
+            try:
+                if self.path != self.target or not _fs.is_remote(self.target):
+                    remove(
+                        self.path,
+                        storage_options=self.storage_options,
+                        recursive=True,
+                        missing_ok=True,
+                    )
+            finally:
+                self._release()
 
-        cleanup_after(exc, f"the unfinished {self.path}", remove_folder)
+        if exc is None:
+            remove_folder()
+        else:
+            cleanup_after(exc, f"the unfinished {self.path}", remove_folder)
+
+
+@contextlib.contextmanager
+def _commit_lock(parent: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``parent`` while one save checks and swaps its target.
+
+    Saves to other targets in the same folder wait only for that moment.
+    """
+    if os.name == "nt":  # Windows cannot open a folder: the check and swap go unlocked
+        yield
+        return
+    fd = os.open(parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        flock(fd, wait=True)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _local_identity(target: str, manifest_name: str) -> Optional[str]:
+    """What commits ``target`` now (its manifest's inode and times), None if nothing."""
+    try:
+        info = os.stat(os.path.join(target, manifest_name))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return f"{info.st_ino}:{info.st_mtime_ns}:{info.st_size}"
+
+
+def committed_folder(
+    path: PathLike,
+    *,
+    storage_options: Optional[dict[str, Any]] = None,
+    manifest_name: str = "manifest.json",
+) -> str:
+    """The folder a committed checkpoint's files are in: ``path``, or the version it points to.
+
+    On fsspec URLs a checkpoint saved over a committed one lives in a version
+    folder ``<path>/v-<hex>`` that ``<path>/manifest.json`` (a pointer) names;
+    plain torch reads that folder (``dcp.load(state, checkpoint_id=<it>)``).
+
+    Args:
+        path: A checkpoint folder (local path or fsspec URL).
+        storage_options: Options for the fsspec filesystem.
+        manifest_name: The manifest's file name in the folder.
+
+    Returns:
+        ``path`` itself (local folders, and URLs committed in place), or its version folder.
+
+    Example:
+        >>> from ddpstate.storage import committed_folder
+        >>> committed_folder("/runs/ckpt")
+        '/runs/ckpt'
+    """
+    text = os.fspath(path)
+    if not _fs.is_remote(text):
+        return text
+    try:
+        with open_read(join(text, manifest_name), storage_options=storage_options) as f:
+            head = f.read(257)  # a pointer is one short line: read no more than that
+    except DDPStateError:
+        return text
+    version = versions.pointer_version(head)
+    return join(text, version) if version else text
 
 
 def stage_folder(
@@ -496,24 +667,53 @@ def stage_folder(
         The :class:`StagedFolder`; call its ``commit`` or, on failure, ``discard``.
 
     Raises:
-        CheckpointWriteError: The staging folder cannot be made (or, on fsspec, the
-            old copy cannot be removed).
+        CheckpointWriteError: The staging folder cannot be made, or the URL's
+            protocol has no known atomic publish (see :func:`trust_protocol`).
     """
     text = os.fspath(target)
     opts = storage_options
+    kw: dict[str, Any] = {"fsync": fsync, "storage_options": opts, "manifest_name": manifest_name}
     if _fs.is_remote(text):
-        if isdir(text, storage_options=opts):
-            # Object stores cannot swap folders: uncommit the old copy first.
-            remove(join(text, manifest_name), storage_options=opts, missing_ok=True)
-            remove(text, storage_options=opts, recursive=True)
-        makedirs(text, storage_options=opts)
-        path = text
-    else:
-        text = os.path.abspath(_fs.local_path(text))
-        makedirs(os.path.dirname(text))
-        path = text if in_place and not os.path.lexists(text) else temp_path_for(text)
-        makedirs(path)
-    return StagedFolder(text, path, fsync=fsync, storage_options=opts, manifest_name=manifest_name)
+        fs, where = _fs.locate(text, opts)
+        publish_method(fs, text)  # refuses a protocol that cannot publish atomically
+        expected = versions.identity(fs, posixpath.join(where, manifest_name))
+        if expected is None:  # nothing committed here to protect: write in place
+            makedirs(text, storage_options=opts)
+            return StagedFolder(text, text, **kw)
+        version = versions.new_version()
+        path = join(text, version)
+        makedirs(path, storage_options=opts)
+        old = _previous_files(text, opts, manifest_name)
+        return StagedFolder(text, path, version=version, expected=expected, superseded=old, **kw)
+    text = os.path.abspath(_fs.local_path(text))
+    parent, base = os.path.split(text)
+    makedirs(parent)
+    expected = _local_identity(text, manifest_name)
+    if in_place and not os.path.lexists(text):
+        makedirs(text)
+        return StagedFolder(text, text, expected=expected, **kw)
+    # Locked while this save runs, so another save's clean-up of killed saves' folders
+    # (remove_stale_temps) leaves it alone.
+    path, fd = create_locked_temp(parent, base, text, as_folder=True, folder_mode=0o777)
+    return StagedFolder(text, path, expected=expected, lock_fd=fd, **kw)
+
+
+def _previous_files(
+    target: str, opts: Optional[dict[str, Any]], manifest_name: str
+) -> tuple[str, ...]:
+    """What the commit at URL ``target`` uses: its version folder, or its listed files."""
+    try:
+        with open_read(join(target, manifest_name), storage_options=opts) as f:
+            raw = f.read()
+        version = versions.pointer_version(raw)
+        if version is not None:
+            return (join(target, version),)
+        files = json.loads(raw.decode()).get("files")
+    except (DDPStateError, ValueError, UnicodeDecodeError, AttributeError):
+        return ()  # unreadable: nothing is deleted that might not be ddpstate's
+    if not isinstance(files, dict):
+        return ()
+    return tuple(join(target, name) for name in files if isinstance(name, str))
 
 
 @contextlib.contextmanager
@@ -530,8 +730,9 @@ def staged_folder(
     (the manifest is written last, then the folder takes ``target``'s place); a
     block that ends without committing commits with no manifest. If the block
     or the commit raises, the staging folder is deleted and ``target`` is left
-    as it was (on fsspec URLs, whose folders cannot be swapped, the old copy was
-    removed when the block began).
+    as it was. On fsspec URLs, whose folders cannot be swapped, a folder replacing
+    a committed one is written under a fresh version prefix and committed by one
+    PUT of a pointer manifest (see :func:`committed_folder`).
 
     Args:
         target: The folder to create or replace (local path or fsspec URL).

@@ -578,6 +578,7 @@ def test_no_private_name_crosses_modules_outside_a_package() -> None:
 STORAGE_ALL = {
     "StagedFolder",
     "atomic_write",
+    "committed_folder",
     "exists",
     "is_temp_name",
     "isdir",
@@ -588,6 +589,7 @@ STORAGE_ALL = {
     "remove",
     "replace_folder",
     "staged_folder",
+    "trust_protocol",
 }
 STORAGE_LEFT_ALL = {
     "OBJECT_STORE_PROTOCOLS",

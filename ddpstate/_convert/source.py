@@ -114,6 +114,7 @@ def model_unit(
         if not steps:
             raise CheckpointFormatError(f"{path}: a CheckpointManager folder, but {problem}")
         return model_unit(storage.join(path, _manifest.step_name(steps[-1])), kind, key, opts)
+    path = storage.committed_folder(path, storage_options=opts)  # a URL's version folder
     entries = manifest.get("entries") or {}
     # "module", or "dcp_module" for a model saved sharded into the step's DCP folder
     modules = {n: e for n, e in entries.items() if str(e.get("kind")).endswith("module")}

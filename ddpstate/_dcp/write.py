@@ -4,9 +4,10 @@ DCP has every rank write its own part of the state into one folder (FSDP2
 ``DTensor`` shards; replicated DDP tensors split across ranks by its dedup
 planner) and reshards on load. ddpstate's commit protocol comes with
 :class:`ddpstate.dcp.DurableWriter` (``_io/durable_dcp.py``): every rank CRC-32s its
-items as it writes them into a staging folder (fresh names on object stores),
-DCP gathers the CRCs with its write results, and the coordinator writes
-``.metadata``, then ddpstate's ``manifest.json`` last and swaps the folder in.
+items as it writes them into the staging folder the coordinator named for this
+save (a version prefix on object stores that hold a commit), DCP gathers the CRCs
+with its write results, and the coordinator writes ``.metadata``, then ddpstate's
+``manifest.json`` last and commits (a swap into place, or one PUT on object stores).
 :func:`write_shards` is ``dcp.save`` with that writer; the rest of this module
 decides when a ``save()`` is a sharded one and what it may be given.
 

@@ -10,15 +10,22 @@ the coordinator as it does every save; ``finish`` puts torch's own objects back
 before torch writes ``.metadata``, then writes ddpstate's ``manifest.json`` last
 (each file's size, whole-file CRC-32 and its items' ``chunks``) and commits:
 
-- local paths: every rank writes into ``.<name>.ddpstate-tmp-<hex>`` beside the
-  target (the hex is derived from the name, so all ranks agree without talking;
-  the coordinator empties it in ``prepare_global_plan``, which runs after every
-  rank's local plan and before any write); the commit fsyncs it and swaps it in
-  (:class:`ddpstate.storage.StagedFolder`).
-- URLs: data files get a fresh random part in their names, so the old checkpoint's
-  files stay as they were; ``finish`` uncommits the old checkpoint (its manifest),
-  writes ``.metadata`` and the new manifest, then deletes the ``.distcp`` files the
-  new manifest does not list.
+Each save stages under its own name, which DCP's coordinator picks when it plans the
+save (``prepare_global_plan``, after every rank's local plan and before any write) and
+hands every rank inside its plan (:class:`_Staging`):
+
+- local paths: a fresh ``.<name>.ddpstate-tmp-<hex>`` folder beside the target,
+  ``flock``-ed while the save runs; the commit fsyncs it and swaps it in
+  (:class:`ddpstate.storage.StagedFolder`), then deletes the staging folders of this
+  target that killed saves left.
+- URLs: the target itself when nothing is committed there (shard names carry the
+  save's nonce), else a fresh version folder ``<target>/v-<hex>``; the commit is one
+  PUT of ``manifest.json`` (for a version folder: a pointer naming it), and only
+  then are the previous checkpoint's files deleted. Plain DCP reads the folder the
+  pointer names: ``dcp.load(state, checkpoint_id=<target>/<version>)``.
+
+Either way the commit is a compare-and-swap: a save whose target another save committed
+while it was in flight fails, on every rank, naming the target.
 
 :class:`VerifiedReader` is ``FileSystemReader`` (``FsspecReader``) whose file system
 returns, for each shard file, a :class:`_VerifiedFile`: reads go straight into
@@ -31,10 +38,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import hashlib
 import io
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from torch.distributed.checkpoint.filesystem import (
@@ -71,6 +78,17 @@ class _Checked:
 
     info: Any  # torch's _StorageInfo(relative_path, offset, length)
     crc: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staging:
+    """A rank's ``SavePlan.storage_data``: torch's file-name prefix and the folder to write into.
+
+    The coordinator fills it in planning, so every rank writes where this save staged.
+    """
+
+    prefix: str
+    folder: str
 
 
 def _rank() -> int:
@@ -299,27 +317,26 @@ class _VerifiedFile(io.RawIOBase):
         )
 
 
-def _staging_for(target: str) -> str:
-    """The staging folder beside local ``target``, the same on every rank."""
-    name = os.path.basename(target.rstrip(os.sep))
-    digest = hashlib.sha256(f"dcp:{name}".encode()).hexdigest()[:16]
-    return os.path.join(os.path.dirname(target), f".{name}{storage.TEMP_MARKER}{digest}")
-
-
 class DurableWriter(FileSystemWriter):
     """A ``torch.distributed.checkpoint`` storage writer that commits like ddpstate.
 
     Use it wherever torch's ``FileSystemWriter`` goes:
     ``dcp.save(state, storage_writer=DurableWriter(path))``, ``dcp.async_save``,
-    torchtitan. Every rank writes its shards into a staging folder (local paths)
-    or under fresh names (fsspec URLs), CRC-32-ing each item as its bytes go out;
-    the coordinator writes ``.metadata``, then ``manifest.json`` last (size,
-    CRC-32 and per-item CRC-32 chunks of every file), the commit marker, and on
-    local paths fsyncs the folder and swaps it into place. A save that dies
-    midway commits nothing and leaves the previous checkpoint at ``path`` intact;
-    :meth:`discard` then deletes its staging folder.
-    The folder still loads with plain ``dcp.load``; :class:`VerifiedReader` also
-    checks every byte it reads.
+    torchtitan. Every rank writes its shards into the folder this save staged
+    (named by the coordinator when DCP plans the save: beside ``path`` on local
+    disks, a fresh version prefix below it on object stores that hold a committed
+    checkpoint), CRC-32-ing each item as its bytes go out; the coordinator writes
+    ``.metadata``, then ``manifest.json`` last (size, CRC-32 and per-item CRC-32
+    chunks of every file), and commits: on local paths it fsyncs the folder and
+    swaps it into place, on URLs one PUT of the manifest (or of a pointer to the
+    version) does it, and the replaced checkpoint's files go only after that. A
+    save that dies midway commits nothing and leaves the previous checkpoint at
+    ``path`` intact; :meth:`discard`, or the next successful save, deletes what it
+    left. Two saves to one ``path`` at once (an un-awaited ``dcp.async_save``, a
+    requeued job): the one that commits second fails on every rank, naming ``path``.
+    The folder loads with plain ``dcp.load`` (on a URL, from the version folder
+    ``ddpstate.storage.committed_folder(path)`` names); :class:`VerifiedReader`
+    finds it itself and checks every byte it reads.
 
     Args:
         path: The checkpoint folder (local path or fsspec URL such as ``s3://b/ckpt``).
@@ -334,7 +351,8 @@ class DurableWriter(FileSystemWriter):
     Raises:
         CheckpointWriteError: ``overwrite=False`` and ``path`` holds a committed
             checkpoint; from ``dcp.save`` (inside torch's ``CheckpointException``)
-            when the commit fails.
+            when the commit fails, or another save committed ``path`` while this
+            one was in flight.
 
     Example:
         >>> import os, tempfile, torch
@@ -386,10 +404,11 @@ class DurableWriter(FileSystemWriter):
         self.remote = _fs.is_remote(text)
         self.target = text if self.remote else os.path.abspath(_fs.local_path(text))
         self.sync_files = self._sync_asked and not self.remote
-        staging = self.target if self.remote else _staging_for(self.target)
         self.checked = _Checksummed(_file_system(text, self.storage_options), self.target)
         self.fs = self.checked  # type: ignore[assignment]  # torch annotates its own class
-        self.path = staging
+        self.path = self.target  # until planning names this save's staging folder
+        #: The coordinator's staged folder for this save (prepare_global_plan).
+        self.staged: Optional[storage.StagedFolder] = None
         if not self.overwrite and storage.exists(
             storage.join(self.target, MANIFEST_NAME), **self._opts()
         ):
@@ -419,10 +438,10 @@ class DurableWriter(FileSystemWriter):
     def discard(self) -> None:
         """Delete what a failed save left; call it on every rank after ``dcp.save`` raised.
 
-        On a local path the coordinator deletes the staging folder (the checkpoint
-        at ``path`` was never touched). On a URL nothing is deleted here: the files
-        of a save that did not commit are listed in no manifest, ``ddpstate verify``
-        names them, and the next save to the same URL deletes them when it commits.
+        The coordinator deletes this save's staging folder (the checkpoint at
+        ``path`` was never touched). Files a save to an empty URL wrote in place
+        stay: they are listed in no manifest, and the next save there deletes them.
+        Without this call the next successful save of ``path`` deletes them too.
 
         Example:
             >>> import os, tempfile
@@ -430,8 +449,8 @@ class DurableWriter(FileSystemWriter):
             >>> writer = DurableWriter(os.path.join(tempfile.mkdtemp(), "ckpt"))
             >>> writer.discard()  # nothing staged yet: nothing to delete
         """
-        if not self.remote and getattr(self, "is_coordinator", False):
-            storage.remove(self.path, recursive=True, missing_ok=True)
+        if self.staged is not None:
+            self.staged.discard()
 
     def _opts(self) -> dict[str, Any]:
         return {"storage_options": self.storage_options}
@@ -440,23 +459,29 @@ class DurableWriter(FileSystemWriter):
         return plan  # the coordinator makes the staging folder (prepare_global_plan)
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        if not self.remote:  # a fresh staging folder, before any rank writes into it
-            if os.path.lexists(self.target) and not os.path.isdir(self.target):
-                raise CheckpointWriteError(
-                    f"{self.target} exists and is a file; a DCP checkpoint is a folder. Give "
-                    f"another path (ddpstate never deletes files it did not write)"
-                )
-            storage.remove(self.path, recursive=True, missing_ok=True)
-            storage.makedirs(self.path)
-        return super().prepare_global_plan(plans)
+        if not self.remote and os.path.lexists(self.target) and not os.path.isdir(self.target):
+            raise CheckpointWriteError(
+                f"{self.target} exists and is a file; a DCP checkpoint is a folder. Give "
+                f"another path (ddpstate never deletes files it did not write)"
+            )
+        # This save's own staging folder, named here and sent to every rank in its plan.
+        self.staged = storage.stage_folder(
+            self.target, fsync=self.sync_files, storage_options=self.storage_options
+        )
+        # In place on a URL (nothing committed there): a nonce in each shard's name keeps
+        # a killed or overlapping save's files from being taken for this one's.
+        nonce = f"{os.urandom(4).hex()}_" if self.staged.path == self.target else ""
+        return [
+            dataclasses.replace(
+                plan, storage_data=_Staging(plan.storage_data.prefix + nonce, self.staged.path)
+            )
+            for plan in super().prepare_global_plan(plans)
+        ]
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[Any]]:
         fs = self.checked
-        if self.remote:  # fresh names: the files of a checkpoint already there stay as they are
-            fresh = f"{plan.storage_data.prefix}{os.urandom(4).hex()}_"
-            plan = dataclasses.replace(
-                plan, storage_data=dataclasses.replace(plan.storage_data, prefix=fresh)
-            )
+        staging: _Staging = plan.storage_data
+        self.path = staging.folder if self.remote else Path(staging.folder)
         fs.pieces.clear()
         written = super().write_data(plan, planner)
         written.wait()
@@ -495,18 +520,21 @@ class DurableWriter(FileSystemWriter):
                 [dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank_results]
             )
         files = {name: _file_entry(name, sorted(pieces)) for name, pieces in chunks.items()}
-        if self.remote:  # uncommit the checkpoint this one replaces before its .metadata goes
-            storage.remove(
-                storage.join(self.target, MANIFEST_NAME), missing_ok=True, **self._opts()
+        staged = self.staged
+        if staged is None:
+            raise CheckpointWriteError(
+                f"{self.target}: DurableWriter.finish ran on a rank that did not plan the save"
             )
-        super().finish(metadata, plain)  # torch writes .metadata: torch's own objects only
-        files[METADATA_NAME] = fs.whole[METADATA_NAME + ".tmp"]
+        try:
+            super().finish(metadata, plain)  # torch writes .metadata: torch's own objects only
+            files[METADATA_NAME] = fs.whole[METADATA_NAME + ".tmp"]
+            manifest = _manifest.manifest_for(None, {}, len(results), None, files, FOLDER_FORMAT)
+            staged.commit(manifest)
+        except BaseException as exc:  # plain dcp.save never calls discard(): clean up here
+            staged.discard(exc)
+            raise
         self.files = files
-        manifest = _manifest.manifest_for(None, {}, len(results), None, files, FOLDER_FORMAT)
-        storage.StagedFolder(
-            self.target, str(self.path), fsync=self.sync_files, storage_options=self.storage_options
-        ).commit(manifest)
-        if self.remote:  # the replaced checkpoint's shards, now unreachable
+        if staged.path == self.target and self.remote:  # a killed save's shards, in place
             for name in storage.listdir(self.target, **self._opts()):
                 if name.endswith(SHARD_SUFFIX) and name not in files:
                     storage.remove(storage.join(self.target, name), missing_ok=True, **self._opts())
@@ -590,7 +618,8 @@ class VerifiedReader(FileSystemReader):
         super().reset()
         if not checkpoint_id:
             return
-        text = os.fspath(checkpoint_id)
+        # On a URL, a checkpoint saved over another lives in the version its manifest names.
+        text = storage.committed_folder(checkpoint_id, storage_options=self.storage_options)
         self.path = text if _fs.is_remote(text) else _fs.local_path(text)
         self.checked = _Checksummed(_file_system(text, self.storage_options), text)
         self.checked.chunks = self._committed_chunks(text)

@@ -499,9 +499,10 @@ def load_dcp(
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    if weights_only:
+    if weights_only:  # on a URL saved over another checkpoint: the version its manifest names
+        committed = storage.committed_folder(path, storage_options=storage_options)
         with storage.open_read(
-            storage.join(path, ".metadata"), storage_options=storage_options
+            storage.join(committed, ".metadata"), storage_options=storage_options
         ) as f:
             check_dcp_metadata(f.read(), name)
 

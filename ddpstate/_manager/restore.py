@@ -472,7 +472,10 @@ def _load(
     succeeded; only then is it loaded into the live objects.
     ``mapped``: the local tier is node-local memory, so its files are mapped, not copied.
     """
-    folder, saved_entries = str(source.path), manifest["entries"]
+    # On a URL, a step saved over another lives in the version folder its manifest names.
+    opts = writer.config.storage_options
+    folder = storage.committed_folder(str(source.path), storage_options=opts)
+    saved_entries = manifest["entries"]
     timeout = writer.config.timeout
     error: Optional[Exception] = None
     staged: Optional[_Staged] = None

@@ -55,6 +55,7 @@ def verify(
     folder: str, step: int, opts: Optional[dict[str, Any]], timeout: Timeout
 ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """Rank 0: check ``folder`` with every rank's help; return (manifest, problems) as _verify."""
+    folder = storage.committed_folder(folder, storage_options=opts)  # a URL's version folder
     manifest, problem = _manifest.read_manifest(folder, opts)
     if manifest is None:
         return None, str(problem)

@@ -28,7 +28,14 @@ from ddpstate._storage.temps import (
 from ddpstate._warn import warn
 from ddpstate.errors import CheckpointWriteError, InvalidArgumentError
 
-__all__ = ["atomic_write_local", "wait_for_freed", "write_by_name"]
+__all__ = [
+    "atomic_write_local",
+    "create_locked_temp",
+    "flock",
+    "remove_stale_temps",
+    "wait_for_freed",
+    "write_by_name",
+]
 
 # Freeing a large file's blocks is slow on some filesystems (ext4 mounted with
 # `discard` spends ~0.5 s per GiB); below this size it is not worth a thread.
@@ -102,7 +109,7 @@ def _unlink_missing_ok(path: str) -> None:
         os.unlink(path)
 
 
-def _flock(fd: int, *, wait: bool) -> bool:
+def flock(fd: int, *, wait: bool) -> bool:
     """Take an exclusive ``flock`` on ``fd``; False where another process holds it.
 
     Also False where locks are unavailable (Windows, filesystems without
@@ -119,7 +126,7 @@ def _flock(fd: int, *, wait: bool) -> bool:
     return True
 
 
-def _remove_stale_temps(target: str, own: str, own_retired: Optional[str] = None) -> None:
+def remove_stale_temps(target: str, own: str, own_retired: Optional[str] = None) -> None:
     """Delete the temp files of the folder's files left by writers killed mid-write.
 
     A writer holds an exclusive ``flock`` on its temp file from creation until
@@ -152,9 +159,9 @@ def _remove_stale_temps(target: str, own: str, own_retired: Optional[str] = None
             continue
         try:
             mode = os.fstat(fd).st_mode
-            if stat.S_ISREG(mode) and _flock(fd, wait=False):
+            if stat.S_ISREG(mode) and flock(fd, wait=False):
                 os.unlink(path)
-            elif stat.S_ISDIR(mode) and name.startswith(prefix) and _flock(fd, wait=False):
+            elif stat.S_ISDIR(mode) and name.startswith(prefix) and flock(fd, wait=False):
                 # A write_by_name staging folder (a library's own temp file inside).
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
@@ -177,10 +184,14 @@ def _free_retired(path: str) -> None:
             _free_later(path)
 
 
-def _create_locked_temp(
-    folder: str, base: str, path: str, *, as_folder: bool = False
+def create_locked_temp(
+    folder: str, base: str, path: str, *, as_folder: bool = False, folder_mode: int = 0o700
 ) -> tuple[str, int]:
-    """Create a fresh temp file (or folder) for ``base`` and hold its ``flock``; (name, fd)."""
+    """Create a fresh temp file (or folder) for ``base`` and hold its ``flock``; (name, fd).
+
+    ``folder_mode``: a staging folder that becomes the checkpoint takes 0o777 (the umask
+    decides, as for any new folder); a private scratch folder keeps 0o700.
+    """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     while True:
         temp = os.path.join(folder, temp_name_for(base))
@@ -188,7 +199,7 @@ def _create_locked_temp(
             # 0o666 lets the umask decide, as for any new file; O_EXCL refuses to
             # follow a planted symlink or reuse someone else's file.
             if as_folder:
-                os.mkdir(temp, 0o700)
+                os.mkdir(temp, folder_mode)
                 fd = os.open(temp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
             else:
                 fd = os.open(temp, flags, 0o666)
@@ -198,7 +209,7 @@ def _create_locked_temp(
                 f"{exc}); check that the folder exists and is writable"
             ) from exc
         # Held until the file is closed: tells later saves this temp file is not stale.
-        _flock(fd, wait=True)
+        flock(fd, wait=True)
         if os.fstat(fd).st_nlink:
             return temp, fd
         # Another process's save took the new file for a dead writer's in the moment
@@ -238,7 +249,7 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
             f"{path} is a folder; save needs a file path such as {os.path.join(path, 'model.pt')}"
         )
     folder = os.path.dirname(target)
-    temp, fd = _create_locked_temp(folder, os.path.basename(target), path)
+    temp, fd = create_locked_temp(folder, os.path.basename(target), path)
     try:
         if hasattr(os, "fchmod"):  # not on Windows before Python 3.13
             with contextlib.suppress(FileNotFoundError):
@@ -286,7 +297,7 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
     finally:
         if retired is not None and os.path.exists(retired):
             _free_later(retired)
-    _remove_stale_temps(target, temp, retired)
+    remove_stale_temps(target, temp, retired)
 
 
 @contextlib.contextmanager
@@ -323,7 +334,7 @@ def write_by_name(fileobj: IO[bytes]) -> Iterator[str]:
     temp = str(fileobj.name)
     folder, temp_base = os.path.split(temp)
     base = temp_base[1 : temp_base.rindex(TEMP_MARKER)]
-    stage, fd = _create_locked_temp(folder, base, temp, as_folder=True)
+    stage, fd = create_locked_temp(folder, base, temp, as_folder=True)
     try:
         written = os.path.join(stage, base)
         yield written

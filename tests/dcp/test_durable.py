@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ddpstate
+from ddpstate import storage
 from ddpstate.convert import convert_file, inspect_file, verify_file
 from ddpstate.dcp import DurableWriter, VerifiedReader
 from ddpstate.errors import (
@@ -341,7 +342,12 @@ def test_fsdp2_round_trip_on_s3_resharded_2_to_4(s3_server: S3Server) -> None:  
     run_ranks(_save_fsdp, 2, args=(url, opts, 0, "sync"), timeout=150)
     saved = run_ranks(_save_fsdp, 2, args=(url, opts, 1, "sync"), timeout=150)  # replaces it
     fs = s3_server.filesystem()
-    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url))
+    # Saved over a committed checkpoint: a fresh version folder, committed by the pointer.
+    top = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url))
+    assert len(top) == 2 and top[0] == "manifest.json" and top[1].startswith("v-"), top
+    version = storage.committed_folder(url, storage_options=opts)
+    assert version == f"{url}/{top[1]}"
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(version))
     assert names[0] == ".metadata" and names[-1] == "manifest.json" and len(names) == 6
     assert ddpstate.verify_checkpoint(url, storage_options=opts).ok
     loaded = run_ranks(_load_fsdp, 4, args=(url, opts, False), timeout=150)

@@ -63,19 +63,9 @@ CONFIGS = [
     for save in ("new", "resave")
 ]
 
-# Issue 41 item 1 (the i41store branch): re-saving a step at an object-store URL
-# uncommits the old copy (manifest, then folder) before the new one is written.
-_URL_RESAVE = pytest.mark.xfail(
-    reason="issue 41 item 1: re-saving a step at an fsspec URL removes the committed copy "
-    "before writing the new one; a kill in between loses it",
-    strict=True,
-)
-
 
 def _param(config: Config) -> Any:
     marks = [pytest.mark.slow] if config.where == "s3" else []  # 4-6 s with the S3 server
-    if (config.where, config.save) == ("s3", "resave"):
-        marks.append(_URL_RESAVE)
     return pytest.param(config, id=config.name, marks=marks)
 
 

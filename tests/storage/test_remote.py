@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import io
 import secrets
 import warnings
 from collections.abc import Iterator
@@ -11,8 +13,11 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.registry import _registry as fsspec_protocols
 
 from ddpstate import storage
+from ddpstate._storage import remote
 from ddpstate.checkpoint import load, save
 from ddpstate.errors import CheckpointFormatError, CheckpointWriteError
 from tests.multiproc import run_ranks
@@ -180,3 +185,115 @@ def test_s3_two_ranks_save_load_and_shared_failure(s3_server: S3Server) -> None:
     )
     assert listing == ["ckpt.pt", "w.safetensors"]
     assert _pending_uploads(s3_server, bucket) == []
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+class _PublishesOnClose(fsspec.spec.AbstractBufferedFile):  # type: ignore[misc]
+    """An upload from a backend that ignores ``autocommit=False``: closing it publishes it."""
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        if final:  # whatever was buffered becomes the object, committed or not
+            self.fs.published[self.path] = self.buffer.getvalue()
+        return final
+
+    def commit(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        self.buffer = io.BytesIO()
+
+
+class _LeakyStore(fsspec.AbstractFileSystem):  # type: ignore[misc]
+    protocol = "ddpstate-leaky-test"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.published: dict[str, bytes] = {}
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        return _PublishesOnClose(self, path, mode, **kwargs)
+
+
+def test_a_failed_upload_is_discarded_never_closed() -> None:
+    # A backend that ignores autocommit=False publishes whatever a close() flushes: a
+    # failed write must only be discarded, or its truncated bytes replace the good object.
+    fs = _LeakyStore(skip_instance_cache=True)
+    fs.published["bucket/model.pt"] = b"the good checkpoint"
+    url = "ddpstate-leaky-test://bucket/model.pt"
+    upload = remote.atomic_write_object_store(fs, url, "bucket/model.pt")
+    with pytest.raises(RuntimeError, match="died mid-write"), upload as f:
+        f.write(b"trunc")
+        raise RuntimeError("died mid-write")
+    gc.collect()  # the abandoned upload's finaliser must not publish it either
+    assert fs.published == {"bucket/model.pt": b"the good checkpoint"}
+
+
+class _CopyThenDeleteFileSystem(MemoryFileSystem):  # type: ignore[misc]
+    """A filesystem whose mv is a copy and a delete, as on most non-POSIX backends."""
+
+    protocol = ("ddpstate-copymv-test",)
+
+    def mv(self, path1: str, path2: str, **kwargs: Any) -> None:
+        self.copy(path1, path2)
+        self.rm(path1)
+
+
+def test_a_protocol_without_a_known_atomic_publish_is_refused_until_trusted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(fsspec_protocols, "ddpstate-copymv-test", _CopyThenDeleteFileSystem)
+    monkeypatch.setattr(remote, "_trusted", {}, raising=False)
+    url = f"ddpstate-copymv-test://ddpstate-{secrets.token_hex(4)}/model.pt"
+    fs = _CopyThenDeleteFileSystem()
+    try:
+        with pytest.raises(CheckpointWriteError) as refused, storage.atomic_write(url) as f:
+            f.write(b"weights")
+        message = str(refused.value)
+        assert "'ddpstate-copymv-test'" in message and "trust_protocol" in message
+        assert not fs.exists(url)  # nothing was written
+        with pytest.raises(CheckpointWriteError, match="trust_protocol"):
+            storage.stage_folder(url.rsplit("/", 1)[0] + "/step_1")  # folders too
+        storage.trust_protocol("ddpstate-copymv-test", "rename")  # the user accepts the risk
+        with storage.atomic_write(url) as f:
+            f.write(b"weights")
+        assert fs.cat(url) == b"weights"
+    finally:
+        root = url.split("://", 1)[1].split("/", 1)[0]
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+def test_a_manager_step_resaved_on_s3_stays_committed_until_the_new_copy_is(
+    s3_server: S3Server,  # noqa: F811
+) -> None:
+    from ddpstate.manager import CheckpointManager, verify_checkpoint
+
+    opts = s3_server.storage_options
+    run = f"s3://{s3_server.new_bucket()}/run"
+    first = {"weights": {"w": torch.randn(64)}, "epoch": 1}
+    with CheckpointManager(run, storage_options=opts) as manager:
+        manager.save(1, first)
+        step = manager.checkpoint_path(1)
+        # Re-saving the step fails midway (a value that cannot be written): the step
+        # committed before must still be there, whole.
+        with pytest.raises(CheckpointWriteError, match="refuses to be pickled"):
+            manager.save(1, {"weights": {"w": torch.randn(64)}, "epoch": ExplodesWhenPickled()})
+        state: dict[str, Any] = {"weights": None, "epoch": None}
+        assert manager.restore(state) == 1
+        assert torch.equal(state["weights"]["w"], first["weights"]["w"]) and state["epoch"] == 1
+        second = {"weights": {"w": torch.randn(64)}, "epoch": 2}
+        manager.save(1, second)
+    # The new copy lives in a version folder the step's manifest points to; the old one is gone.
+    committed = storage.committed_folder(step, storage_options=opts)
+    assert committed.startswith(f"{step}/v-")
+    assert storage.listdir(step, storage_options=opts) == [
+        "manifest.json",
+        committed[len(step) + 1 :],
+    ]
+    assert verify_checkpoint(step, storage_options=opts).ok
+    with CheckpointManager(run, storage_options=opts) as manager:
+        state = {"weights": None, "epoch": None}
+        assert manager.restore(state) == 1
+        assert torch.equal(state["weights"]["w"], second["weights"]["w"]) and state["epoch"] == 2

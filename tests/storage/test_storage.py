@@ -259,7 +259,7 @@ def test_a_temp_file_taken_for_stale_before_its_lock_is_replaced(
 ) -> None:
     # Another process's save may take a just-created temp file for a dead writer's and
     # delete it in the instant before the writer locks it; the writer starts again.
-    real_flock = local_write._flock
+    real_flock = local_write.flock
     calls: list[str] = []
 
     def flock_after_a_rival_deleted_it(fd: int, *, wait: bool) -> bool:
@@ -269,7 +269,7 @@ def test_a_temp_file_taken_for_stale_before_its_lock_is_replaced(
             victim.unlink()
         return real_flock(fd, wait=wait)
 
-    monkeypatch.setattr(local_write, "_flock", flock_after_a_rival_deleted_it)
+    monkeypatch.setattr(local_write, "flock", flock_after_a_rival_deleted_it)
     with storage.atomic_write(tmp_path / "x.pt") as f:
         f.write(b"saved")
     assert calls and (tmp_path / "x.pt").read_bytes() == b"saved"
@@ -308,25 +308,36 @@ def test_staged_folder_without_commit_swaps_in_a_folder_with_no_manifest(tmp_pat
     assert sorted(p.name for p in target.iterdir()) == [".metadata"]
 
 
-def test_staged_folder_on_fsspec_uncommits_the_old_copy_and_writes_in_place() -> None:
+def test_staged_folder_on_fsspec_keeps_the_old_copy_committed_until_one_pointer_put() -> None:
     fsspec = pytest.importorskip("fsspec")
     fs = fsspec.filesystem("memory")
     url = "memory://ddpstate-staged/step_1"
+    old_manifest = b'{"files": {"old.pt": {}}}'
     fs.pipe(
-        {"/ddpstate-staged/step_1/old.pt": b"old", "/ddpstate-staged/step_1/manifest.json": b"{}"}
+        {
+            "/ddpstate-staged/step_1/old.pt": b"old",
+            "/ddpstate-staged/step_1/manifest.json": old_manifest,
+        }
     )
     try:
         with storage.staged_folder(url) as staged:
-            assert staged.path == url
-            assert not fs.exists("/ddpstate-staged/step_1/manifest.json")  # uncommitted first
+            version = staged.path.rsplit("/", 1)[-1]
+            assert staged.path == f"{url}/{version}" and version.startswith("v-")
             with storage.atomic_write(storage.join(staged.path, "model.pt")) as f:
                 f.write(b"new")
+            # The old checkpoint is committed and whole until the commit itself.
+            assert fs.cat("/ddpstate-staged/step_1/manifest.json") == old_manifest
+            assert fs.cat("/ddpstate-staged/step_1/old.pt") == b"old"
             staged.commit(b'{"v": 1}')
-        assert fs.cat("/ddpstate-staged/step_1/manifest.json") == b'{"v": 1}'
-        assert sorted(storage.listdir(url)) == ["manifest.json", "model.pt"]
-        with pytest.raises(ValueError), storage.staged_folder(url):
+        assert storage.committed_folder(url) == staged.path
+        assert fs.cat(f"/ddpstate-staged/step_1/{version}/manifest.json") == b'{"v": 1}'
+        # The replaced checkpoint's files go only after the commit.
+        assert storage.listdir(url) == ["manifest.json", version]
+        with pytest.raises(ValueError), storage.staged_folder(url) as failed:
+            assert failed.path != staged.path
             raise ValueError("the write failed")
-        assert not fs.exists("/ddpstate-staged/step_1")  # discarded, as the old copy was
+        assert storage.listdir(url) == ["manifest.json", version]  # discarded; the commit stands
+        assert storage.committed_folder(url) == staged.path
     finally:
         if fs.exists("/ddpstate-staged"):
             fs.rm("/ddpstate-staged", recursive=True)
