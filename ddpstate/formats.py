@@ -15,6 +15,7 @@ from ddpstate import _fs, storage
 from ddpstate._layout.folders import folder_kind
 from ddpstate._layout.hf_index import find_index, is_index_name
 from ddpstate._layout.safetensors import SAFETENSORS_MAX_HEADER
+from ddpstate._layout.torch_zip import ZIP_ERRORS
 from ddpstate.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -221,14 +222,7 @@ def _zip_kind(fileobj: IO[bytes], name: str) -> FormatName:
     fileobj.seek(0)
     try:
         names = zipfile.ZipFile(fileobj).namelist()
-    except (
-        zipfile.BadZipFile,
-        zipfile.LargeZipFile,
-        OSError,
-        ValueError,
-        EOFError,
-        NotImplementedError,
-    ) as exc:
+    except ZIP_ERRORS as exc:
         raise CheckpointCorruptError(
             f"{name}: starts like a zip archive (torch.save) but its directory cannot be read "
             f"({type(exc).__name__}: {exc}); it is truncated or damaged: re-save or re-download it"

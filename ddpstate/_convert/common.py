@@ -364,10 +364,15 @@ def format_from_name(dst: Optional[PathLike]) -> Optional[FormatName]:
     return next((f for f in (SAFETENSORS, PT) if name.endswith(formats.TABLE[f].suffixes)), None)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: how results and messages name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def describe(value: Any) -> str:
     """A short description of one value of a checkpoint (``tensor float32 [2]``...)."""
     if isinstance(value, torch.Tensor):
-        return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+        return f"tensor {dtype_name(value.dtype)} {list(value.shape)}"
     if isinstance(value, bool) or value is None:
         return repr(value)
     if isinstance(value, (int, float)):

@@ -25,8 +25,10 @@ from ddpstate._convert.common import (
     StateEdit,
     apply_edit,
     counted,
+    describe,
     destination,
     dotted,
+    dtype_name,
     find_or_note,
     format_from_name,
     structure,
@@ -53,10 +55,6 @@ from ddpstate.formats import PT, SAFETENSORS
 __all__ = ["convert_from_dcp", "convert_to_dcp", "inspect_dcp", "verify_dcp"]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _nbytes(entry: Any) -> int:
     return math.prod(int(n) for n in entry.size) * int(entry.properties.dtype.itemsize)
 
@@ -81,7 +79,7 @@ def _file_sizes(path: str, storage_options: Optional[dict[str, Any]]) -> dict[st
 def _describe(value: Any, role: Optional[str]) -> str:
     count, size = _tensor_stats(value)
     if role is None and isinstance(value, torch.Tensor):
-        return f"tensor {_dtype_name(value.dtype)} {list(value.shape)}"
+        return describe(value)
     if role is None and isinstance(value, _dcp_read.BytesEntry):
         return "a pickled value"
     return counted(f"{type(value).__name__} of {len(value)} entries", role, count, size)
@@ -131,7 +129,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
         if isinstance(entry, TensorStorageMetadata):
             tensor_count += 1
             chunks += len(entry.chunks)
-            dtype_bytes[_dtype_name(entry.properties.dtype)] += _nbytes(entry)
+            dtype_bytes[dtype_name(entry.properties.dtype)] += _nbytes(entry)
     sizes = _file_sizes(path, storage_options)
     files = {info.relative_path for info in (metadata.storage_data or {}).values()}
     notes.append(
@@ -140,7 +138,7 @@ def inspect_dcp(path: str, *, storage_options: Optional[dict[str, Any]] = None) 
     )
     items = list(sd.items()) if sd is not None else list(_flat(tree))
     rows = [
-        TensorInfo(str(k), _dtype_name(v.dtype), tuple(v.shape), v.nbytes, "cpu")
+        TensorInfo(str(k), dtype_name(v.dtype), tuple(v.shape), v.nbytes, "cpu")
         if isinstance(v, torch.Tensor)
         else TensorInfo(str(k), _describe(v, None), (), 0, "")
         for k, v in items

@@ -17,6 +17,7 @@ from ddpstate._convert.common import (
     counted,
     describe,
     dotted,
+    dtype_name,
     find_or_note,
     is_dcp_folder,
     is_optimizer_state,
@@ -135,7 +136,7 @@ def _inspect(text: str, unsafe: bool, storage_options: Optional[dict[str, Any]])
     for t in all_tensors:
         storages.setdefault(
             t.untyped_storage().data_ptr() or id(t),
-            (_dtype(t), t.untyped_storage().nbytes(), ckpt.location(t)),
+            (dtype_name(t.dtype), t.untyped_storage().nbytes(), ckpt.location(t)),
         )
     dtype_bytes: dict[str, int] = collections.Counter()
     for dtype, nbytes, _ in storages.values():
@@ -143,7 +144,7 @@ def _inspect(text: str, unsafe: bool, storage_options: Optional[dict[str, Any]])
     devices = collections.Counter(location for _, _, location in storages.values())
     every = ((dotted(p) or "", t) for p, t in iter_tensors(root))  # no state dict
     rows = tuple(
-        TensorInfo(str(name), _dtype(v), tuple(v.shape), v.nbytes, ckpt.location(v))
+        TensorInfo(str(name), dtype_name(v.dtype), tuple(v.shape), v.nbytes, ckpt.location(v))
         if isinstance(v, torch.Tensor)
         else TensorInfo(str(name), describe(v), (), 0, "")
         for name, v in (sd.items() if sd is not None else every)
@@ -164,7 +165,3 @@ def _inspect(text: str, unsafe: bool, storage_options: Optional[dict[str, Any]])
         problems=(),
         notes=tuple(notes),
     )
-
-
-def _dtype(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")

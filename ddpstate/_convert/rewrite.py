@@ -16,6 +16,7 @@ from ddpstate._convert.common import (
     apply_edit,
     default_destination,
     destination,
+    dtype_name,
     format_from_name,
     is_dcp_folder,
     old_arguments,
@@ -297,7 +298,7 @@ def _convert(
     done = apply_edit(ckpt.obj, edit, whole=out.format != SAFETENSORS)
     cast = 0
     if out.dtype is not None:
-        dtype = str(out.dtype).removeprefix("torch.")
+        dtype = dtype_name(out.dtype)
         # Cast tensors are made in files mapped beside a local output (memory stays flat).
         spill = None if _fs.is_remote(out.dst) else os.path.dirname(os.path.abspath(out.dst))
         if out.format == PT:

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 import struct
-from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError
@@ -186,7 +186,9 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
     return Header(entries, {str(k): str(v) for k, v in meta.items()}, data_start, tuple(problems))
 
 
-def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, str]) -> list[str]:
+def restore_extras(
+    state_dict: collections.OrderedDict[str, Any], metadata: Mapping[str, str]
+) -> list[str]:
     """Apply ddpstate's header extras to a state dict read from a file.
 
     Aliased keys get their canonical entry's very value (tied tensors come back
@@ -201,8 +203,8 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
         What could not be applied (empty when all is well).
 
     Example:
-        >>> sd = {"a": 1}
-        >>> restore_extras(sd, {ALIASES_KEY: '{"b": "a"}'}), sd
+        >>> sd = collections.OrderedDict(a=1)
+        >>> restore_extras(sd, {ALIASES_KEY: '{"b": "a"}'}), dict(sd)
         ([], {'a': 1, 'b': 1})
     """
     problems = []
@@ -221,12 +223,8 @@ def restore_extras(state_dict: MutableMapping[str, Any], metadata: Mapping[str, 
                 or set(order) != state_dict.keys()
             ):
                 raise ValueError("it does not list the file's keys")
-            move = getattr(state_dict, "move_to_end", None)  # OrderedDict: O(1) a key
             for key in order:
-                if move is not None:
-                    move(key)
-                else:
-                    state_dict[key] = state_dict.pop(key)
+                state_dict.move_to_end(key)
         except (ValueError, TypeError) as exc:
             problems.append(f"{KEY_ORDER_KEY} is not the file's keys ({exc})")
     if STATE_DICT_METADATA_KEY in metadata:

@@ -21,7 +21,7 @@ from typing import IO, Optional, cast
 from ddpstate._crc import crc32_alongside
 from ddpstate.errors import CheckpointCorruptError
 
-__all__ = ["Record", "TorchZip", "check_crcs", "read_torch_zip"]
+__all__ = ["ZIP_ERRORS", "Record", "TorchZip", "check_crcs", "read_torch_zip"]
 
 # The local file header: signature, versions and flags, sizes, name and extra lengths.
 _LOCAL = struct.Struct("<4s2B4HL2L2H")
@@ -30,6 +30,15 @@ _LOCAL_SIGNATURE = b"PK\x03\x04"
 _REQUIRED = ("data.pkl", "version")
 # torch.save writes records at most one folder below the archive folder.
 _SUBFOLDERS = ("data", ".data")
+#: What ``zipfile`` raises for a zip directory it cannot read (damaged, truncated, crafted).
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    OSError,
+    ValueError,
+    EOFError,
+    NotImplementedError,
+)
 # Records are CRC-32'd in reads of this size (one buffer, reused).
 _CRC_BUFFER = 16 << 20
 
@@ -127,14 +136,7 @@ def read_torch_zip(file: IO[bytes], size: int, path: str) -> TorchZip:
     """
     try:
         infos = zipfile.ZipFile(file).infolist()
-    except (
-        zipfile.BadZipFile,
-        zipfile.LargeZipFile,
-        OSError,
-        ValueError,
-        EOFError,
-        NotImplementedError,
-    ) as exc:
+    except ZIP_ERRORS as exc:
         raise CheckpointCorruptError(
             f"{path}: its zip directory cannot be read ({type(exc).__name__}: {exc}); the file "
             f"is truncated or damaged: re-save or re-download it"
