@@ -159,17 +159,25 @@ class Checkpoint:
 def iter_tensors(obj: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """``(path, tensor)`` for every tensor in nested dicts, lists, tuples and sets, in order.
 
-    A loop over an explicit stack: torch loads 100,000-deep nesting, so may this.
+    A loop over an explicit stack: torch loads 100,000-deep nesting, so may this. Each
+    entry keeps its path as a link to its parent's (``(parent link, key)``), so a level
+    costs one small tuple, not a copy of the whole path; a path is spelled out only for a
+    tensor.
     """
-    stack: list[tuple[tuple[Any, ...], Any]] = [((), obj)]
+    Link = Optional[tuple[Any, Any]]  # (parent link, key), None at the root
+    stack: list[tuple[Link, Any]] = [(None, obj)]
     while stack:
-        path, value = stack.pop()
+        link, value = stack.pop()
         if isinstance(value, torch.Tensor):
-            yield path, value
+            keys: list[Any] = []
+            while link is not None:
+                link, key = link
+                keys.append(key)
+            yield tuple(reversed(keys)), value
         elif isinstance(value, dict):
-            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+            stack.extend(((link, k), v) for k, v in reversed(value.items()))
         elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+            stack.extend(((link, i), v) for i, v in reversed(list(enumerate(value))))
 
 
 def check_materializable(ckpt: Checkpoint, name: str, tensor: torch.Tensor) -> None:
