@@ -115,7 +115,11 @@ def _check_end(file: IO[bytes], size: int, path: str, entries: int) -> None:
     tail_start = max(0, size - _END.size - 0xFFFF)
     file.seek(tail_start)
     tail = file.read()
-    at = tail_start + tail.rfind(_END_SIGNATURE)  # zipfile's own choice: the last one
+    # zipfile's own choice: an end record with no comment at the very end, else the last
+    # signature (whose bytes may also occur inside a no-comment record's offsets).
+    last = tail[-_END.size :]
+    plain = last.startswith(_END_SIGNATURE) and last.endswith(b"\0\0")
+    at = size - _END.size if plain else tail_start + tail.rfind(_END_SIGNATURE)
     fields = _END.unpack(tail[at - tail_start : at - tail_start + _END.size])
     count, dir_size, dir_offset, end = fields[4], fields[5], fields[6], at
     file.seek(max(0, at - _LOCATOR.size))
