@@ -713,7 +713,9 @@ def _previous_files(
         return ()  # unreadable: nothing is deleted that might not be ddpstate's
     if not isinstance(files, dict):
         return ()
-    return tuple(join(target, name) for name in files if isinstance(name, str))
+    # The names are the old manifest's claims: one leaving the folder (an absolute path
+    # joins to a local path) is never deleted.
+    return tuple(join(target, name) for name in files if _fs.name_problem(name) is None)
 
 
 @contextlib.contextmanager
