@@ -143,8 +143,9 @@ def _check_end(file: IO[bytes], size: int, path: str, entries: int) -> None:
 def read_torch_zip(file: IO[bytes], size: int, path: str) -> TorchZip:
     """Check a torch.save zip's container and list its records, before torch reads it.
 
-    Refused: a name twice in the central directory, two entries sharing a local
-    header, a local header naming another record, more than one archive folder,
+    Refused: a name twice in the central directory (ignoring ASCII case, as torch
+    does), two entries sharing a local header, a local header naming another record,
+    more than one archive folder,
     names outside it or deeper than torch.save writes, a missing ``version`` or
     ``data.pkl``, a compressed or encrypted record, a record reaching past the end
     of the file or into another, a central directory that does not end where the
@@ -186,14 +187,17 @@ def read_torch_zip(file: IO[bytes], size: int, path: str) -> TorchZip:
     folders: set[str] = set()
     records: dict[str, Record] = {}
     headers: set[int] = set()
+    seen: set[str] = set()
     spans: list[tuple[int, int, str]] = []
     for info in infos:
         folder, name = _split(path, info.filename)
         folders.add(folder)
         if len(folders) > 1:
             raise _refuse(path, info.filename, f"lies outside the archive folder {folder!r}")
-        if name in records:
+        # torch's reader finds records ignoring ASCII case: DATA.PKL is data.pkl to it.
+        if name.lower() in seen:
             raise _refuse(path, info.filename, "appears twice in the central directory")
+        seen.add(name.lower())
         if info.header_offset in headers:
             raise _refuse(path, info.filename, "shares its local header with another record")
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
