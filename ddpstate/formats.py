@@ -329,8 +329,7 @@ def detect_format(
         raise CheckpointNotFoundError(f"{name}: no such file or folder")
     if storage.isdir(name, storage_options=storage_options):
         return _folder_kind(name, storage_options)
-    if not remote and os.path.exists(name) and not os.path.isfile(name):
-        # Opening a FIFO blocks until a writer comes; a device reads forever.
+    if not remote and _fs.is_special_file(name):
         raise CheckpointFormatError(
             f"{name}: not a regular file (a FIFO, socket or device), so ddpstate does not "
             f"open it; pass the checkpoint file itself, or a file object to ddpstate.load"

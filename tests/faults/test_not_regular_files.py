@@ -55,3 +55,38 @@ def test_a_fifo_given_to_the_api_is_a_format_error(call: str, tmp_path: Path) ->
     done = _run(["-c", _API.format(call=call), str(fifo)])
     assert done.returncode == 0, done.stderr
     assert f"{fifo}: not a regular file" in done.stdout, done.stdout
+
+
+def _fifo_inside(folder: Path, layout: str) -> Path:
+    """A checkpoint folder whose own fixed-name file is a FIFO (as a crafted tar unpacks)."""
+    if layout == "dcp":
+        target = folder / "dcp"
+        target.mkdir()
+        os.mkfifo(target / ".metadata")
+    elif layout == "manager_step":
+        target = folder / "run" / "step_0000000001"
+        target.mkdir(parents=True)
+        os.mkfifo(target / "manifest.json")
+    else:  # a manager folder whose latest pointer is a FIFO
+        target = folder / "run"
+        (target / "step_0000000001").mkdir(parents=True)
+        os.mkfifo(target / "latest")
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("command", "layout"),
+    [(c, layout) for c in ("verify", "inspect") for layout in ("dcp", "manager_step")]
+    + [("verify", "manager_latest")],  # inspect of a manager folder never reads latest
+)
+def test_a_fifo_inside_a_checkpoint_folder_is_refused(
+    command: str, layout: str, tmp_path: Path
+) -> None:
+    """``.metadata``, ``manifest.json`` or ``latest`` a FIFO: reported as damage (exit 1 or
+    2, naming the FIFO), within the time limit."""
+    src = _fifo_inside(tmp_path, layout)
+    done = _run(["-m", "ddpstate", command, str(src)])
+    assert done.returncode in (1, 2), (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert "not a regular file" in done.stdout + done.stderr, (done.stdout, done.stderr)
