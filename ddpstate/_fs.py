@@ -77,6 +77,18 @@ def name_problem(name: object) -> Optional[str]:
     return None
 
 
+def is_special_file(path: str) -> bool:
+    """Whether a local path is a FIFO, socket or device: opening one blocks until a
+    writer comes, or reads forever, so no reader opens it.
+
+    Example:
+        >>> from ddpstate._fs import is_special_file
+        >>> is_special_file("/dev/null"), is_special_file("/")
+        (True, False)
+    """
+    return os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path))
+
+
 def _hub_blob(base: str, real: str) -> bool:
     """Whether ``real`` is a blob of the Hugging Face Hub cache repository ``base`` lies in.
 

@@ -323,6 +323,11 @@ def detect_format(
         raise CheckpointNotFoundError(f"{name}: no such file or folder")
     if storage.isdir(name, storage_options=storage_options):
         return _folder_kind(name, storage_options)
+    if not remote and _fs.is_special_file(name):
+        raise CheckpointFormatError(
+            f"{name}: not a regular file (a FIFO, socket or device), so ddpstate does not "
+            f"open it; pass the checkpoint file itself, or a file object to ddpstate.load"
+        )
     try:
         opened: IO[bytes]
         if remote:

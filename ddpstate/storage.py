@@ -46,7 +46,12 @@ from ddpstate._storage.temps import fsync_dir as fsync_dir
 from ddpstate._storage.temps import retired_original as retired_original
 from ddpstate._storage.temps import temp_path_for as temp_path_for
 from ddpstate._warn import warn
-from ddpstate.errors import CheckpointNotFoundError, CheckpointWriteError, DDPStateError
+from ddpstate.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    DDPStateError,
+)
 
 # What users need; the writers' internals (``temp_path_for``, ``retired_original``,
 # ``write_by_name``, ``OBJECT_STORE_PROTOCOLS``, ``TEMP_MARKER``...) still import from here.
@@ -290,6 +295,11 @@ def open_read(path: PathLike, *, storage_options: Optional[dict[str, Any]] = Non
     try:
         fs, where = _fs.locate(text, storage_options)
         if fs is None:
+            if _fs.is_special_file(where):
+                raise CheckpointCorruptError(
+                    f"{text}: not a regular file (a FIFO, socket or device), so ddpstate does "
+                    f"not open it; a checkpoint holds only regular files: replace it"
+                )
             return open(where, "rb")
         if protocol_of(fs) == "memory":
             # fsspec's memory filesystem hands every reader of a path the same file object,
@@ -713,7 +723,9 @@ def _previous_files(
         return ()  # unreadable: nothing is deleted that might not be ddpstate's
     if not isinstance(files, dict):
         return ()
-    return tuple(join(target, name) for name in files if isinstance(name, str))
+    # The names are the old manifest's claims: one leaving the folder (an absolute path
+    # joins to a local path) is never deleted.
+    return tuple(join(target, name) for name in files if _fs.name_problem(name) is None)
 
 
 @contextlib.contextmanager

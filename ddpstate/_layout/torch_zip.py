@@ -26,6 +26,12 @@ __all__ = ["ZIP_ERRORS", "Record", "TorchZip", "check_crcs", "read_torch_zip"]
 # The local file header: signature, versions and flags, sizes, name and extra lengths.
 _LOCAL = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
+# The end of central directory record, the zip64 locator and the zip64 end record.
+_END = struct.Struct("<4s4H2LH")
+_END_SIGNATURE = b"PK\x05\x06"
+_LOCATOR = struct.Struct("<4sLQL")
+_LOCATOR_SIGNATURE = b"PK\x06\x07"
+_END64 = struct.Struct("<4sQ2H2L4Q")
 # The records every torch.save archive holds; torch.load refuses a file without them.
 _REQUIRED = ("data.pkl", "version")
 # torch.save writes records at most one folder below the archive folder.
@@ -107,14 +113,52 @@ def _local_offset(file: IO[bytes], path: str, info: zipfile.ZipInfo) -> int:
     return info.header_offset + _LOCAL.size + name_len + extra_len
 
 
+def _check_end(file: IO[bytes], size: int, path: str, entries: int) -> None:
+    """Refuse a central directory that does not end where the end record starts.
+
+    ``zipfile`` reads the directory just before the end record (taking any gap for
+    data prepended to the archive) and the zip64 end record just before its locator;
+    torch's reader takes both at the offsets the records state. When the two differ,
+    each reader sees a different archive in the same bytes.
+    """
+    tail_start = max(0, size - _END.size - 0xFFFF)
+    file.seek(tail_start)
+    tail = file.read()
+    # zipfile's own choice: an end record with no comment at the very end, else the last
+    # signature (whose bytes may also occur inside a no-comment record's offsets).
+    last = tail[-_END.size :]
+    plain = last.startswith(_END_SIGNATURE) and last.endswith(b"\0\0")
+    at = size - _END.size if plain else tail_start + tail.rfind(_END_SIGNATURE)
+    fields = _END.unpack(tail[at - tail_start : at - tail_start + _END.size])
+    count, dir_size, dir_offset, end = fields[4], fields[5], fields[6], at
+    file.seek(max(0, at - _LOCATOR.size))
+    locator = file.read(_LOCATOR.size)
+    if at >= _LOCATOR.size and locator.startswith(_LOCATOR_SIGNATURE):
+        end = at - _LOCATOR.size - _END64.size
+        file.seek(end)
+        record = file.read(_END64.size)
+        if _LOCATOR.unpack(locator)[2] != end or not record.startswith(b"PK\x06\x06"):
+            raise _refuse(path, "zip64 end record", "is not where its locator says")
+        count, dir_size, dir_offset = _END64.unpack(record)[-3:]
+    if dir_offset + dir_size != end or count != entries:
+        raise _refuse(
+            path,
+            "central directory",
+            f"of {count} entries at offset {dir_offset} does not end at the end record "
+            f"(offset {end}, {entries} entries read): a second archive or prepended data",
+        )
+
+
 def read_torch_zip(file: IO[bytes], size: int, path: str) -> TorchZip:
     """Check a torch.save zip's container and list its records, before torch reads it.
 
-    Refused: a name twice in the central directory, two entries sharing a local
-    header, a local header naming another record, more than one archive folder,
+    Refused: a name twice in the central directory (ignoring ASCII case, as torch
+    does), two entries sharing a local header, a local header naming another record,
+    more than one archive folder,
     names outside it or deeper than torch.save writes, a missing ``version`` or
     ``data.pkl``, a compressed or encrypted record, a record reaching past the end
-    of the file or into another.
+    of the file or into another, a central directory that does not end where the
+    end record starts (a second archive, or data before the archive).
 
     Args:
         file: The file, readable and seekable.
@@ -141,17 +185,21 @@ def read_torch_zip(file: IO[bytes], size: int, path: str) -> TorchZip:
             f"{path}: its zip directory cannot be read ({type(exc).__name__}: {exc}); the file "
             f"is truncated or damaged: re-save or re-download it"
         ) from exc
+    _check_end(file, size, path, len(infos))
     folders: set[str] = set()
     records: dict[str, Record] = {}
     headers: set[int] = set()
+    seen: set[str] = set()
     spans: list[tuple[int, int, str]] = []
     for info in infos:
         folder, name = _split(path, info.filename)
         folders.add(folder)
         if len(folders) > 1:
             raise _refuse(path, info.filename, f"lies outside the archive folder {folder!r}")
-        if name in records:
+        # torch's reader finds records ignoring ASCII case: DATA.PKL is data.pkl to it.
+        if name.lower() in seen:
             raise _refuse(path, info.filename, "appears twice in the central directory")
+        seen.add(name.lower())
         if info.header_offset in headers:
             raise _refuse(path, info.filename, "shares its local header with another record")
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
