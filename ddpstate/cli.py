@@ -472,9 +472,17 @@ _SPELLED = re.compile(
     )
     + ")"
 )
-# A pickled module's fix, which Python users make with .state_dict(), on the command line.
-_STATE_DICT_FIX = ("load it with --unsafe and call .state_dict()", "load it with --unsafe "
-                   "and use its .state_dict()")  # fmt: skip
+# Fixes a message gives in Python terms, said as a command-line user makes them: a pickled
+# module's .state_dict(); safe_globals, which no option takes (a Python-only way, named so).
+_STATE_DICT = "pass --unsafe (only for files you trust) to read its parameters"
+_CLI_PHRASES = {
+    "load it with --unsafe and call .state_dict()": _STATE_DICT,
+    "load it with --unsafe and use its .state_dict()": _STATE_DICT,
+    "which weights_only=True refuses": "which torch's weights-only loader refuses",
+    "allow just these by name: safe_globals=[...] (ddpstate.load, CheckpointManager(..., "
+    "safe_globals=[...]))": "allow just these by name from Python, ddpstate.load(path, "
+    "safe_globals=[...]) (no ddpstate command takes them)",
+}
 
 
 def _flag(match: re.Match[str]) -> str:
@@ -495,10 +503,8 @@ def _cli_terms(message: str, typed: Sequence[str] = (), argument: Optional[str] 
     message = _SPELLED.sub(_flag, message)
     for flag in set(_FLAGS.values()):
         message = message.replace(f"{flag} ({flag})", flag)  # "pass --force (overwrite=True)"
-    for fix in _STATE_DICT_FIX:
-        message = message.replace(
-            fix, "pass --unsafe (only for files you trust) to read its parameters"
-        )
+    for python_terms, command_terms in _CLI_PHRASES.items():
+        message = message.replace(python_terms, command_terms)
     named = _ARGUMENT_FLAGS.get(argument or "")
     if named is not None and named not in message:
         message += f" ({named})"

@@ -356,3 +356,25 @@ def test_an_error_about_an_argument_names_its_option(
     assert (
         _cli_terms(text) == "it names globals torch.load(weights_only=True) refuses: pass --unsafe"
     )
+
+
+def test_a_file_needing_safe_globals_is_explained_in_command_terms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpstate.cli import main
+
+    # A dict subclass pickles by its own global: torch's weights-only loader refuses it.
+    src = tmp_path / "odd.pt"
+    torch.save({"w": torch.ones(2), "meta": _Meta(a=1)}, src)
+    for command in ("inspect", "verify", "convert"):
+        assert main([command, str(src)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("ddpstate: error: ") and "\n" not in err, err
+        assert "_Meta" in err and "--unsafe" in err, err
+        # Python arguments appear only inside the Python call the message spells out.
+        assert "weights_only=" not in err, err
+        assert err.count("safe_globals=") == 1 and "ddpstate.load(path, safe_globals=" in err, err
+
+
+class _Meta(dict):  # type: ignore[type-arg]
+    """A dict subclass: pickled by its own global, so weights_only refuses it."""
