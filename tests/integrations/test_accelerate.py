@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -247,3 +248,61 @@ def test_one_rank_failing_fails_every_rank_and_commits_nothing(tmp_path: Path) -
         assert "rank 1" in error and "No space left" in error, error
     # no checkpoint_1, no staging folder left
     assert os.listdir(tmp_path / "checkpoints") == ["checkpoint_0"]
+
+
+class _KilledOnSecondSave:
+    """A custom object whose second ``state_dict`` (mid ``save_state``) SIGKILLs the process."""
+
+    def __init__(self, kill: bool = True) -> None:
+        self.saves = 0
+        self.kill = kill
+
+    def state_dict(self) -> dict[str, Any]:
+        self.saves += 1
+        if self.saves == 2 and self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"n": self.saves}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saves = state["n"]
+
+
+def _killed_mid_save(rank: int, world: int, root: str) -> None:
+    from ddpstate.integrations.accelerate import save_state
+
+    acc, model, opt, sched = _setup(root, custom=_KilledOnSecondSave())
+    acc.project_configuration.automatic_checkpoint_naming = False
+    save_state(acc, os.path.join(root, "ckpt", "epoch_2"))
+    _train(acc, model, opt, sched, 2)
+    save_state(acc, os.path.join(root, "ckpt", "epoch_4"))  # killed while Accelerate writes
+
+
+def _read_then_save(rank: int, world: int, root: str) -> tuple[list[str], list[str], list[str]]:
+    from ddpstate._manifest import verify_checkpoint
+    from ddpstate.integrations.accelerate import load_state, save_state
+
+    parent = os.path.join(root, "ckpt")
+    acc, model, opt, sched = _setup(root, custom=_KilledOnSecondSave(kill=False))
+    acc.project_configuration.automatic_checkpoint_naming = False
+    load_state(acc, os.path.join(parent, "epoch_2"))
+    assert verify_checkpoint(os.path.join(parent, "epoch_2")).ok
+    after_reads = sorted(os.listdir(parent))
+    _train(acc, model, opt, sched, 1)
+    save_state(acc, os.path.join(parent, "epoch_3"))  # another target than the killed save's
+    after_save = sorted(os.listdir(parent))
+    return after_reads, after_save, sorted(os.listdir(os.path.join(parent, "epoch_3")))
+
+
+def test_a_killed_save_state_is_cleaned_by_the_next_save_never_by_a_reader(
+    tmp_path: Path,
+) -> None:
+    """Issue 43: a SIGKILL mid ``save_state`` left ``.epoch_4.ddpstate-tmp-*`` (Accelerate's files
+    half written) forever; loads and saves of other targets never removed it."""
+    assert run_ranks(_killed_mid_save, 1, args=(str(tmp_path),), expect_failure=True) == [None]
+    left = sorted(os.listdir(tmp_path / "ckpt"))
+    assert left[0].startswith(".epoch_4.ddpstate-tmp-") and left[1:] == ["epoch_2"], left
+    assert "model.safetensors" in os.listdir(tmp_path / "ckpt" / left[0])  # killed midway
+    [(after_reads, after_save, saved)] = run_ranks(_read_then_save, 1, args=(str(tmp_path),))
+    assert after_reads == left  # load_state and verify delete nothing
+    assert after_save == ["epoch_2", "epoch_3"]
+    assert "manifest.json" in saved and "custom_checkpoint_0.pkl" in saved
