@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import socket
@@ -161,6 +162,86 @@ def test_last_verified_checkpoint_never_unpickles_the_candidates(
     torch.save({"state_dict": {"w": torch.ones(2)}, "hook": RunsCommand(marker)}, folder / "a.ckpt")
     assert lt.last_verified_checkpoint(folder) == str(folder / "a.ckpt")
     assert not marker.exists()
+
+
+@dataclasses.dataclass
+class RunInfo:
+    """A data-only type of the user's, kept in the model's state (``get_extra_state``)."""
+
+    name: str = "tiny"
+
+
+def _fit_with_run_info(root: Path, **trainer_kw: Any) -> tuple[int, Any]:
+    """Fit a model whose state dict holds a RunInfo (8 steps a epoch, 2 epochs): (steps, model)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class WithInfo(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.info = RunInfo()
+
+        def get_extra_state(self) -> RunInfo:
+            return self.info
+
+        def set_extra_state(self, state: RunInfo) -> None:
+            self.info = state
+
+        def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Steps(Callback):
+        count = 0
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.count += 1
+
+    steps, callbacks = Steps(), trainer_kw.pop("callbacks", [])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root,
+        callbacks=[*callbacks, steps, ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1)],
+        **trainer_kw,
+    )  # fmt: skip
+    model = WithInfo()
+    data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4)
+    try:
+        trainer.fit(model, data)
+    except UnsafeCheckpointError as exc:
+        return steps.count, exc
+    return steps.count, model
+
+
+def test_an_unsafe_type_stops_fit_before_the_first_step_naming_the_plugin_parameter(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    """Issue 43: an unsafe type stopped fit only at the first checkpoint, an epoch later,
+    telling to pass safe_globals to CheckpointManager or ddpstate.save/load."""
+    steps, error = _fit_with_run_info(tmp_path / "a", callbacks=[lt.DDPStateCheckpointIO()])
+    assert steps == 0, steps
+    assert isinstance(error, UnsafeCheckpointError), error
+    assert "['state_dict']['_extra_state'] is a RunInfo" in str(error)
+    assert "DDPStateCheckpointIO(safe_globals=[RunInfo])" in str(error)
+    assert "CheckpointManager" not in str(error) and "ddpstate.save" not in str(error)
+    assert not (tmp_path / "a" / "ckpt").exists()
+    # As a plugin alone it has no hook before training: the first save refuses, in its terms.
+    steps, error = _fit_with_run_info(tmp_path / "b", plugins=[lt.DDPStateCheckpointIO()])
+    assert steps == 8 and "DDPStateCheckpointIO(safe_globals=[RunInfo])" in str(error), error
+    # Allowed by name: the fit runs, every checkpoint is saved and loads back weights-only.
+    io = lt.DDPStateCheckpointIO(safe_globals=[RunInfo])
+    steps, model = _fit_with_run_info(tmp_path / "c", callbacks=[io])
+    assert steps == 16 and model.info == RunInfo()
+    loaded = io.load_checkpoint(tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt")
+    assert loaded["state_dict"]["_extra_state"] == RunInfo()
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"DDPStateCheckpointIO\(safe_globals=\[\.\.\.\]\)"
+    ):
+        lt.DDPStateCheckpointIO().load_checkpoint(tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt")
 
 
 def test_a_missing_lightning_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
