@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
 
 from ddpstate.convert import verify_file
 from ddpstate.errors import CheckpointCorruptError, UnsafeCheckpointError
+from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow  # importing Lightning alone takes seconds
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,6 +245,89 @@ def test_an_unsafe_type_stops_fit_before_the_first_step_naming_the_plugin_parame
         UnsafeCheckpointError, match=r"DDPStateCheckpointIO\(safe_globals=\[\.\.\.\]\)"
     ):
         lt.DDPStateCheckpointIO().load_checkpoint(tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt")
+
+
+def _fit_shuffled(root: Path, io: str, ckpt_path: Optional[str] = None) -> str:
+    """One process, a shuffled DataLoader, dropout: 8 steps an epoch, 2 epochs; checkpoints
+    every 4 steps in root/mid and at each epoch's end in root/end. The final weights' digest."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+            )
+
+        def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
+            return (self.net(batch[0]) - batch[1]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    L.seed_everything(0, verbose=False)  # the same script: the first run and the resumed one
+    gen = torch.Generator().manual_seed(7)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randn(32, 1, generator=gen))
+    callbacks: list[Any] = [
+        ModelCheckpoint(dirpath=root / "mid", every_n_train_steps=4, save_top_k=-1),
+        ModelCheckpoint(dirpath=root / "end", every_n_epochs=1, save_on_train_epoch_end=True,
+                        save_top_k=-1),
+    ]  # fmt: skip
+    if io == "ddpstate":
+        from ddpstate.integrations.lightning import DDPStateCheckpointIO
+
+        callbacks.append(DDPStateCheckpointIO())
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip
+    model = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's warning about a mid-epoch resume
+        trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+    digest = hashlib.sha256()
+    for _, value in sorted(model.state_dict().items()):
+        digest.update(value.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+_SHUFFLED_CHECKPOINTS = {"mid": "epoch=0-step=4.ckpt", "end": "epoch=0-step=8.ckpt"}
+
+
+def _shuffled_through(rank: int, world: int, root: str) -> dict[str, Any]:
+    ends = {io: _fit_shuffled(Path(root) / io, io) for io in ("plain", "ddpstate")}
+    saved = torch.load(Path(root) / "plain" / "end" / "epoch=0-step=8.ckpt", weights_only=True)
+    return {"ends": ends, "keys": sorted(saved)}
+
+
+def _shuffled_resumed(rank: int, world: int, root: str) -> dict[tuple[str, str], str]:
+    return {
+        (io, kind): _fit_shuffled(
+            Path(root) / f"{io}-resumed-{kind}", io, str(Path(root) / io / kind / name)
+        )
+        for io in ("plain", "ddpstate")
+        for kind, name in _SHUFFLED_CHECKPOINTS.items()
+    }
+
+
+def test_a_resume_with_a_shuffled_loader_and_dropout_is_as_exact_as_lightnings_own(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    """Issue 43: what the docs may claim. Lightning saves no RNG state, so on one process with
+    a shuffled DataLoader and dropout neither its own CheckpointIO nor ddpstate's resumes
+    bitwise, from a mid-epoch or an end-of-epoch checkpoint; both end with the same weights."""
+    [through] = run_ranks(_shuffled_through, 1, args=(str(tmp_path),), init_pg=False, timeout=300)
+    [resumed] = run_ranks(_shuffled_resumed, 1, args=(str(tmp_path),), init_pg=False, timeout=300)
+    assert through["ends"]["plain"] == through["ends"]["ddpstate"]
+    assert not [k for k in through["keys"] if "rng" in k.lower() or "random" in k.lower()]
+    for kind in _SHUFFLED_CHECKPOINTS:
+        assert resumed["plain", kind] == resumed["ddpstate", kind], kind
+        assert resumed["ddpstate", kind] != through["ends"]["ddpstate"], kind
+    guide = (ROOT / "docs" / "integrations.md").read_text()
+    lightning_part = guide[guide.index("## Lightning") : guide.index("## Hugging Face Trainer")]
+    assert "Lightning saves no RNG state" in lightning_part
 
 
 def test_a_missing_lightning_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
