@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import importlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -130,6 +131,32 @@ def test_unsafe_objects_are_refused_at_save_and_damage_at_load(
     path.write_bytes(before[: len(before) // 2])
     with pytest.raises(CheckpointCorruptError, match=r"a\.ckpt"):
         io.load_checkpoint(path)
+
+
+def _killed_at_fsync(io: Any, path: Path) -> None:
+    """Save through the plugin, SIGKILLed when the temp file's bytes are written (its fsync)."""
+    os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+    io.save_checkpoint(_checkpoint(8), path)
+
+
+def test_a_save_killed_midway_is_cleaned_by_the_next_save_never_by_a_reader(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    from tests.faults import _harness as h
+
+    io = lt.DDPStateCheckpointIO()
+    io.save_checkpoint(_checkpoint(4), tmp_path / "epoch=0-step=4.ckpt")
+    pid = h._fork(lambda: _killed_at_fsync(io, tmp_path / "epoch=1-step=8.ckpt"))
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    left = sorted(os.listdir(tmp_path))
+    assert left[0].startswith(".epoch=1-step=8.ckpt.ddpstate-tmp-"), left
+    assert left[1:] == ["epoch=0-step=4.ckpt"]
+    assert lt.last_verified_checkpoint(tmp_path) == str(tmp_path / "epoch=0-step=4.ckpt")
+    assert io.load_checkpoint(tmp_path / "epoch=0-step=4.ckpt")["global_step"] == 4
+    assert sorted(os.listdir(tmp_path)) == left  # readers delete nothing
+    io.save_checkpoint(_checkpoint(12), tmp_path / "epoch=2-step=12.ckpt")  # another name
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=4.ckpt", "epoch=2-step=12.ckpt"]
 
 
 def test_last_verified_checkpoint_takes_the_newest_whole_file(
