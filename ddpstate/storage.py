@@ -488,9 +488,10 @@ class StagedFolder:
         Locally the folder's entries are fsynced first (files other ranks created
         in it included, unless ``fsync=False``), and :func:`replace_folder` swaps
         it in; then the staging folders and temp files beside it that no running
-        save holds (left by killed saves of any target there) are deleted. On URLs the manifest (or, for a version
-        folder, a pointer naming it) is one atomic PUT, then what the previous
-        commit used is deleted. Either way the commit fails, and changes nothing,
+        save holds (left by killed saves of any target there) are deleted. On URLs
+        the manifest (or, for a version folder, a pointer naming it) is one atomic
+        PUT, then what the previous commit used is deleted. Either way the commit
+        fails, and changes nothing,
         if another save committed ``target`` since this one was staged. A failure
         leaves the old ``target`` as it was and the staging folder for :meth:`discard`.
 

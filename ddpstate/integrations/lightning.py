@@ -65,7 +65,7 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
     it becomes the Trainer's checkpoint plugin (in ``setup``, before a ``ckpt_path`` is
     loaded) and, in ``on_fit_start`` (every rank, before the first training step), checks
     what the checkpoints will hold as far as it is known then (the model's state dict,
-    the optimizers', the schedulers', ``hyper_parameters`` and the callbacks' states), so
+    the optimizers', the schedulers', ``hyper_parameters``, the callbacks' and a datamodule's), so
     an unsafe type stops ``fit`` at once, not at the first checkpoint an epoch later.
     Given only as ``plugins=[...]`` (or to Fabric) the same check runs at each save.
 
@@ -138,7 +138,8 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
                 path,
                 map_location="cpu" if map_location is None else map_location,
                 weights_only=self.weights_only if weights_only is None else weights_only,
-                mmap=False,  # Lightning keeps the optimizer's tensors: plain memory, like torch.load
+                # Lightning keeps the optimizer's tensors: plain memory, like torch.load.
+                mmap=False,
                 barrier=False,  # each rank reads for itself, as Lightning calls it on every rank
                 storage_options=self.storage_options,
                 safe_globals=self.safe_globals,
@@ -195,6 +196,10 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
             "hyper_parameters": dict(pl_module.hparams),
             "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
         }
+        data = trainer.datamodule
+        if data is not None:  # saved under its class's name, its hyperparameters beside
+            known[type(data).__qualname__] = data.state_dict()
+            known["datamodule_hyper_parameters"] = dict(data.hparams)
         with safe_globals_named(_ALLOW_AS):
             check_saveable(
                 known,
