@@ -161,25 +161,18 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
         """
         strategy = trainer.strategy
         current = strategy.checkpoint_io  # Lightning's default TorchCheckpointIO when none given
-        holder, inner = (
-            (current, current.checkpoint_io)
-            if hasattr(current, "checkpoint_io")
-            else (
-                strategy,
-                current,
-            )
-        )
+        inner = getattr(current, "checkpoint_io", current)  # a wrapper's (AsyncCheckpointIO)
         if inner is self:
             return
-        if type(inner) is not TorchCheckpointIO:
+        if current is not inner or type(current) is not TorchCheckpointIO:
+            # A wrapper keeps the plugin it was given first: replacing it would not take.
             raise InvalidArgumentError(
                 f"DDPStateCheckpointIO is in Trainer(callbacks=...) but the Trainer already has "
-                f"another checkpoint plugin ({type(inner).__name__}); give only one: drop it, or "
-                f"pass this DDPStateCheckpointIO in plugins=[...] instead"
+                f"another checkpoint plugin ({type(current).__name__}); give only one: pass this "
+                f"DDPStateCheckpointIO in plugins=[...] too (wrapped, "
+                f"AsyncCheckpointIO(checkpoint_io=it)), or drop the other"
             )
-        holder.checkpoint_io = (
-            self  # a wrapper's (AsyncCheckpointIO) inner plugin, or the strategy's
-        )
+        strategy.checkpoint_io = self
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Check, before the first training step, that the checkpoints can be saved and loaded.

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ddpstate.convert import verify_file
-from ddpstate.errors import CheckpointCorruptError, UnsafeCheckpointError
+from ddpstate.errors import CheckpointCorruptError, InvalidArgumentError, UnsafeCheckpointError
 from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow  # importing Lightning alone takes seconds
@@ -272,6 +272,13 @@ def test_an_unsafe_type_stops_fit_before_the_first_step_naming_the_plugin_parame
         UnsafeCheckpointError, match=r"DDPStateCheckpointIO\(safe_globals=\[\.\.\.\]\)"
     ):
         lt.DDPStateCheckpointIO().load_checkpoint(tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt")
+    # Another checkpoint plugin already in place: refused, never silently left in charge.
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    with pytest.raises(InvalidArgumentError, match="AsyncCheckpointIO"):
+        _fit_with_run_info(
+            tmp_path / "d", callbacks=[lt.DDPStateCheckpointIO()], plugins=[AsyncCheckpointIO()]
+        )
 
 
 def _fit_shuffled(root: Path, io: str, ckpt_path: Optional[str] = None) -> str:
