@@ -32,7 +32,7 @@ from ddpstate.formats import (
     FormatName,
     detect_format,
 )
-from ddpstate.location import ResolvedMapLocation, place_all, require_reachable
+from ddpstate.location import ResolvedMapLocation, place_all, require_reachable, target_device
 
 __all__ = ["Reading", "detect", "load_sharded", "read"]
 
@@ -134,7 +134,13 @@ def _read_file(text: str, kind: FormatName, how: Reading) -> Any:
         )
         use_mmap = TABLE[kind].mappable and isinstance(src, str) if mmap is None else bool(mmap)
         if kind == SAFETENSORS:
-            return place_all(read_safetensors(src, mmap=use_mmap), "cpu", how.resolved)
+            # Read straight onto a CUDA target: reading to the CPU and then moving would
+            # hold every byte in host memory at once (mmap=False) or copy from pageable
+            # memory (mmap=True).
+            target = target_device("cpu", how.resolved)
+            device = target if target is not None and target.type == "cuda" else "cpu"
+            tensors = read_safetensors(src, device=device, mmap=use_mmap)
+            return place_all(tensors, "cpu", how.resolved)
         return torch_io.load_torch_file(
             src,
             kind=kind,

@@ -27,6 +27,7 @@ import safetensors
 import torch
 
 from ddpstate._gc import gc_paused
+from ddpstate._io.device_copy import read_into, read_into_tensors
 from ddpstate._layout.hf_write import parse_size, plan_shards, write_sharded
 from ddpstate._layout.safetensors import (
     ALIASES_KEY,
@@ -497,6 +498,47 @@ def _load_local(path: str, device: str, mmap: bool, name: str) -> Any:
     return _finish(tensors, metadata, name)
 
 
+def _library_keys(path: str, name: str) -> set[str]:
+    """The tensors the safetensors library finds in a local file; its errors, ours."""
+    try:
+        with safetensors.safe_open(path, framework="pt") as f:  # the header only
+            return set(f.keys())
+    except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
+        raise _damage(path, name, exc) from exc
+
+
+def _read_in_pieces(source: Source, device: torch.device, name: str) -> Any:
+    """Every tensor straight onto ``device`` (CUDA) through two pinned pieces (``device_copy``).
+
+    The library reads a local file's tensors into host memory first (every byte at
+    once, with ``pread``); here host memory stays at two pieces. The library still
+    gives its verdict on a local file's header, and ddpstate's parser (the one file
+    objects are read with) must find the same tensors before their bytes are read.
+    """
+    with contextlib.ExitStack() as stack:
+        if isinstance(source, (str, os.PathLike)):
+            path = os.fspath(source)
+            keys: Optional[set[str]] = _library_keys(path, name)
+            stream: Any = stack.enter_context(open(path, "rb", buffering=0))
+        else:
+            keys = None
+            raw = isinstance(source, (bytes, bytearray, memoryview))
+            stream = io.BytesIO(source) if raw else source  # type: ignore[arg-type]
+        header = read_safetensors_header(stream)
+        if keys is not None and keys != set(header.tensors):
+            raise _corrupt(name, "the safetensors library and ddpstate read different tensors")
+        tensors = {
+            key: torch.empty(entry.shape, dtype=entry.dtype, device=device)
+            for key, entry in header.tensors.items()
+        }
+        order = sorted(header.tensors, key=lambda key: header.tensors[key].begin)
+        spans = [(header.data_start + header.tensors[k].begin, tensors[k]) for k in order]
+        filled = read_into_tensors(stream, spans)
+    if filled < len(order):
+        raise _corrupt(name, f"tensor {order[filled]!r} is cut short")
+    return _finish(tensors, header.metadata, name)
+
+
 def read_safetensors(
     source: Source,
     *,
@@ -507,8 +549,11 @@ def read_safetensors(
 
     A local path is read by the safetensors library (``safe_open``); bytes
     and file objects (fsspec streams) are read tensor by tensor into fresh
-    memory. Keys come in the order ddpstate recorded when it wrote the file,
-    else in the file's order (as ``safetensors.torch.load_file`` gives them).
+    memory. Onto a CUDA device every source is read through two pinned host
+    pieces straight into the tensors there (never every byte in host memory at
+    once, ``mmap`` or not: the tensors live on the device either way). Keys
+    come in the order ddpstate recorded when it wrote the file, else in the
+    file's order (as ``safetensors.torch.load_file`` gives them).
 
     Args:
         source: A local path, the file's bytes, or a readable, seekable binary
@@ -536,12 +581,14 @@ def read_safetensors(
         tensor(True)
     """
     name = _source_name(source)
-    if isinstance(source, (str, os.PathLike)):
-        return _load_local(os.fspath(source), str(device), mmap is None or mmap, name)  # type: ignore[no-any-return]
-    if mmap:
+    if mmap and not isinstance(source, (str, os.PathLike)):
         raise CheckpointFormatError(
             f"{name}: mmap=True needs a local file path; pass mmap=None or False"
         )
+    if torch.device(device).type == "cuda":
+        return _read_in_pieces(source, torch.device(device), name)  # type: ignore[no-any-return]
+    if isinstance(source, (str, os.PathLike)):
+        return _load_local(os.fspath(source), str(device), mmap is None or mmap, name)  # type: ignore[no-any-return]
     stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
     header = read_safetensors_header(stream)
     tensors: dict[str, torch.Tensor] = {}
@@ -550,25 +597,9 @@ def read_safetensors(
         if t.numel():
             stream.seek(header.data_start + entry.begin)
             target = t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-            if _read_into(stream, target) != len(target):
+            if read_into(stream, target) != len(target):
                 raise _corrupt(name, f"tensor {key!r} is cut short")
         tensors[key] = t
     # Header order; .to() returns a tensor already on the device as it is.
     tensors = {key: tensors[key].to(device) for key in header.tensors}
     return _finish(tensors, header.metadata, name)  # type: ignore[no-any-return]
-
-
-def _read_into(f: Any, target: memoryview) -> int:
-    done = 0
-    readinto = getattr(f, "readinto", None)
-    while done < len(target):
-        if readinto is not None:
-            got = readinto(target[done:])
-        else:
-            chunk = f.read(len(target) - done)
-            got = len(chunk)
-            target[done : done + got] = chunk
-        if not got:
-            break
-        done += got
-    return done
