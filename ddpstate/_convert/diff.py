@@ -68,7 +68,7 @@ def _model_tensors(
 
 
 def _tied_only(sd: Mapping[Any, Any], other: Mapping[Any, Any]) -> dict[Any, Any]:
-    """``{key: canonical}``: keys of ``sd`` absent from ``other`` that are a tensor tied to one it has.
+    """``{key: canonical}``: keys of ``sd`` absent from ``other``, tied to a key both have.
 
     A tied key (lm_head.weight sharing the embedding) is the same tensor as its
     canonical key, so comparing the canonical key compares it; transformers'

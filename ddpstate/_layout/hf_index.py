@@ -58,7 +58,7 @@ class ShardIndex:
 
     @property
     def order(self) -> list[str]:
-        """Every key a reader gives back: the weight map's, then the tied keys (state-dict order)."""
+        """Every key a reader gives back: the weight map's, then the tied ones (in their order)."""
         return [*self.weight_map, *self.aliases]
 
     def shard_path(self, shard: str) -> str:
