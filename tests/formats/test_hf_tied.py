@@ -16,7 +16,7 @@ from torch import nn
 
 import ddpstate
 from ddpstate.cli import main
-from ddpstate.convert import diff_files, verify_file
+from ddpstate.convert import convert_file, diff_files, verify_file
 from ddpstate.errors import CheckpointCorruptError
 
 INDEX = "model.safetensors.index.json"
@@ -66,6 +66,19 @@ def test_tied_key_is_left_out_of_the_index_and_loads_back_tied(tmp_path: Path) -
     assert fresh.head.weight is fresh.embed.weight
     assert torch.equal(fresh.embed.weight, net.embed.weight)
     assert verify_file(tmp_path / "out").ok
+
+
+def test_convert_tells_the_tie_in_its_notes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    sd = TiedLM().state_dict()
+    torch.save(sd, tmp_path / "tied.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # told in the result, not warned mid-output
+        result = convert_file(tmp_path / "tied.pt", tmp_path / "out", max_shard_size=1500)
+    assert result.tensors == len(sd) - 1  # the tied tensor is stored once
+    assert any(
+        "left out of the index" in n and "head.weight -> embed.weight" in n for n in result.notes
+    ), result.notes
 
 
 def test_a_recorded_tie_the_shards_do_not_hold_is_refused(tmp_path: Path) -> None:
