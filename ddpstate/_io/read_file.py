@@ -165,7 +165,8 @@ def load_sharded(path: str, how: Reading) -> collections.OrderedDict[str, Any]:
             (``.bin`` shards), ``mmap``, ``storage_options`` and ``safe_globals``.
 
     Returns:
-        An ``OrderedDict`` of every tensor, in the index's order.
+        An ``OrderedDict`` of every tensor, in the index's order; the tied keys
+        ddpstate recorded in the index come last, sharing their tensor.
 
     Raises:
         CheckpointNotFoundError, CheckpointCorruptError, CheckpointFormatError,
@@ -195,7 +196,9 @@ def load_sharded(path: str, how: Reading) -> collections.OrderedDict[str, Any]:
             )
         check_keys(index, shard, list(part))
         merged.update(part)
-    # The index's order: a state dict's own for files ddpstate writes (then nothing moves).
-    if list(merged) == list(index.weight_map):
+    # The index's order (tied keys it records last): a state dict's own for files
+    # ddpstate writes, unless a tied key stood before others (then nothing moves).
+    order = index.order
+    if list(merged) == order:
         return merged
-    return collections.OrderedDict((k, merged[k]) for k in index.weight_map)
+    return collections.OrderedDict((k, merged[k]) for k in order)

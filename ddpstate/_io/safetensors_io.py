@@ -56,6 +56,7 @@ __all__ = [
     "read_safetensors_header",
     "safetensors_header_for",
     "save_sharded",
+    "tied_keys",
     "write_safetensors",
 ]
 
@@ -187,8 +188,19 @@ def _view(key: str, t: torch.Tensor) -> Optional[View]:
     return View(key, identity, storage, start, start + extent * size)
 
 
-def _find_ties(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, str]:
-    """``{alias: canonical}`` of tied tensors; warns about overlaps that are not ties."""
+def tied_keys(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, str], list[str]]:
+    """``({alias: canonical}, overlaps)``: keys that are the very same view of another's tensor.
+
+    Tied tensors (the same view of the same memory) are written once, under
+    their first key. Overlaps are tensors sharing memory without being the same
+    view (written as copies), as :func:`~ddpstate._layout.safetensors.find_aliases` tells them.
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(2)
+        >>> tied_keys({"embed": w, "head": w, "b": torch.zeros(1)})
+        ({'head': 'embed'}, [])
+    """
     # Only tensors that share a storage with another can be tied or overlap; a
     # storage's start is data_ptr - offset, which costs no storage object.
     by_storage: dict[tuple[int, int], list[str]] = {}
@@ -196,7 +208,12 @@ def _find_ties(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, s
         base = t.data_ptr() - int(t.storage_offset()) * t.element_size()
         by_storage.setdefault((t.get_device(), base), []).append(k)
     shared = {k for keys in by_storage.values() if len(keys) > 1 for k in keys}
-    aliases, overlaps = find_aliases(_view(k, t) for k, t in state_dict.items() if k in shared)
+    return find_aliases(_view(k, t) for k, t in state_dict.items() if k in shared)
+
+
+def _find_ties(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, str]:
+    """``{alias: canonical}`` of tied tensors; warns about overlaps that are not ties."""
+    aliases, overlaps = tied_keys(state_dict)
     if overlaps:
         warn(
             f"{name}: tensors overlap in memory without being identical "
@@ -346,7 +363,10 @@ def save_sharded(
     """Save a state dict in the Hugging Face sharded layout (what ``save(max_shard_size=)`` does).
 
     Tied entries (the same tensor under two keys) share a shard and are
-    stored once there, as :func:`write_safetensors` records them.
+    stored once there, as :func:`write_safetensors` records them; as
+    ``transformers`` does, the index leaves the tied key out (so every key it
+    names is in its shard) and records it in its ``metadata``, from which
+    :func:`ddpstate.load` gives it back, shared.
 
     Args:
         state: Names to tensors.
@@ -357,7 +377,7 @@ def save_sharded(
         fsync: Fsync every shard (the folder swap is fsynced either way).
 
     Returns:
-        The weight map written.
+        The weight map written (tied keys left out).
 
     Raises:
         CheckpointFormatError: ``state`` is not a flat map of names to tensors.
@@ -373,7 +393,7 @@ def save_sharded(
     limit = parse_size(max_shard_size)
     keys = list(state)
     # Tied keys go with the key whose tensor they share; write_safetensors warns of overlaps.
-    owner, _ = find_aliases(_view(k, t) for k, t in state.items())
+    owner, _ = tied_keys(state)
     nbytes = {k: t.numel() * t.element_size() for k, t in state.items() if k not in owner}
     entries = dict(metadata or {})
     entries.setdefault("format", "pt")
@@ -384,7 +404,9 @@ def save_sharded(
         return sum(nbytes.get(k, 0) for k in shard_keys)
 
     shards = plan_shards(keys, nbytes, owner, limit)
-    return write_sharded(target, shards, write_shard, order=keys, overwrite=overwrite, fsync=fsync)
+    return write_sharded(
+        target, shards, write_shard, order=keys, overwrite=overwrite, aliases=owner, fsync=fsync
+    )
 
 
 # ------------------------------------------------------------------------------------- reading
