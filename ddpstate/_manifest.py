@@ -18,14 +18,12 @@ import os
 import posixpath
 import re
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ddpstate import _checksum, _fs, storage
+from ddpstate import _checksum, _crc, _fs, storage
 from ddpstate._checksum import checksum_hex, error_text
-from ddpstate._crc import crc32_alongside
 from ddpstate._fs import PathLike
 from ddpstate._version import __version__
 from ddpstate.errors import (
@@ -101,7 +99,7 @@ class ChecksumWriter(io.RawIOBase):
             return piece.nbytes if written is None else int(written)
 
         try:  # a large write is CRC-32'd in pieces on helper threads as it goes out
-            count, self.crc = crc32_alongside(memoryview(data).cast("B"), put, self.crc)
+            count, self.crc = _crc.crc32_alongside(memoryview(data).cast("B"), put, self.crc)
         except BaseException as exc:
             self.error = exc
             raise
@@ -350,7 +348,7 @@ def manifest_for(
 
 def manifest_crc(manifest: Mapping[str, Any]) -> str:
     body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC_FIELD}
-    return checksum_hex(zlib.crc32(manifest_bytes(body)))
+    return checksum_hex(_crc.crc32(manifest_bytes(body)))
 
 
 def _is_plain_name(name: Any) -> bool:

@@ -11,7 +11,9 @@ import traceback
 from collections.abc import Sequence
 from typing import IO, Any, NoReturn, Optional
 
-from ddpstate import formats
+import torch
+
+from ddpstate import _crc, formats
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 from ddpstate.convert import StateEdit, convert_file, diff_files, inspect_file, verify_file
@@ -162,7 +164,9 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_MAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"ddpstate {__version__}")
+    # The CRC-32 library decides how fast every check runs: a bug report should say which.
+    version = f"ddpstate {__version__} (torch {torch.__version__}, crc32: {_crc.IMPLEMENTATION})"
+    parser.add_argument("--version", action="version", version=version)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     for add in (_add_convert, _add_inspect, _add_diff, _add_verify):

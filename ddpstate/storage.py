@@ -243,7 +243,7 @@ def size_and_crc32(
         limit: Read at most this many bytes (None: to the end).
 
     Returns:
-        The number of bytes read and their ``zlib.crc32``.
+        The number of bytes read and their CRC-32 (``zlib.crc32``'s value).
 
     Example:
         >>> import io
