@@ -77,6 +77,7 @@ def test_a_ddp_run_saves_through_the_plugin_and_resumes_bitwise(
     assert result["start_step"] == 8
     first, second = result["first"], result["second"]
     assert first["global_step"] == second["global_step"] == 12
+    assert first["checkpoint_io"] == second["checkpoint_io"] == "DDPStateCheckpointIO"
     assert _same(first["model"], second["model"])
     assert _same(first["optimizer"], second["optimizer"])
     # Every checkpoint written is whole and opens with plain torch, weights-only.
