@@ -48,8 +48,9 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=args.max_epochs,
-        plugins=[DDPStateCheckpointIO()],  # ddpstate writes and reads every checkpoint
-        callbacks=[ModelCheckpoint(dirpath=args.dirpath, save_last=True)],
+        # ddpstate writes and reads every checkpoint (and checks before the first epoch that
+        # the state can be saved and loaded weights-only)
+        callbacks=[DDPStateCheckpointIO(), ModelCheckpoint(dirpath=args.dirpath, save_last=True)],
         logger=False,
     )
     # The newest checkpoint that verifies, or None on the first run.
