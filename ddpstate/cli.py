@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from typing import IO, Any, NoReturn, Optional
 
 from ddpstate import formats
+from ddpstate._fs import is_remote
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 from ddpstate.convert import StateEdit, convert_file, diff_files, inspect_file, verify_file
-from ddpstate.errors import DDPStateError, InvalidArgumentError
+from ddpstate.errors import CheckpointAccessError, DDPStateError, InvalidArgumentError
 from ddpstate.formats import DESCRIPTIONS, MANAGER, PT, SAFETENSORS, FormatName, parse_format
 
 __all__ = ["main"]
@@ -87,7 +88,12 @@ Exit status: 0 when intact, 1 when something is wrong (one line per problem).
 """
 
 
-_SRC_HELP = "checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder"
+_SRC_HELP = (
+    "checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder "
+    "(a path or an fsspec URL)"
+)
+#: A JSON object of fsspec options for every URL a command opens (--storage-option wins).
+STORAGE_OPTIONS_ENV = "DDPSTATE_STORAGE_OPTIONS"
 
 
 class _UsageError(Exception):
@@ -102,6 +108,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_common(parser: argparse.ArgumentParser, *, progress: bool = True) -> None:
+    parser.add_argument(
+        "--storage-option", "--storage_option", action="append", default=[],
+        type=_storage_option, metavar="KEY=VALUE", dest="storage_option",
+        help="an fsspec option for URLs (s3://, gs://, ...), repeatable; VALUE is read as "
+        "JSON when it parses (true, 3, {...}), else as a string, e.g. --storage-option "
+        "'client_kwargs={\"endpoint_url\": \"http://127.0.0.1:9000\"}'; given over the "
+        f"JSON object in ${STORAGE_OPTIONS_ENV}",
+    )  # fmt: skip
     parser.add_argument(
         "--unsafe",
         action="store_true",
@@ -293,6 +307,37 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not KEY=VALUE (e.g. endpoint_url=http://...)"
+        )
+    try:
+        return key, json.loads(value)
+    except ValueError:  # not JSON: a plain string, as most options are
+        return key, value
+
+
+def _storage_options(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """The fsspec options: ``$DDPSTATE_STORAGE_OPTIONS``, then each ``--storage-option``."""
+    options: dict[str, Any] = {}
+    raw = os.environ.get(STORAGE_OPTIONS_ENV, "")
+    if raw.strip():
+        try:
+            loaded = json.loads(raw)
+        except ValueError as exc:
+            loaded = exc
+        if not isinstance(loaded, dict):
+            raise _UsageError(
+                f"${STORAGE_OPTIONS_ENV} must hold a JSON object of fsspec options, such as "
+                f'\'{{"endpoint_url": "http://127.0.0.1:9000"}}\', not {raw!r}'
+            )
+        options.update(loaded)
+    options.update(args.storage_option)
+    return options or None
+
+
 def _output_format(text: str) -> FormatName:
     try:
         return parse_format(text, allowed=(PT, SAFETENSORS, formats.DCP), what="--to")
@@ -343,6 +388,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
         weights_only=not args.unsafe,
         progress=not args.quiet,
         fsync=not args.no_fsync,
+        storage_options=_storage_options(args),
     )
     if not result.written:
         print(f"{result.dst}: nothing to change; left as it is", file=out)
@@ -370,7 +416,9 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
-    info = inspect_file(args.src, weights_only=not args.unsafe)
+    info = inspect_file(
+        args.src, weights_only=not args.unsafe, storage_options=_storage_options(args)
+    )
     if args.json:
         return _print_json(info, out, 0)
     dtypes = ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(info.dtype_bytes.items()))
@@ -406,7 +454,7 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
 def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
     result = diff_files(
         args.a, args.b, raw_keys=args.raw_keys, atol=args.atol, weights_only=not args.unsafe,
-        progress=not args.quiet, **_key_rule(args),
+        progress=not args.quiet, storage_options=_storage_options(args), **_key_rule(args),
     )  # fmt: skip
     if args.json:
         return _print_json(result, out, 0 if result.equal else 1)
@@ -429,7 +477,10 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
-    result = verify_file(args.src, weights_only=not args.unsafe, progress=not args.quiet)
+    result = verify_file(
+        args.src, weights_only=not args.unsafe, progress=not args.quiet,
+        storage_options=_storage_options(args),
+    )  # fmt: skip
     if args.json:
         return _print_json(result, out, 0 if result.ok else 1)
     kind = DESCRIPTIONS.get(result.format, "unreadable") if result.format else "unreadable"
@@ -520,6 +571,45 @@ def _one_line(exc: BaseException, typed: Sequence[str] = ()) -> str:
     return text or type(exc).__name__
 
 
+# botocore's errors for credentials it cannot find or use (by name: botocore is s3fs's, optional).
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError")
+
+
+def _credentials_error(exc: BaseException, urls: Sequence[str]) -> Optional[CheckpointAccessError]:
+    """``exc`` as one line naming the URL and what to set, when it is a credential failure."""
+    if not urls:
+        return None
+    chain: list[BaseException] = []
+    cause: Optional[BaseException] = exc
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    found = [e for e in chain if type(e).__name__ in _NO_CREDENTIALS]
+    missing = bool(found)
+    found += [e for e in chain if isinstance(e, PermissionError)]
+    if not found:
+        return None
+    url = urls[0]
+    what = "no credentials were found" if missing else "access was refused"
+    if url.startswith(("s3://", "s3a://")):
+        fix = (
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and "
+            "AWS_ENDPOINT_URL for an S3-compatible server, or pass --storage-option key=... "
+            "--storage-option secret=... --storage-option endpoint_url=..."
+        )
+    else:
+        fix = "set the credentials its fsspec filesystem reads, or pass them with --storage-option"
+    return CheckpointAccessError(
+        f"{url}: {what} ({_one_line(found[0])}); {fix} (or ${STORAGE_OPTIONS_ENV})"
+    )
+
+
+def _urls(args: argparse.Namespace) -> list[str]:
+    """The fsspec URLs among a command's paths."""
+    named = (getattr(args, name, None) for name in ("src", "dst", "a", "b"))
+    return [text for text in named if isinstance(text, str) and is_remote(text)]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``ddpstate`` command line; returns the exit status.
 
@@ -540,8 +630,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = os.environ.get("DDPSTATE_DEBUG", "") not in ("", "0")
     typed = list(sys.argv[1:] if argv is None else argv)  # kept verbatim in messages
     parser = _build_parser()
+    urls: list[str] = []
     try:
         args = parser.parse_args(argv)
+        urls = _urls(args)
         return int(args.func(args, sys.stdout))
     except SystemExit as exc:  # --help and --version end here
         return exc.code if isinstance(exc.code, int) else 0
@@ -553,13 +645,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except Exception as exc:
+    except Exception as raised:
         if debug:
             traceback.print_exc()
-        text = _one_line(exc, typed)
-        if not isinstance(exc, (_UsageError, DDPStateError, ValueError, OSError)):
+        access = _credentials_error(raised, urls)  # said in option terms already
+        text = str(access) if access is not None else _one_line(raised, typed)
+        if access is None and not isinstance(
+            raised, (_UsageError, DDPStateError, ValueError, OSError)
+        ):
             text = (
-                f"unexpected {type(exc).__name__}: {text} (set DDPSTATE_DEBUG=1 for the "
+                f"unexpected {type(raised).__name__}: {text} (set DDPSTATE_DEBUG=1 for the "
                 "traceback, and please report it)"
             )
         print(f"ddpstate: error: {text}", file=sys.stderr)
