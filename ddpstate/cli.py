@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import posixpath
 import re
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import IO, Any, NoReturn, Optional
 
-from ddpstate import formats
+from ddpstate import formats, storage
 from ddpstate._fs import is_remote
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 from ddpstate.convert import StateEdit, convert_file, diff_files, inspect_file, verify_file
-from ddpstate.errors import CheckpointAccessError, DDPStateError, InvalidArgumentError
+from ddpstate.errors import (
+    CheckpointAccessError,
+    CheckpointFormatError,
+    DDPStateError,
+    InvalidArgumentError,
+)
 from ddpstate.formats import DESCRIPTIONS, MANAGER, PT, SAFETENSORS, FormatName, parse_format
+from ddpstate.integrations._run_folders import RunFolder, find_run_folder, verify_run_folder
 
 __all__ = ["main"]
 
@@ -416,9 +424,17 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
-    info = inspect_file(
-        args.src, weights_only=not args.unsafe, storage_options=_storage_options(args)
-    )
+    opts = _storage_options(args)
+    run = _run_folder(args.src, opts)
+    src = run.checkpoints[-1] if run is not None else args.src
+    info = inspect_file(src, weights_only=not args.unsafe, storage_options=opts)
+    if run is not None:
+        names = ", ".join(posixpath.basename(p.rstrip("/")) for p in run.checkpoints)
+        about = (
+            f"{run.path}: a {run.what} with {names}; shown: its newest, "
+            f"{posixpath.basename(src.rstrip('/'))} (`ddpstate verify` names the one resume takes)"
+        )
+        info = dataclasses.replace(info, notes=(about, *info.notes))
     if args.json:
         return _print_json(info, out, 0)
     dtypes = ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(info.dtype_bytes.items()))
@@ -476,14 +492,29 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
     return 0 if result.equal else 1
 
 
+def _run_folder(src: str, opts: Optional[dict[str, Any]]) -> Optional[RunFolder]:
+    """A framework's folder of checkpoints at ``src``, when ``src`` is no checkpoint itself."""
+    if not storage.isdir(src, storage_options=opts):
+        return None
+    try:
+        formats.detect_format(src, storage_options=opts)
+    except CheckpointFormatError:
+        return find_run_folder(src, opts)
+    return None
+
+
 def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
-    result = verify_file(
-        args.src, weights_only=not args.unsafe, progress=not args.quiet,
-        storage_options=_storage_options(args),
-    )  # fmt: skip
+    opts = _storage_options(args)
+    run = _run_folder(args.src, opts)
+    checks: dict[str, Any] = {
+        "weights_only": not args.unsafe, "progress": not args.quiet, "storage_options": opts
+    }  # fmt: skip
+    result = verify_run_folder(run, **checks) if run else verify_file(args.src, **checks)
     if args.json:
         return _print_json(result, out, 0 if result.ok else 1)
     kind = DESCRIPTIONS.get(result.format, "unreadable") if result.format else "unreadable"
+    if run is not None:
+        kind = run.what
     if result.ok:
         counted = "" if result.format == MANAGER else f"{result.tensors} tensors, "
         checked = "read and checked" if result.format != formats.DCP else "read; sizes checked"
@@ -495,6 +526,12 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
         print(f"BAD: {result.path} ({kind}): {len(result.problems)} problem(s)", file=out)
         for problem in result.problems:
             print(f"  - {problem}", file=out)
+    if result.checkpoints:
+        rows = [
+            ("ok" if good else "BAD", name, "<- resume" if name == result.resume_from else "")
+            for name, good in result.checkpoints.items()
+        ]
+        print("\n".join(_table("checkpoints", rows)), file=out)
     for note in result.notes:
         print(f"note: {note}", file=out)
     return 0 if result.ok else 1
