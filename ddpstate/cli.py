@@ -431,7 +431,7 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     if run is not None:
         names = ", ".join(posixpath.basename(p.rstrip("/")) for p in run.checkpoints)
         about = (
-            f"{run.path}: a {run.what} with {names}; shown: its newest, "
+            f"{run.path}: {run.what} with {names}; shown: its newest, "
             f"{posixpath.basename(src.rstrip('/'))} (`ddpstate verify` names the one resume takes)"
         )
         info = dataclasses.replace(info, notes=(about, *info.notes))
@@ -623,12 +623,19 @@ def _credentials_error(exc: BaseException, urls: Sequence[str]) -> Optional[Chec
         cause = cause.__cause__ or cause.__context__
     found = [e for e in chain if type(e).__name__ in _NO_CREDENTIALS]
     missing = bool(found)
-    found += [e for e in chain if isinstance(e, PermissionError)]
+    # s3fs, gcsfs...: a refusal by the store, which names no local file (a local one does).
+    found += [
+        e
+        for e in chain
+        if isinstance(e, PermissionError)
+        and not isinstance(e, DDPStateError)
+        and e.filename is None
+    ]
     if not found:
         return None
-    url = urls[0]
+    url = " / ".join(dict.fromkeys(urls))
     what = "no credentials were found" if missing else "access was refused"
-    if url.startswith(("s3://", "s3a://")):
+    if urls[0].startswith(("s3://", "s3a://")):
         fix = (
             "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and "
             "AWS_ENDPOINT_URL for an S3-compatible server, or pass --storage-option key=... "

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
-from ddpstate import _fs, storage
+from ddpstate import storage
 from ddpstate._convert.results import VerifyResult
 from ddpstate._convert.verify import verify_file, verify_records
 from ddpstate._manifest import MANIFEST_NAME
@@ -99,18 +99,8 @@ def find_run_folder(path: str, storage_options: Optional[dict[str, Any]]) -> Opt
     files = [storage.join(path, n) for n in names if n.endswith(_CKPT_SUFFIX)]
     if not files:
         return None
-    files.sort(key=lambda f: (_modified(f, opts), f))
+    files.sort(key=lambda f: (_common.modified_time(f, opts), f))
     return RunFolder(path, LIGHTNING, tuple(files), leftovers)
-
-
-def _modified(path: str, opts: Optional[dict[str, Any]]) -> float:
-    if not _fs.is_remote(path):
-        return os.stat(_fs.local_path(path)).st_mtime
-    fs, inner = _fs.url_to_fs(path, opts)
-    try:
-        return float(fs.modified(inner).timestamp())
-    except NotImplementedError:  # filesystems without times: listing order
-        return 0.0
 
 
 def verify_run_folder(
@@ -143,13 +133,16 @@ def verify_run_folder(
     verdicts: dict[str, bool] = {}
     tensors = read = 0
     kind: Optional[FormatName] = None
+    said: dict[str, list[str]] = {}  # a note -> the checkpoints it is true of (said once)
     for path in run.checkpoints:
         name = _name(path)
         found = _verify_one(path, weights_only, progress, storage_options)
         kind = kind or found.format
         verdicts[name] = found.ok
         problems += [f"{name}: {p}" for p in found.problems]
-        notes += [f"{name}: {n}" for n in found.notes if not n.startswith("no ddpstate")]
+        for note in found.notes:
+            if not note.startswith("no ddpstate"):  # said below, in the run's terms
+                said.setdefault(note, []).append(name)
         tensors += found.tensors
         read += found.bytes_read
         if run.kind != LIGHTNING and not storage.exists(
@@ -160,8 +153,9 @@ def verify_run_folder(
                 f"written without ddpstate): its files are checked, not that the set is "
                 f"complete, and ddpstate's resume skips it"
             )
-    resume, said = _resume_choice(run, storage_options)
-    notes.append(said)
+    notes[:0] = [f"{', '.join(names)}: {note}" for note, names in said.items()]
+    resume, choice = _resume_choice(run, storage_options)
+    notes.append(choice)
     notes += _framework_choice(run, resume, verdicts)
     notes += [
         f"{n}: left by a killed save (ddpstate's temporary name; delete it when no save runs)"
