@@ -72,6 +72,8 @@ examples:
   ddpstate inspect model.safetensors --json | python -m json.tool
   ddpstate inspect dcp_folder/                     # keys, shapes, dtypes from .metadata only
   ddpstate inspect out/checkpoint-500              # a training folder: model, files and roles
+  ddpstate inspect runs/exp1                       # a manager directory: its newest committed step
+  ddpstate inspect out/                            # a folder of checkpoints: its newest one
 """
 
 _DIFF_EPILOG = """\
@@ -88,11 +90,19 @@ _VERIFY_EPILOG = """\
 examples:
   ddpstate verify ckpt.pt && cp ckpt.pt /backup/
   ddpstate verify runs/exp1/step_0000001200        # one CheckpointManager checkpoint
-  ddpstate verify runs/exp1                         # every committed step, and `latest`
+  ddpstate verify runs/exp1                         # every committed step; the one restore() takes
   ddpstate verify dcp_folder/                       # .metadata parses, every shard file whole
   ddpstate verify out/checkpoint-500                # HF Trainer / Accelerate: each file, manifest
+  ddpstate verify out/                              # a Trainer output_dir: every checkpoint-N
+  ddpstate verify project/checkpoints/              # Accelerate: every checkpoint_N
+  ddpstate verify ckpt_dir/                         # a Lightning dirpath: every .ckpt
+  ddpstate verify s3://bucket/runs/exp1 --storage-option endpoint_url=http://127.0.0.1:9000
 
-Exit status: 0 when intact, 1 when something is wrong (one line per problem).
+Exit status: 0 when intact, 1 when something is wrong (one line per problem). In a
+folder of checkpoints, each is listed ok or BAD and the one resuming takes is named;
+leftovers of killed saves and a `latest` behind the newest step are notes.
+URLs: fsspec options from --storage-option and $DDPSTATE_STORAGE_OPTIONS (a JSON
+object); for S3 also AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL.
 """
 
 
@@ -292,14 +302,17 @@ def _add_verify(commands: Any) -> None:
         help="check a checkpoint file or CheckpointManager folder is intact",
         description="Read a checkpoint end to end: every record present, of the right size, "
         "and matching its CRC-32 (torch.save files). For a CheckpointManager step folder or "
-        "directory: the manifest (commit marker), every file's size and CRC-32, and the latest "
-        "pointer. For a Hugging Face sharded folder: every shard as above, every key in exactly "
-        "the shard its index names, and the index's total_size.",
+        "directory: the manifest (commit marker), every file's size and CRC-32, the latest "
+        "pointer, and the step restore() takes. For a Hugging Face sharded folder: every shard "
+        "as above, every key in exactly the shard its index names, and the index's total_size. "
+        "For a Lightning dirpath, an Accelerate checkpoints/ folder or a Trainer output_dir: "
+        "each checkpoint, and the one the integration resumes from.",
     )  # fmt: skip
     verify.add_argument(
         "src", metavar="SRC",
         help="checkpoint file, CheckpointManager step folder or directory, Hugging Face "
-        "sharded folder, or torch.distributed.checkpoint folder",
+        "sharded folder, torch.distributed.checkpoint folder, or a folder of a framework's "
+        "checkpoints (a path or an fsspec URL)",
     )  # fmt: skip
     verify.add_argument("--json", action="store_true", help="print JSON")
     _add_common(verify)

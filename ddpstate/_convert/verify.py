@@ -48,7 +48,10 @@ def verify_file(
 
     A folder is checked as a CheckpointManager step folder or directory by
     :func:`ddpstate.manager.verify_checkpoint` (manifest, sizes, CRC-32s,
-    commit marker, ``latest`` pointer); the result's format is ``"manager"``.
+    commit marker, ``latest`` pointer); the result's format is ``"manager"``. For a
+    manager directory, ``checkpoints`` says which committed steps verify and
+    ``resume_from`` names the step ``CheckpointManager.restore()`` takes (its own
+    chooser, run read-only; it reads the newest candidates once more).
     An Accelerate ``save_state`` or Hugging Face Trainer ``checkpoint-N`` folder
     (format ``"accelerate"``/``"hf_trainer"``): its ddpstate manifest when it has
     one, then each file on its own (weights-only; files that pickle other

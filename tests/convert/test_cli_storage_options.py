@@ -7,6 +7,7 @@ of giving them (options, ``DDPSTATE_STORAGE_OPTIONS``, the AWS variables) then w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,18 @@ _CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN
 
 
 @pytest.fixture()
-def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    # fsspec keeps a filesystem per set of options, with the credentials it found then:
+    # each test (like each command) starts from none.
+    s3fs = pytest.importorskip("s3fs")
+    s3fs.S3FileSystem.clear_instance_cache()
     for name in (*_CREDENTIALS, "AWS_ENDPOINT_URL", STORAGE_OPTIONS_ENV, "DDPSTATE_DEBUG"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture()
@@ -42,16 +49,19 @@ def test_missing_credentials_are_one_line_naming_the_url_and_what_to_set(
     s3_server: S3Server,  # noqa: F811 - the fixture
     url: str,
     no_credentials: None,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    endpoint = f"endpoint_url={s3_server.endpoint_url}"
-    assert main(["verify", url, "-q", "--storage-option", endpoint]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"ddpstate: error: {url}: no credentials"), err
-    for fix in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
-        assert fix in err[0]
-    assert "--storage-option key=... --storage-option secret=..." in err[0]
-    assert "unexpected" not in err[0] and "please report" not in err[0]
+    # The endpoint from the environment, as before this option existed; no credentials.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    for command in (["verify", url, "-q"], ["inspect", url]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddpstate: error: {url}: no credentials"), err
+        for fix in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+            assert fix in err[0]
+        assert "--storage-option key=... --storage-option secret=..." in err[0]
+        assert "unexpected" not in err[0] and "please report" not in err[0]
 
 
 def test_storage_options_from_flags_the_environment_and_aws_variables(
