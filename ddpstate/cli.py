@@ -439,13 +439,15 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
 def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     opts = _storage_options(args)
     run = _run_folder(args.src, opts)
-    src = run.checkpoints[-1] if run is not None else args.src
+    # A folder of checkpoints shows its newest; one with a model of its own, that model.
+    src = run.checkpoints[-1] if run is not None and not run.own_files else args.src
     info = inspect_file(src, weights_only=not args.unsafe, storage_options=opts)
     if run is not None:
         names = ", ".join(posixpath.basename(p.rstrip("/")) for p in run.checkpoints)
+        shown = "its own model" if run.own_files else f"its newest, {posixpath.basename(src)}"
         about = (
-            f"{run.path}: {run.what} with {names}; shown: its newest, "
-            f"{posixpath.basename(src.rstrip('/'))} (`ddpstate verify` names the one resume takes)"
+            f"{run.path}: {run.what} with {names}; shown: {shown} (`ddpstate verify` names "
+            f"the one resume takes)"
         )
         info = dataclasses.replace(info, notes=(about, *info.notes))
     if args.json:
@@ -510,9 +512,12 @@ def _run_folder(src: str, opts: Optional[dict[str, Any]]) -> Optional[RunFolder]
     if not storage.isdir(src, storage_options=opts):
         return None
     try:
-        formats.detect_format(src, storage_options=opts)
+        kind = formats.detect_format(src, storage_options=opts)
     except CheckpointFormatError:
         return find_run_folder(src, opts)
+    # A Trainer's output_dir also holds the model save_model() wrote: a training folder too.
+    if kind in (formats.HF_TRAINER, formats.ACCELERATE):
+        return find_run_folder(src, opts, own_files=True)
     return None
 
 

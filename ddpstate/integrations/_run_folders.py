@@ -57,12 +57,15 @@ class RunFolder:
             time; the others by their number).
         leftovers: Names of ddpstate's temporary files and folders in it, which only a
             killed save leaves (``storage.is_temp_name``).
+        own_files: The folder is a training folder itself too (a Trainer ``output_dir``
+            holding the model ``save_model`` wrote beside its ``checkpoint-N`` folders).
     """
 
     path: str
     kind: str
     checkpoints: tuple[str, ...]
     leftovers: tuple[str, ...]
+    own_files: bool = False
 
     @property
     def what(self) -> str:
@@ -70,16 +73,20 @@ class RunFolder:
         return _WHAT[self.kind]
 
 
-def find_run_folder(path: str, storage_options: Optional[dict[str, Any]]) -> Optional[RunFolder]:
+def find_run_folder(
+    path: str, storage_options: Optional[dict[str, Any]], *, own_files: bool = False
+) -> Optional[RunFolder]:
     """The framework folder of checkpoints at ``path``, or None when it is not one.
 
     ``path`` is one when it holds ``checkpoint-N`` folders (Trainer), ``checkpoint_N``
     folders (Accelerate; or a project folder whose ``checkpoints/`` does) or ``.ckpt``
-    files (Lightning). Call it only for a folder that is no checkpoint itself.
+    files (Lightning).
 
     Args:
         path: A folder (local path or fsspec URL).
         storage_options: fsspec options for URLs.
+        own_files: ``path`` is a training folder itself (``formats.detect_format`` says
+            so): only checkpoint folders in it make it a run folder, not ``.ckpt`` files.
 
     Returns:
         A :class:`RunFolder`, or None.
@@ -95,9 +102,9 @@ def find_run_folder(path: str, storage_options: Optional[dict[str, Any]]) -> Opt
     for kind, pattern in ((TRAINER_DIR, _TRAINER_RE), (ACCELERATE_DIR, _ACCELERATE_RE)):
         found = _common.numbered(path, pattern, opts)
         if found:
-            return RunFolder(path, kind, tuple(p for _, p in found), leftovers)
+            return RunFolder(path, kind, tuple(p for _, p in found), leftovers, own_files)
     files = [storage.join(path, n) for n in names if n.endswith(_CKPT_SUFFIX)]
-    if not files:
+    if own_files or not files:
         return None
     files.sort(key=lambda f: (_common.modified_time(f, opts), f))
     return RunFolder(path, LIGHTNING, tuple(files), leftovers)
@@ -154,6 +161,16 @@ def verify_run_folder(
                 f"complete, and ddpstate's resume skips it"
             )
     notes[:0] = [f"{', '.join(names)}: {note}" for note, names in said.items()]
+    if run.own_files:  # the model saved beside the checkpoints is checked too
+        found = _verify_one(run.path, weights_only, progress, storage_options)
+        problems += found.problems
+        tensors += found.tensors
+        read += found.bytes_read
+        notes += [
+            f"its own files: {note}"
+            for note in found.notes
+            if not note.startswith(tuple(f"{name}: " for name in verdicts))
+        ]
     resume, choice = _resume_choice(run, storage_options)
     notes.append(choice)
     notes += _framework_choice(run, resume, verdicts)

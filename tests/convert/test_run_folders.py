@@ -78,7 +78,8 @@ def _runs(rank: int, world: int, root: str) -> None:
 
     _lightning(os.path.join(root, "lightning"))
     _accelerate(os.path.join(root, "accelerate"))
-    train(os.path.join(root, "hf"), max_steps=2, save_steps=1)
+    trainer, _ = train(os.path.join(root, "hf"), max_steps=2, save_steps=1)
+    trainer.save_model()  # the final model, beside the checkpoint-N folders
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +143,12 @@ def test_a_damaged_newest_checkpoint_fails_and_resume_falls_back(
         assert f"BAD: {runs / folder} (" in text and f"  - {bad}: " in text
         assert f"note: {own}, which fails verification; resume from {fallback}" in text
 
+    # The output_dir's own model (save_model) is checked too, its problems unprefixed.
+    final = runs / "hf" / "model.safetensors"
+    os.truncate(final, final.stat().st_size - 10)
+    status, report, text = _verify(runs / "hf", capsys)
+    assert status == 1 and any(p.startswith("model.safetensors: ") for p in report["problems"])
+
 
 def test_leftovers_and_unsealed_checkpoints_are_notes(
     runs: Path, capsys: pytest.CaptureFixture[str]
@@ -167,11 +174,11 @@ def test_inspect_shows_the_newest_checkpoint_of_each_folder(
     runs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for folder, newest, shown in (
-        ("lightning", "last.ckpt", "last.ckpt"),
-        ("accelerate/checkpoints", "checkpoint_1", "checkpoint_1/model.safetensors"),
-        ("hf", "checkpoint-2", "checkpoint-2/model.safetensors"),
+        ("lightning", "its newest, last.ckpt", "last.ckpt"),
+        ("accelerate/checkpoints", "its newest, checkpoint_1", "checkpoint_1/model.safetensors"),
+        ("hf", "its own model", "model.safetensors"),  # save_model's, beside the checkpoints
     ):
         assert main(["inspect", str(runs / folder)]) == 0
         out = capsys.readouterr().out
         assert out.startswith(f"file       {runs / folder / shown}\n"), out
-        assert f"shown: its newest, {newest} (`ddpstate verify` names the one resume takes)" in out
+        assert f"shown: {newest} (`ddpstate verify` names the one resume takes)" in out
