@@ -436,6 +436,16 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
     return 0
 
 
+def _about_run(run: RunFolder, shown: str) -> str:
+    """``inspect``'s note on a folder of checkpoints: what it holds, which one is ``shown``."""
+    names = ", ".join(posixpath.basename(p) for p in run.checkpoints)
+    which = "its own model" if run.own_files else f"its newest, {posixpath.basename(shown)}"
+    return (
+        f"{run.path}: {run.what} with {names}; shown: {which} (`ddpstate verify` names the "
+        f"one resume takes)"
+    )
+
+
 def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     opts = _storage_options(args)
     run = _run_folder(args.src, opts)
@@ -443,13 +453,7 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     src = run.checkpoints[-1] if run is not None and not run.own_files else args.src
     info = inspect_file(src, weights_only=not args.unsafe, storage_options=opts)
     if run is not None:
-        names = ", ".join(posixpath.basename(p.rstrip("/")) for p in run.checkpoints)
-        shown = "its own model" if run.own_files else f"its newest, {posixpath.basename(src)}"
-        about = (
-            f"{run.path}: {run.what} with {names}; shown: {shown} (`ddpstate verify` names "
-            f"the one resume takes)"
-        )
-        info = dataclasses.replace(info, notes=(about, *info.notes))
+        info = dataclasses.replace(info, notes=(_about_run(run, src), *info.notes))
     if args.json:
         return _print_json(info, out, 0)
     dtypes = ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(info.dtype_bytes.items()))
