@@ -231,6 +231,42 @@ def test_stale_latest_pointer_is_a_note_and_verify_names_the_step_restore_takes(
         assert manager.restore(state, strict=False) == 2
 
 
+# Saves steps 1-3 and is SIGKILLed as step 3's `latest` update starts (step 3 committed).
+_KILLED_BEFORE_LATEST = """
+import os, signal, sys, torch, ddpstate
+from ddpstate import storage
+real = storage.atomic_write
+def atomic_write(path, *args, **kwargs):
+    if os.path.basename(path) == "latest" and os.path.isdir(
+        os.path.join(os.path.dirname(path), "step_0000000003")
+    ):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, *args, **kwargs)
+storage.atomic_write = atomic_write
+manager = ddpstate.CheckpointManager(sys.argv[1])
+for step in (1, 2, 3):
+    manager.save(step, {"model": torch.nn.Linear(3, 2), "epoch": step})
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_between_commit_and_latest_update_verifies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "run"
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_BEFORE_LATEST, str(folder)], capture_output=True,
+        timeout=120,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    assert (folder / LATEST_NAME).read_bytes() == b"step_0000000002\n"
+    assert (_step(folder, 3) / MANIFEST_NAME).exists()
+    assert main(["verify", str(folder), "-q"]) == 0  # `verify && cp` goes on
+    out = capsys.readouterr().out
+    assert "note: restore() takes step_0000000003 (the newest step that verifies)" in out
+    assert f"note: {LATEST_NAME} names step_0000000002, but step_0000000003 is the newest" in out
+
+
 def test_inspect_of_a_manager_directory_shows_its_newest_committed_step(
     run_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
