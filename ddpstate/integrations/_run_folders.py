@@ -171,9 +171,9 @@ def verify_run_folder(
             for note in found.notes
             if not note.startswith(tuple(f"{name}: " for name in verdicts))
         ]
-    resume, choice = _resume_choice(run, storage_options)
+    resume, choice, known = _resume_choice(run, storage_options)
     notes.append(choice)
-    notes += _framework_choice(run, resume, verdicts)
+    notes += _framework_choice(run, resume if known else "", verdicts)
     notes += [
         f"{n}: left by a killed save (ddpstate's temporary name; delete it when no save runs)"
         for n in run.leftovers
@@ -215,8 +215,13 @@ def _verify_one(
         return VerifyResult(path=path, format=None, problems=(str(exc),))
 
 
-def _resume_choice(run: RunFolder, opts: Optional[dict[str, Any]]) -> tuple[Optional[str], str]:
-    """``(checkpoint name, a sentence saying it)``: what the integration's own resume takes."""
+def _resume_choice(
+    run: RunFolder, opts: Optional[dict[str, Any]]
+) -> tuple[Optional[str], str, bool]:
+    """What the integration's own resume takes: ``(name, a sentence saying it, known)``.
+
+    Not known (``False``) where its framework, which its module imports, is not installed.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its "skipping ..." repeats the problems listed
         if run.kind == ACCELERATE_DIR:  # what load_state(accelerator) does with no folder
@@ -228,17 +233,18 @@ def _resume_choice(run: RunFolder, opts: Optional[dict[str, Any]]) -> tuple[Opti
             try:
                 choose = _chooser(run.kind)
             except ImportError as exc:
-                return None, (
-                    f"{framework} is not installed ({exc}), so the checkpoint ddpstate's resume "
-                    f"takes is not named; pip install {framework} to hear it"
+                said = (
+                    f"{framework} is not installed ({exc}), so the checkpoint ddpstate's "
+                    f"resume takes is not named; pip install {framework} to hear it"
                 )
+                return None, said, False
             chosen = choose(run.path, storage_options=opts)
             folder = "output_dir" if run.kind == TRAINER_DIR else "dirpath"
             how = f"ddpstate.integrations.{framework}.last_verified_checkpoint({folder})"
     if chosen is None:
-        return None, f"{how} finds none that verifies"
+        return None, f"{how} finds none that verifies", True
     name = _name(chosen)
-    return name, f"{how} resumes from {name}"
+    return name, f"{how} resumes from {name}", True
 
 
 def _chooser(kind: str) -> Callable[..., Optional[str]]:
@@ -257,7 +263,7 @@ def _chooser(kind: str) -> Callable[..., Optional[str]]:
 def _framework_choice(
     run: RunFolder, resume: Optional[str], verdicts: dict[str, bool]
 ) -> list[str]:
-    """What the framework's own resume takes, where that is not ``resume``."""
+    """What the framework's own resume takes, where that is not ``resume`` ("": not known)."""
     names = [_name(p) for p in run.checkpoints]
     if run.kind == LIGHTNING:
         last = [n for n in names if _LAST_STEM.match(n[: -len(_CKPT_SUFFIX)])]  # oldest first
@@ -273,5 +279,7 @@ def _framework_choice(
         return []
     if verdicts.get(own):
         return [f"{rule} takes {own}"]
+    if resume == "":
+        return [f"{rule} takes {own}, which fails verification"]
     instead = f"resume from {resume}" if resume else "no checkpoint here verifies"
     return [f"{rule} takes {own}, which fails verification; {instead}"]
