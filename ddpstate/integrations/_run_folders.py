@@ -232,12 +232,8 @@ def _resume_choice(
             framework = "transformers" if run.kind == TRAINER_DIR else "lightning"
             try:
                 choose = _chooser(run.kind)
-            except ImportError as exc:
-                said = (
-                    f"{framework} is not installed ({exc}), so the checkpoint ddpstate's "
-                    f"resume takes is not named; pip install {framework} to hear it"
-                )
-                return None, said, False
+            except ImportError as exc:  # its message says what to install
+                return None, f"the checkpoint ddpstate's resume takes is not named: {exc}", False
             chosen = choose(run.path, storage_options=opts)
             folder = "output_dir" if run.kind == TRAINER_DIR else "dirpath"
             how = f"ddpstate.integrations.{framework}.last_verified_checkpoint({folder})"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +184,19 @@ def test_inspect_shows_the_newest_checkpoint_of_each_folder(
         out = capsys.readouterr().out
         assert out.startswith(f"file       {runs / folder / shown}\n"), out
         assert f"shown: {newest} (`ddpstate verify` names the one resume takes)" in out
+
+
+def test_without_lightning_installed_the_folder_is_still_judged(runs: Path) -> None:
+    # A backup machine without lightning: each .ckpt is checked all the same; the resume
+    # choice, which only the integration (importing lightning) makes, is said to be unknown.
+    code = (
+        "import sys\n"
+        "sys.modules['lightning'] = None  # as if not installed: importing it fails\n"
+        "from ddpstate.cli import main\n"
+        f"sys.exit(main(['verify', {str(runs / 'lightning')!r}, '-q']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "  ok  last.ckpt\n" in done.stdout
+    assert "not named: ddpstate.integrations.lightning needs lightning" in done.stdout
+    assert "resumes from" not in done.stdout
