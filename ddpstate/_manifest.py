@@ -619,9 +619,11 @@ def verify_checkpoint(
     :meth:`CheckpointManager.restore` accepts exactly the folders this passes.
 
     A manager directory is good when every committed step folder is good and
-    the ``latest`` pointer names the newest committed step; uncommitted step
-    folders there are only noted (the next save deletes them), and each
-    problem is prefixed with its step folder's name.
+    the ``latest`` pointer, if any, is readable and names a committed step;
+    uncommitted step folders there, and a ``latest`` naming an older step than
+    the newest committed one (a kill between a commit and the pointer update:
+    ``restore()`` does not read the pointer), are only noted, and each problem
+    is prefixed with its step folder's name.
 
     Not a collective; reads every byte of every file once.
 
@@ -744,10 +746,12 @@ def _latest_problems(
             + ("is not committed" if exists else "does not exist")
         ]
     if committed and step != max(committed):
-        return [
+        # A kill between a step's commit and the pointer update leaves this; restore() never
+        # reads the pointer (it takes the newest step that verifies): a remark, not damage.
+        notes.append(
             f"{LATEST_NAME} names {pointed}, but {step_name(max(committed))} is the newest "
             f"committed step (a save was interrupted between its commit and the pointer update, "
-            f"or {LATEST_NAME} was edited); restore() takes the newest step that verifies, and "
-            f"the next save rewrites {LATEST_NAME}"
-        ]
+            f"or {LATEST_NAME} was edited); restore() does not read {LATEST_NAME}, and the next "
+            f"save rewrites it"
+        )
     return []

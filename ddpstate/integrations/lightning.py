@@ -16,12 +16,12 @@ import re
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from ddpstate import _fs, storage
+from ddpstate import storage
 from ddpstate._io.savecheck import check_saveable, safe_globals_named
 from ddpstate.checkpoint import load, save
 from ddpstate.dist import get_rank
 from ddpstate.errors import InvalidArgumentError, InvalidArgumentTypeError
-from ddpstate.integrations._common import missing_framework, newest_verified
+from ddpstate.integrations._common import missing_framework, modified_time, newest_verified
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -202,16 +202,6 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
             )
 
 
-def _modified(path: str, storage_options: Optional[dict[str, Any]]) -> float:
-    if not _fs.is_remote(path):
-        return os.stat(_fs.local_path(path)).st_mtime
-    fs, inner = _fs.url_to_fs(path, storage_options)
-    try:
-        return float(fs.modified(inner).timestamp())
-    except NotImplementedError:  # filesystems without times: the step in the name decides
-        return 0.0
-
-
 def last_verified_checkpoint(
     dirpath: Any, *, storage_options: Optional[dict[str, Any]] = None
 ) -> Optional[str]:
@@ -248,7 +238,7 @@ def last_verified_checkpoint(
 
     def newest(path: str) -> tuple[float, int]:
         step = _STEP.search(os.path.basename(path))
-        return _modified(path, opts), int(step.group(1)) if step else -1
+        return modified_time(path, opts), int(step.group(1)) if step else -1
 
     paths.sort(key=newest, reverse=True)
     return newest_verified(paths, what="Lightning checkpoint", storage_options=opts)
