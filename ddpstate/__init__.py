@@ -63,9 +63,8 @@ from ddpstate.errors import (
     UnsafeCheckpointError,
 )
 
-# Everything else loads on first use (PEP 562): most of it needs torch, and the
-# `ddpstate` command streams key rewrites without importing torch at all, which
-# keeps it in the memory of a file copy.
+# Everything else loads on first use (PEP 562): most of it needs torch, and
+# `verify_checkpoint` and the errors must work where torch is not installed.
 if TYPE_CHECKING:
     from ddpstate._manager.local_tier import RestoreSource
     from ddpstate._manifest import CheckpointVerification as CheckpointVerification

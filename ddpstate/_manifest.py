@@ -420,7 +420,7 @@ def manifest_problems(manifest: dict[str, Any], step: Optional[int]) -> list[str
         for name in files
         if name not in readable
     ]
-    if manifest.get("format") is not None and step is None:
+    if not _is_manager_step(manifest) and step is None:
         return unreadable  # a save() DCP folder, or a framework's folder (seal_folder): files only
     entries = manifest.get("entries")
     if not isinstance(entries, dict):
@@ -526,6 +526,18 @@ def check_folder(
     manifest, problem = read_manifest(folder, opts)
     if manifest is None:
         return FolderCheck(None, [str(problem)], [])
+    return _check_files(folder, manifest, step, opts, workers, defer=defer)
+
+
+def _check_files(
+    folder: str,
+    manifest: dict[str, Any],
+    step: Optional[int],
+    opts: Optional[dict[str, Any]],
+    workers: Optional[int] = None,
+    *,
+    defer: bool = False,
+) -> FolderCheck:
     check = FolderCheck(manifest, manifest_problems(manifest, step), [])
     found, check.files, check.bytes_read = _checksum.check_files(
         folder, checked_files(manifest, defer=defer), opts, workers
@@ -616,7 +628,9 @@ def verify_checkpoint(
     ``.safetensors``) lies beside them. Temporary files of interrupted writes
     and other unlisted files are noted, not failures. A folder without a
     manifest is "not committed (an interrupted save)": a failure here.
-    :meth:`CheckpointManager.restore` accepts exactly the folders this passes.
+    :meth:`CheckpointManager.restore` accepts exactly the step folders this passes.
+    A folder whose manifest has a ``format`` (a ``ddpstate.save`` DCP folder, a
+    framework integration's checkpoint) is checked by its files, whatever its name.
 
     A manager directory is good when every committed step folder is good and
     the ``latest`` pointer, if any, is readable and names a committed step;
@@ -662,10 +676,24 @@ def verify_checkpoint(
     name = posixpath.basename(text.replace(os.sep, "/").rstrip("/"))
     step = parse_step(name)
     committed = storage.exists(storage.join(text, MANIFEST_NAME), storage_options=opts)
-    if step is not None or committed:
-        found = (step,) if committed and step is not None else ()
-        return _verification(text, check_folder(text, step, opts), found)
-    return _verify_directory(text, opts)
+    if step is None and not committed:
+        return _verify_directory(text, opts)
+    folder = storage.committed_folder(text, storage_options=opts)  # a URL's version folder
+    manifest, problem = read_manifest(folder, opts)
+    if manifest is None:
+        return _verification(text, FolderCheck(None, [str(problem)], []), ())
+    if not _is_manager_step(manifest):
+        step = None  # a folder of another kind that its user named step_N: not a manager's step
+    check = _check_files(folder, manifest, step, opts)
+    return _verification(text, check, () if step is None else (step,))
+
+
+def _is_manager_step(manifest: Mapping[str, Any]) -> bool:
+    """Whether a manifest is a CheckpointManager step's, from its own fields.
+
+    A ``save()`` DCP folder's or a :func:`seal_folder` one's has a ``format`` and no step.
+    """
+    return manifest.get("format") is None
 
 
 def _verification(path: str, check: FolderCheck, steps: tuple[int, ...]) -> CheckpointVerification:

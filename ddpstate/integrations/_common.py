@@ -25,9 +25,10 @@ from ddpstate.errors import CheckpointFormatError, CheckpointWriteError, DDPStat
 
 
 def missing_framework(module: str, extra: str) -> ImportError:
-    """The error for an integration whose framework is not installed."""
+    """The error for an integration whose framework is not installed: both install lines."""
     return ImportError(
-        f"ddpstate.integrations.{extra} needs {module}, which is not installed; "
+        f"ddpstate.integrations.{extra} needs {module}, which is not installed; from a "
+        f'checkout of ddpstate: pip install -e ".[{extra}]"; once ddpstate is on PyPI: '
         f'pip install "ddpstate[{extra}]"'
     )
 

@@ -6,7 +6,9 @@ every file's size and CRC-32 in ``manifest.json``, written last, fsyncs and swap
 the folder in. A crash or a failure midway leaves the previous checkpoints as
 they were, and ``total_limit`` rotation runs only once the new one is committed
 (Accelerate deletes the oldest first). ``load_state`` with no folder takes the
-newest ``checkpoint_N`` that verifies, naming each one it skips.
+newest ``checkpoint_N`` that verifies, naming each one it skips. Needs
+``pip install -e ".[accelerate]"`` from a checkout (``pip install "ddpstate[accelerate]"``
+once ddpstate is on PyPI).
 """
 
 from __future__ import annotations

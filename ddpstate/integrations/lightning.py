@@ -6,7 +6,8 @@ and after its atomic rename) and loads them through ddpstate (weights-only, name
 as a callback it also checks, before the first epoch, that the model's, optimizers' and
 callbacks' state can be saved that way.
 ``trainer.fit(model, ckpt_path=last_verified_checkpoint(dirpath))`` resumes from the
-newest checkpoint that verifies. Needs ``pip install "ddpstate[lightning]"``.
+newest checkpoint that verifies. Needs ``pip install -e ".[lightning]"`` from a checkout
+(``pip install "ddpstate[lightning]"`` once ddpstate is on PyPI).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ verifiable once the Trainer has written it, and deletes older folders (the Train
 ``save_total_limit``) only after that; ``trainer.train(resume_from_checkpoint=
 last_verified_checkpoint(output_dir))`` resumes, through the Trainer's own resume (its
 ``TrainerState``: global step, epoch, data position), from the newest folder that
-verifies. Needs ``pip install "ddpstate[transformers]"``.
+verifies. Needs ``pip install -e ".[transformers]"`` from a checkout
+(``pip install "ddpstate[transformers]"`` once ddpstate is on PyPI).
 """
 
 from __future__ import annotations

@@ -251,6 +251,37 @@ def test_one_rank_failing_fails_every_rank_and_commits_nothing(tmp_path: Path) -
     assert os.listdir(tmp_path / "checkpoints") == ["checkpoint_0"]
 
 
+def _named_like_steps(rank: int, world: int, root: str) -> list[tuple[str, bool, bool]]:
+    from ddpstate._manifest import verify_checkpoint
+    from ddpstate.integrations.accelerate import load_state, save_state
+
+    acc, model, opt, sched = _setup(root)
+    acc.project_configuration.automatic_checkpoint_naming = False
+    _train(acc, model, opt, sched, 2)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    folders = [os.path.join(root, name) for name in ("step_2", "step_0000000002")]
+    for folder in folders:
+        save_state(acc, folder)
+    _train(acc, model, opt, sched, 1)
+    found = []
+    for folder in folders:
+        acc, model, *_ = _setup(root)
+        acc.project_configuration.automatic_checkpoint_naming = False
+        chosen = load_state(acc, folder)
+        same = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+        found.append((chosen, same, verify_checkpoint(folder).ok))
+    return found
+
+
+def test_load_state_from_a_folder_named_like_a_manager_step(tmp_path: Path) -> None:
+    """A sealed Accelerate folder is judged by its manifest, not by a ``step_N`` name."""
+    found = run_ranks(_named_like_steps, 1, args=(str(tmp_path),))[0]
+    assert found == [
+        (str(tmp_path / "step_2"), True, True),
+        (str(tmp_path / "step_0000000002"), True, True),
+    ]
+
+
 class _KilledOnSecondSave:
     """A custom object whose second ``state_dict`` (mid ``save_state``) SIGKILLs the process."""
 

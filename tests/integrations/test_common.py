@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,15 @@ def test_newest_verified_checks_files_and_returns_none_when_nothing_verifies(
     with pytest.warns(UserWarning, match="missing.pt"):
         assert newest_verified([str(tmp_path / "missing.pt")], what="file") is None
     assert newest_verified([], what="file") is None
+
+
+def test_a_missing_framework_gives_both_install_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddpstate.integrations import accelerate
+
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as when it is not installed
+    with pytest.raises(ImportError) as caught:
+        accelerate.save_state(None)
+    message = str(caught.value)
+    assert "ddpstate.integrations.accelerate needs accelerate" in message
+    assert 'from a checkout of ddpstate: pip install -e ".[accelerate]"' in message
+    assert 'once ddpstate is on PyPI: pip install "ddpstate[accelerate]"' in message

@@ -368,5 +368,7 @@ def test_a_resume_with_a_shuffled_loader_and_dropout_is_as_exact_as_lightnings_o
 def test_a_missing_lightning_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "ddpstate.integrations.lightning", raising=False)
     monkeypatch.setitem(sys.modules, "lightning.fabric.plugins.io.checkpoint_io", None)
-    with pytest.raises(ImportError, match=r'pip install "ddpstate\[lightning\]"'):
+    # from a checkout, then from PyPI
+    both = r'pip install -e "\.\[lightning\]".*pip install "ddpstate\[lightning\]"'
+    with pytest.raises(ImportError, match=both):
         importlib.import_module("ddpstate.integrations.lightning")

@@ -198,5 +198,7 @@ def test_no_checkpoint_is_a_fresh_start(hf: ModuleType, tmp_path: Path) -> None:
 def test_a_missing_transformers_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "ddpstate.integrations.transformers", raising=False)
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(ImportError, match=r'pip install "ddpstate\[transformers\]"'):
+    # from a checkout, then from PyPI
+    both = r'pip install -e "\.\[transformers\]".*pip install "ddpstate\[transformers\]"'
+    with pytest.raises(ImportError, match=both):
         importlib.import_module("ddpstate.integrations.transformers")

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import warnings
 from collections.abc import Iterator
@@ -302,6 +303,34 @@ def test_explicit_corrupted_step_raises(tmp_path: Path) -> None:
             manager.restore({"model": _net(0)}, step=1)
         with pytest.raises(CheckpointCorruptError, match="none verifies"):
             manager.restore({"model": _net(0)})
+
+
+def test_a_step_folder_must_hold_its_own_step_and_a_sealed_folder_is_no_step(
+    tmp_path: Path,
+) -> None:
+    """The step-name rule is the manager's: exactly as strict for what sits in its directory."""
+    from ddpstate.integrations._common import seal_folder
+    from ddpstate.manager import verify_checkpoint
+
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, {"model": _net(0)})
+        copied = Path(manager.checkpoint_path(2))
+        shutil.copytree(manager.checkpoint_path(1), copied)  # step 1's manifest under step 2's name
+        sealed = Path(manager.checkpoint_path(3))
+        sealed.mkdir()
+        torch.save({"w": torch.ones(4)}, sealed / "model.pt")
+        seal_folder(sealed, format="accelerate")  # a framework's folder, not a manager step
+        assert verify_checkpoint(copied).problems == ("its manifest.json does not describe step 2",)
+        assert verify_checkpoint(sealed).ok  # alone, it is the framework folder it is
+        problems = verify_checkpoint(tmp_path).problems
+        assert any(p.startswith("step_0000000002: ") and "step 2" in p for p in problems)
+        assert any(p.startswith("step_0000000003: ") and "no entries" in p for p in problems)
+        with pytest.raises(CheckpointCorruptError, match="does not describe step 2"):
+            manager.restore({"model": _net(0)}, step=2)
+        with pytest.raises(CheckpointCorruptError, match="no entries"):
+            manager.restore({"model": _net(0)}, step=3)
+        with pytest.warns(UserWarning, match="restoring step 1"):
+            assert manager.restore({"model": _net(0)}) == 1
 
 
 def test_only_an_unfinished_save_means_no_checkpoint(tmp_path: Path) -> None:
