@@ -45,6 +45,7 @@ def _run(tmp_path: Path, plain: bool) -> tuple[dict[str, str], str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # torch's 17 tests twice, ranks spawned fresh: minutes
 @pytest.mark.skipif(
     not TESTS, reason="set DDPSTATE_TORCH_TESTS to torch's test files (docs/dcp.md)"
 )
