@@ -282,10 +282,19 @@ class _VerifiedFile(io.RawIOBase):
             out[:done] = head[pos - start : pos - start + done]
         if done < len(out) and pos + done < tail_at:  # straight from the file into torch's buffer
             at, want = pos + done, min(len(out) - done, tail_at - pos - done)
+            seen = self._seen.setdefault(start, [])
+            # A stream transform (a decompressor) reads an item in many small reads, one
+            # after the other: the CRC goes on from the last one (no combine per read).
+            last = seen[-1] if seen and seen[-1][0] + seen[-1][1] == at else None
             got, crc = crc32_alongside(
-                out[done : done + want], lambda offset, piece: self._read(at + offset, piece)
+                out[done : done + want],
+                lambda offset, piece: self._read(at + offset, piece),
+                0 if last is None else last[2],
             )
-            self._seen.setdefault(start, []).append((at, got, crc))
+            if last is None:
+                seen.append((at, got, crc))
+            else:
+                seen[-1] = (last[0], last[1] + got, crc)
             done += got
             if got < want:
                 self._pos += done
