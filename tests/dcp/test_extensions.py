@@ -27,8 +27,11 @@ from torch.distributed.checkpoint._extension import (
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
+from ddpstate import storage
+from ddpstate.convert import verify_file
 from ddpstate.dcp import DurableWriter, VerifiedReader
 from ddpstate.errors import CheckpointCorruptError
+from tests.s3server import S3Server, s3_server  # noqa: F401 - the fixture
 
 
 def _state() -> dict[str, Any]:
@@ -56,7 +59,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def _save(path: Path, **kw: Any) -> None:
+def _save(path: Path | str, **kw: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's "no process group" notes
         dcp.save(_state(), storage_writer=DurableWriter(str(path), **kw), no_dist=True)
@@ -189,3 +192,26 @@ def test_a_safetensors_format_folder_is_committed_with_its_bytes_checksummed(
     )
     loaded = load_file(os.fspath(shard))  # the file is the safetensors blob torch wrote
     assert torch.equal(loaded["a"], tensors["a"]) and torch.equal(loaded["b"], tensors["b"])
+
+
+def test_a_compressed_folder_on_s3_round_trips_and_verifies(s3_server: S3Server) -> None:  # noqa: F811
+    """Twice to one URL (the second save goes to a version folder), read back and verified."""
+    opts, url = s3_server.storage_options, f"s3://{s3_server.new_bucket()}/zstd"
+    for _ in range(2):
+        _save(url, _extensions=[ZStandard()], storage_options=opts)
+    assert _same(_load(VerifiedReader(url, storage_options=opts)), _state())
+    version = storage.committed_folder(url, storage_options=opts)
+    assert version != url  # the second save's version folder
+    assert verify_file(version, storage_options=opts).ok  # `ddpstate verify`: the stored bytes
+
+
+def test_ddpstate_verify_checks_a_compressed_folder_as_stored(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _save(path, _extensions=[ZStandard()], thread_count=2)
+    assert verify_file(str(path)).ok
+    shard = path / "__0_1.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x80
+    shard.write_bytes(bytes(data))
+    found = verify_file(str(path))
+    assert not found.ok and "__0_1.distcp" in " ".join(found.problems)
