@@ -527,6 +527,13 @@ class DurableWriter(FileSystemWriter):
             )
             for result in written.value()
         ]
+        for name, pieces in unsent.items():  # a file no item went into (more threads than items)
+            if pieces:
+                raise CheckpointWriteError(
+                    f"{self.target}: rank {_rank()} wrote {name} but DCP reports no item in it; "
+                    f"DurableWriter cannot list it"
+                )
+            fs.rm_file(fs.concat_path(self.path, name))  # empty: the manifest lists every file
         done: Future[list[Any]] = Future()
         done.set_result(checked)
         return done

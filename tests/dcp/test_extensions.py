@@ -215,3 +215,18 @@ def test_ddpstate_verify_checks_a_compressed_folder_as_stored(tmp_path: Path) ->
     shard.write_bytes(bytes(data))
     found = verify_file(str(path))
     assert not found.ok and "__0_1.distcp" in " ".join(found.problems)
+
+
+def test_more_threads_than_items_leaves_no_unlisted_empty_file(tmp_path: Path) -> None:
+    """torch makes one file per thread; one no item went into is not left unlisted."""
+    path = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"w": torch.ones(3)},
+            storage_writer=DurableWriter(str(path), thread_count=3),
+            no_dist=True,
+        )
+    listed = json.loads((path / "manifest.json").read_text())["files"]
+    assert sorted(os.listdir(path)) == sorted([*listed, "manifest.json"])
+    assert verify_file(str(path)).ok
