@@ -75,3 +75,25 @@ def test_strip_module_family_runs_against_cp_and_the_script(tmp_path: Path) -> N
         assert (f"strip-module ({place})", 1000, strip_module.SCRIPT) in cases
     for row in results.comparisons:
         assert row.ours_s > 0 and row.baseline_s > 0 and row.peak_rss_mib is not None, row
+
+
+@pytest.mark.slow
+def test_dcp_family_measures_storage_on_1_and_2_ranks_with_zstandard(tmp_path: Path) -> None:
+    """Issue 42's rows side by side at a tiny size: every pair measured, each with its target."""
+    from benchmarks.__main__ import main
+
+    results = main(
+        ["--only", "dcp", "--dist-size", "8", "--repeats", "1", "--no-plot",
+         "--out", str(tmp_path / "results"), "--work", str(tmp_path)]
+    )  # fmt: skip
+    targets = {(c.case, c.baseline): c.target for c in results.comparisons}
+    writer = "FileSystemWriter(sync_files=True)"
+    for place in ("disk", "/dev/shm"):
+        for world, near in ((1, 1.05), (2, 1.10)):
+            assert targets[(f"{world}-rank dcp.save ({place})", writer)] == near
+            assert targets[(f"{world}-rank dcp.load ({place})", "FileSystemReader")] == near
+            assert targets[(f"{world}-rank dcp.save, ZStandard ({place})", writer)] == 1.05
+        assert targets[(f"2-rank FSDP2 save ({place})", "dcp.save")] == 1.10
+        assert targets[(f"2-rank FSDP2 restore ({place})", "dcp.load")] == 1.10
+    assert any("CRC-32 by " in note for note in results.notes)
+    assert all(c.ours_s > 0 and c.baseline_s > 0 for c in results.comparisons)

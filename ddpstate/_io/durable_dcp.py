@@ -3,12 +3,16 @@
 :class:`DurableWriter` is torch's ``FileSystemWriter`` (``FsspecWriter`` for URLs)
 with its file system wrapped (:class:`_Checksummed`): every ``.distcp`` stream is a
 :class:`~ddpstate._manifest.ChecksumWriter` in pieces mode, so each item's bytes are
-CRC-32'd on their way out (DCP calls ``tell`` before and after each item). Each
-rank's ``write_data`` returns DCP's ``WriteResult`` s with ``storage_data`` a
-:class:`_Checked` (torch's ``_StorageInfo`` and the item's CRC), which DCP gathers to
-the coordinator as it does every save; ``finish`` puts torch's own objects back
-before torch writes ``.metadata``, then writes ddpstate's ``manifest.json`` last
-(each file's size, whole-file CRC-32 and its items' ``chunks``) and commits:
+CRC-32'd on their way out (DCP calls ``tell`` before and after each item). DCP's
+stream transforms (``_extensions``: ``ZStandard``, custom ones) wrap that stream, so
+the CRC-32s are over the bytes as stored (compressed), the bytes a reader reads back.
+Each rank's ``write_data`` returns DCP's ``WriteResult`` s with ``storage_data`` a
+:class:`_Checked` (torch's ``_StorageInfo``; on a file's first item, the file's
+pieces), which DCP gathers to the coordinator as it does every save; ``finish`` puts
+torch's own objects back before torch writes ``.metadata``, then writes ddpstate's
+``manifest.json`` last (each file's size, whole-file CRC-32 and its pieces as
+``chunks``: its items' byte ranges; with ``serialization_format=SAFETENSORS`` the
+byte items and the one safetensors blob torch writes after them) and commits:
 
 Each save stages under its own name, which DCP's coordinator picks when it plans the
 save (``prepare_global_plan``, after every rank's local plan and before any write) and
@@ -30,7 +34,8 @@ while it was in flight fails, on every rank, naming the target.
 :class:`VerifiedReader` is ``FileSystemReader`` (``FsspecReader``) whose file system
 returns, for each shard file, a :class:`_VerifiedFile`: reads go straight into
 torch's buffers and are CRC-32'd there, and each item read is compared with its
-recorded CRC-32 when DCP closes the file.
+recorded CRC-32 when DCP closes the file. A transform's reader (``_extension_registry``)
+reads through it, so a compressed item is checked as stored, before it is decompressed.
 """
 
 from __future__ import annotations
@@ -40,15 +45,17 @@ import contextlib
 import dataclasses
 import io
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
     FileSystemBase,
     FileSystemReader,
     FileSystemWriter,
+    SerializationFormat,
 )
 from torch.futures import Future
 
@@ -74,10 +81,14 @@ _WINDOW = 64 << 10  # bytes at each end of an item that VerifiedReader reads who
 
 @dataclasses.dataclass(frozen=True)
 class _Checked:
-    """A ``WriteResult.storage_data`` on its way to ``finish``: torch's own, and the item's CRC."""
+    """A ``WriteResult.storage_data`` on its way to ``finish``: torch's own, and its file's pieces.
 
-    info: Any  # torch's _StorageInfo(relative_path, offset, length)
-    crc: int
+    ``pieces`` (``(offset, length, crc)`` of the bytes as stored, after any stream
+    transform) is filled on the first item of each file only, empty on the others.
+    """
+
+    info: Any  # torch's _StorageInfo(relative_path, offset, length[, transform_descriptors])
+    pieces: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,10 +282,19 @@ class _VerifiedFile(io.RawIOBase):
             out[:done] = head[pos - start : pos - start + done]
         if done < len(out) and pos + done < tail_at:  # straight from the file into torch's buffer
             at, want = pos + done, min(len(out) - done, tail_at - pos - done)
+            seen = self._seen.setdefault(start, [])
+            # A stream transform (a decompressor) reads an item in many small reads, one
+            # after the other: the CRC goes on from the last one (no combine per read).
+            last = seen[-1] if seen and seen[-1][0] + seen[-1][1] == at else None
             got, crc = crc32_alongside(
-                out[done : done + want], lambda offset, piece: self._read(at + offset, piece)
+                out[done : done + want],
+                lambda offset, piece: self._read(at + offset, piece),
+                0 if last is None else last[2],
             )
-            self._seen.setdefault(start, []).append((at, got, crc))
+            if last is None:
+                seen.append((at, got, crc))
+            else:
+                seen[-1] = (last[0], last[1] + got, crc)
             done += got
             if got < want:
                 self._pos += done
@@ -341,12 +361,18 @@ class DurableWriter(FileSystemWriter):
     Args:
         path: The checkpoint folder (local path or fsspec URL such as ``s3://b/ckpt``).
         storage_options: fsspec options for a URL (``{"endpoint_url": ...}``).
-        single_file_per_rank: As for torch's ``FileSystemWriter``; so are
-            ``thread_count``, ``per_thread_copy_ahead``, ``cache_staged_state_dict``
-            and ``overwrite`` (``overwrite=False`` refuses a ``path`` holding a
-            committed checkpoint).
+        single_file_per_rank: As for torch's ``FileSystemWriter``, in the same
+            order; so are ``thread_count``, ``per_thread_copy_ahead``,
+            ``cache_staged_state_dict`` and ``overwrite`` (``overwrite=False``
+            refuses a ``path`` holding a committed checkpoint).
         sync_files: fsync each file and the folder (local paths; object stores
             are durable once a file is closed).
+        _extensions: DCP's stream transforms, as for ``FileSystemWriter``
+            (``[ZStandard()]`` compresses); the manifest's CRC-32s are of the
+            bytes as stored, after the transforms.
+        serialization_format: As for ``FileSystemWriter``; with ``SAFETENSORS``
+            the manifest records each file's bytes as written (read such a folder
+            with a safetensors-aware reader, not ``FileSystemReader``).
 
     Raises:
         CheckpointWriteError: ``overwrite=False`` and ``path`` holds a committed
@@ -371,14 +397,16 @@ class DurableWriter(FileSystemWriter):
     def __init__(
         self,
         path: Union[str, os.PathLike[str]],
-        *,
-        storage_options: Optional[dict[str, Any]] = None,
         single_file_per_rank: bool = True,
         sync_files: bool = True,
         thread_count: int = 1,
         per_thread_copy_ahead: int = 10_000_000,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
+        _extensions: Optional[Sequence[StreamTransformExtension]] = None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        *,
+        storage_options: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__(
             os.getcwd(),  # replaced by reset(path) below
@@ -388,6 +416,8 @@ class DurableWriter(FileSystemWriter):
             per_thread_copy_ahead=per_thread_copy_ahead,
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
+            _extensions=_extensions,
+            serialization_format=serialization_format,
         )
         self.storage_options = storage_options
         self._sync_asked = sync_files
@@ -485,23 +515,25 @@ class DurableWriter(FileSystemWriter):
         fs.pieces.clear()
         written = super().write_data(plan, planner)
         written.wait()
-        results = written.value()
-        crcs = {(n, o): (length, c) for n, pieces in fs.pieces.items() for o, length, c in pieces}
-        checked = []
-        for result in results:
-            info = result.storage_data
-            length, crc = crcs.pop((info.relative_path, info.offset), (0, 0))
-            if length != info.length:
-                raise CheckpointWriteError(
-                    f"{self.target}: item {result.index.fqn!r} in {info.relative_path} was not "
-                    f"written as one piece on rank {_rank()}; DurableWriter cannot checksum it"
-                )
-            checked.append(dataclasses.replace(result, storage_data=_Checked(info, crc)))
-        if crcs:  # bytes no item accounts for (a serialization DurableWriter does not know)
-            raise CheckpointWriteError(
-                f"{self.target}: rank {_rank()} wrote bytes outside DCP's items "
-                f"({sorted(n for n, _ in crcs)}); DurableWriter cannot checksum them"
+        # Each file's pieces ride to the coordinator with the first item DCP wrote into it.
+        unsent = dict(fs.pieces)
+        checked = [
+            dataclasses.replace(
+                result,
+                storage_data=_Checked(
+                    result.storage_data,
+                    tuple(unsent.pop(result.storage_data.relative_path, ())),
+                ),
             )
+            for result in written.value()
+        ]
+        for name, pieces in unsent.items():  # a file no item went into (more threads than items)
+            if pieces:
+                raise CheckpointWriteError(
+                    f"{self.target}: rank {_rank()} wrote {name} but DCP reports no item in it; "
+                    f"DurableWriter cannot list it"
+                )
+            fs.rm_file(fs.concat_path(self.path, name))  # empty: the manifest lists every file
         done: Future[list[Any]] = Future()
         done.set_result(checked)
         return done
@@ -513,13 +545,12 @@ class DurableWriter(FileSystemWriter):
         for rank_results in results:
             for r in rank_results:
                 c: _Checked = r.storage_data
-                chunks.setdefault(c.info.relative_path, []).append(
-                    (c.info.offset, c.info.length, c.crc)
-                )
+                if c.pieces:
+                    chunks[c.info.relative_path] = list(c.pieces)
             plain.append(
                 [dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank_results]
             )
-        files = {name: _file_entry(name, sorted(pieces)) for name, pieces in chunks.items()}
+        files = {name: _file_entry(pieces) for name, pieces in chunks.items()}
         staged = self.staged
         if staged is None:
             raise CheckpointWriteError(
@@ -540,16 +571,9 @@ class DurableWriter(FileSystemWriter):
                     storage.remove(storage.join(self.target, name), missing_ok=True, **self._opts())
 
 
-def _file_entry(name: str, pieces: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """A shard's manifest entry from its items' pieces: size, whole-file CRC, chunks."""
-    end = 0
-    for offset, length, _ in pieces:
-        if offset != end:
-            raise CheckpointWriteError(
-                f"{name}: bytes {end}..{offset} belong to no item; DurableWriter cannot "
-                f"checksum them"
-            )
-        end = offset + length
+def _file_entry(pieces: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """A shard's manifest entry from its pieces as written: size, whole-file CRC, chunks."""
+    end = sum(n for _, n, _ in pieces)  # ChecksumWriter's pieces follow each other from byte 0
     return {
         "size": end,
         "crc32": checksum_hex(crc32_of_pieces((c, n) for _, n, c in pieces)),
@@ -582,6 +606,10 @@ class VerifiedReader(FileSystemReader):
 
     Args:
         path: The checkpoint folder (local path or fsspec URL).
+        _extension_registry: As for torch's ``FileSystemReader``: where the stream
+            transforms ``.metadata`` names are found (a custom one registered;
+            torch's ``ZStandard`` by default). The bytes are checked as stored,
+            before any transform reads them.
         storage_options: fsspec options for a URL.
 
     Raises:
@@ -606,10 +634,11 @@ class VerifiedReader(FileSystemReader):
     def __init__(
         self,
         path: Union[str, os.PathLike[str]],
+        _extension_registry: Optional[ExtensionRegistry] = None,
         *,
         storage_options: Optional[dict[str, Any]] = None,
     ) -> None:
-        super().__init__(os.getcwd())  # replaced by reset(path) below
+        super().__init__(os.getcwd(), _extension_registry)  # path: replaced by reset(path) below
         self.storage_options = storage_options
         self.reset(path)
 
