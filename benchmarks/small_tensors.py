@@ -26,6 +26,7 @@ The CRC-32 implementation in use is printed and recorded in the notes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -122,15 +123,15 @@ def _worker(rank: int, repeats: int, folder: Path, out: Path) -> None:
 
     async_.save(0, {"model": model})  # untimed: allocates the snapshot buffers
     async_.wait()
+    state = {"model": model}
     for i in range(1, repeats + 1):
-        step = i
-        timed("async", lambda: async_.save(step, {"model": model}))
+        timed("async", functools.partial(async_.save, i, state))
         async_.wait()
-        pairs = [("save", lambda: sync.save(step, {"model": model})), ("torch save", torch_save)]
+        pairs = [("save", functools.partial(sync.save, i, state)), ("torch save", torch_save)]
         for name, fn in pairs if i % 2 else pairs[::-1]:
             timed(name, fn)
         loads = [
-            ("restore", folder / "sync", lambda: sync.restore({"model": model})),
+            ("restore", folder / "sync", lambda: sync.restore(state)),
             ("torch load", torch_path,
              lambda: model.load_state_dict(torch.load(torch_path, weights_only=True))),
         ]  # fmt: skip
@@ -159,10 +160,14 @@ def measure(repeats: int, folder: Path) -> dict[str, list[float]]:
            "WORLD_SIZE": str(WORLD)}  # fmt: skip
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.small_tensors", str(rank), str(repeats),
-             str(folder), str(out)],
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.small_tensors",
+                *map(str, (rank, repeats, folder, out)),
+            ],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-        )  # fmt: skip
+        )
         for rank in range(WORLD)
     ]
     codes = [p.wait(timeout=1800) for p in procs]

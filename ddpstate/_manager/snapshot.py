@@ -168,7 +168,7 @@ class Snapshot:
         on_cuda: bool,
         used: dict[tuple[Any, ...], torch.Tensor],
     ) -> torch.Tensor:
-        """The CPU buffer kept for ``path``, reallocated unless it has ``like``'s shape and dtype."""
+        """The CPU buffer kept for ``path``; a new one unless it has ``like``'s shape and dtype."""
         buffer = self.buffers.get(path)
         if (
             buffer is None
