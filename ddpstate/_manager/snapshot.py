@@ -70,15 +70,8 @@ class Snapshot:
         # The copies are plain data: no autograd history, whatever the source's requires_grad.
         with torch.no_grad():
             for name, e in entries.items():
-                if e.kind == KIND_MODULE:
-                    # state_dict() built this dict (and its _metadata) for us alone, so only
-                    # its values are replaced; a per-key container copy costs as much as the
-                    # tensor copies with many small tensors (issue 42).
-                    for key, value in e.value.items():
-                        e.value[key] = self._copy(value, (name, key), used, memo, devices)
-                    copied[name] = e
-                else:
-                    copied[name] = Entry(e.kind, self._copy(e.value, (name,), used, memo, devices))
+                value = self._copy(e.value, (name,), used, memo, devices, e.kind == KIND_MODULE)
+                copied[name] = Entry(e.kind, value)
         self.buffers = used  # the buffers of paths this state no longer has are let go
         events = []
         for device in devices:
@@ -96,7 +89,14 @@ class Snapshot:
         used: dict[tuple[Any, ...], torch.Tensor],
         memo: dict[Any, Any],
         devices: set[torch.device],
+        fresh_metadata: bool = False,
     ) -> Any:
+        """A copy of ``obj`` whose tensors are snapshot copies (containers copied, not shared).
+
+        ``fresh_metadata``: ``obj`` is a module's state dict, whose ``_metadata``
+        ``Module.state_dict()`` builds anew per call and the writer only reads, so
+        it is kept, not deep-copied (7,762 entries for 25,640 tensors: issue 42).
+        """
         if isinstance(obj, torch.Tensor):
             return self._copy_tensor(obj, path, used, memo, devices)
         if isinstance(obj, Mapping):
@@ -105,7 +105,7 @@ class Snapshot:
                 new[key] = self._copy(value, (*path, key), used, memo, devices)
             metadata = getattr(obj, "_metadata", None)
             if metadata is not None:
-                new._metadata = copy.deepcopy(metadata)
+                new._metadata = metadata if fresh_metadata else copy.deepcopy(metadata)
             return new
         if isinstance(obj, list):
             return [self._copy(v, (*path, i), used, memo, devices) for i, v in enumerate(obj)]
