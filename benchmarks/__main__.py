@@ -145,6 +145,7 @@ def _machine(work: Path) -> dict[str, str]:
         "filesystem": fs,
         "python": platform.python_version(),
         "versions": ", ".join(f"{k} {v}" for k, v in versions.items()),
+        "checksum": harness.crc32_in_use(),
     }
 
 
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> harness.Results:
             "so cold figures are the checkpoint's I/O, not library loading"
         )  # fmt: skip
     started = time.perf_counter()
+    print(results.meta["checksum"], flush=True)
     try:
         for name in args.only:
             begun = time.perf_counter()

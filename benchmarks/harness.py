@@ -162,6 +162,13 @@ class Results:
 # ------------------------------------------------------------------------------- timing
 
 
+def crc32_in_use() -> str:
+    """The CRC-32 library ddpstate checksums with in this run (every figure depends on it)."""
+    from ddpstate import _crc
+
+    return f"crc32: {_crc.IMPLEMENTATION}"
+
+
 def settle() -> None:
     """Start a timed run with no disk work pending from the previous one.
 

@@ -52,13 +52,6 @@ EXPERT_SHAPES = {
 TENSORS = LAYERS * (EXPERTS * len(EXPERT_SHAPES) + 1)
 
 
-def crc_in_use() -> str:
-    """The CRC-32 function ddpstate checksums with, as ``module.name``."""
-    from ddpstate import _crc
-
-    return f"{getattr(_crc.crc32, '__module__', None) or '?'}.{_crc.crc32.__name__}"
-
-
 def make_model() -> Any:
     """The MoE-shaped module (seeded: every rank builds the same one)."""
     import torch
@@ -182,9 +175,9 @@ def measure(repeats: int, folder: Path) -> dict[str, list[float]]:
 
 def run(results: Results, settings: Settings) -> None:
     """Measure the three comparisons and record them with the CRC implementation."""
-    crc = crc_in_use()
-    print(f"[small_tensors] CRC-32 in use: {crc}", flush=True)
-    results.notes.append(f"small_tensors: CRC-32 in use: {crc}")
+    crc = harness.crc32_in_use()
+    print(f"[small_tensors] {crc}", flush=True)
+    results.notes.append(f"small_tensors: {crc}")
     folder = settings.work / "small_tensors"
     times = measure(settings.repeats, folder)
     x = float(TENSORS)

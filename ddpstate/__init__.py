@@ -1,6 +1,8 @@
 """ddpstate: safe, durable PyTorch checkpoints and model state under DDP.
 
-The public names (``ddpstate.__all__``), by area::
+The public names (``ddpstate.__all__``), by area:
+
+.. code-block:: text
 
     Save and load (every rank calls; rank 0 writes; weights_only loads)
         save, load                  -- a state dict or any checkpoint, atomically written

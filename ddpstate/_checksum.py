@@ -5,8 +5,8 @@ byte for that CRC is most of what verifying or restoring a step costs, so the
 bytes are cut into consecutive pieces (:func:`assign`: equal runs over the
 files laid end to end; a small file stays whole) that several readers check at
 once: ranks of a job (``_manager/verify_split.py``, ``_manager/local_check.py``)
-or threads of one process (:func:`check_files`; ``zlib.crc32`` and file reads
-release the GIL). Each piece's read (:class:`PieceRead`) carries its size and
+or threads of one process (:func:`check_files`; the CRC-32 (``_crc.crc32``) and file
+reads release the GIL). Each piece's read (:class:`PieceRead`) carries its size and
 CRC; :func:`file_problem` puts a file's pieces back together (``_crc``) and
 judges them with the words one pass over the whole file uses, so the problems
 never depend on how the work was split.
@@ -15,7 +15,6 @@ never depend on how the work was split.
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -257,19 +256,11 @@ def check_share(
     return found
 
 
-def _cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
 def _workers(total: int) -> int:
     """Threads for a pass over ``total`` bytes: one per CPU (at most 8), one for small folders."""
     if total < 2 * MIN_PIECE:
         return 1
-    return max(1, min(8, _cpus(), total // MIN_PIECE))
+    return max(1, min(_crc.MAX_THREADS, _crc.cpus(), total // MIN_PIECE))
 
 
 def check_files(

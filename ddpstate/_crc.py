@@ -1,37 +1,71 @@
-"""CRC-32 arithmetic: the CRC of a whole file from the CRCs of its consecutive pieces.
+"""CRC-32, fast: one implementation chosen at import, large buffers checked on several threads.
 
-Checking a step folder reads every byte for its CRC-32 (``zlib.crc32``, the
-checksum the manifest records). Several readers can share one large file by
-each checksumming a byte range; :func:`crc32_combine` then gives the CRC of the
-concatenation from the pieces' CRCs and the later piece's length alone, with
-no second pass over the bytes. It is zlib's ``crc32_combine``, which Python's
-``zlib`` module does not expose, done with polynomial arithmetic over GF(2)
-(``len2`` zero bytes appended to the first piece multiply its CRC by
-``x^(8*len2)`` modulo the CRC polynomial), about 60 short multiplications for
-a 1 TiB piece. Torch-free.
+Every checksum ddpstate records or checks is zlib's CRC-32, so manifests and
+zip records keep their meaning whichever library computes it. :data:`crc32` is
+the fastest one installed, chosen once here and nowhere else: ``isal``
+(Intel's ISA-L, a dependency where it has wheels), then ``zlib-ng``, then the
+standard library's ``zlib`` (:data:`IMPLEMENTATION` names it; ``ddpstate
+--version`` prints it). Each releases the GIL, so :func:`crc32_parallel` checks
+a large buffer in pieces on helper threads and :func:`crc32_combine` joins the
+pieces' CRCs from their lengths alone (zlib's ``crc32_combine``: the library's
+where it has one; Python's ``zlib`` has none, so there it is done with
+polynomial arithmetic over GF(2): ``len2`` zero bytes appended to the first
+piece multiply its CRC by ``x^(8*len2)`` modulo the CRC polynomial).
+Torch-free.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
-__all__ = ["crc32", "crc32_alongside", "crc32_combine", "crc32_later", "crc32_of_pieces"]
+__all__ = [
+    "IMPLEMENTATION",
+    "MAX_THREADS",
+    "PIECE",
+    "cpus",
+    "crc32",
+    "crc32_alongside",
+    "crc32_combine",
+    "crc32_later",
+    "crc32_of_pieces",
+    "crc32_parallel",
+]
 
-#: ``zlib.crc32``, or zlib-ng's (the same function, about 2.5x faster here) where the
-#: optional ``zlib-ng`` package is installed: what checkpoints are checksummed with as
-#: they are written and read (``ddpstate.dcp``).
-crc32: Callable[[Any, int], int] = zlib.crc32
-try:
-    from zlib_ng import zlib_ng  # type: ignore[import-not-found,unused-ignore]
+_Crc32 = Callable[..., int]  # (data, crc=0) -> the CRC-32 of data continuing crc
+_Combine = Callable[[int, int, int], int]
 
-    crc32 = zlib_ng.crc32
-except ImportError:
-    pass
+
+def _choose() -> tuple[_Crc32, Optional[_Combine], str]:
+    """The fastest CRC-32 installed: isal, then zlib-ng, then zlib (all give zlib's values)."""
+    try:
+        import isal  # type: ignore[import-not-found,unused-ignore]
+        from isal import isal_zlib  # type: ignore[import-not-found,unused-ignore]
+
+        return isal_zlib.crc32, isal_zlib.crc32_combine, f"isal {isal.__version__}"
+    except ImportError:  # no wheel for this platform (ppc64le, s390x, Windows on ARM...)
+        pass
+    try:
+        import zlib_ng  # type: ignore[import-not-found,unused-ignore]
+        from zlib_ng import zlib_ng as ng  # type: ignore[import-not-found,unused-ignore]
+
+        return ng.crc32, ng.crc32_combine, f"zlib-ng {zlib_ng.__version__}"
+    except ImportError:
+        pass
+    return zlib.crc32, None, f"zlib {zlib.ZLIB_RUNTIME_VERSION}"
+
+
+_library_combine: Optional[_Combine]
+#: The CRC-32 every checksum goes through: ``crc32(data, crc=0)``, as ``zlib.crc32``.
+crc32: _Crc32
+#: Which library :data:`crc32` is, with its version, e.g. ``"isal 1.9.1"``.
+IMPLEMENTATION: str
+crc32, _library_combine, IMPLEMENTATION = _choose()
 
 # zlib's CRC-32 polynomial, bit-reversed: bit 31 stands for x^0, bit 0 for x^31.
 _POLY = 0xEDB88320
@@ -99,6 +133,8 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         raise ValueError(f"crc32_combine: len2 must be 0 or more, not {len2}")
     if len2 == 0:
         return crc1
+    if _library_combine is not None:
+        return _library_combine(crc1 & 0xFFFFFFFF, crc2 & 0xFFFFFFFF, len2)
     return _multiply(_x_to_8n(len2), crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
 
 
@@ -131,12 +167,30 @@ _pool: Optional[tuple[int, concurrent.futures.ThreadPoolExecutor]] = None
 _pool_lock = threading.Lock()
 
 
+def cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one).
+
+    Example:
+        >>> from ddpstate._crc import cpus
+        >>> cpus() >= 1
+        True
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+#: The most helper threads a process checksums with (memory bandwidth runs out first).
+MAX_THREADS = 8
+
+
 def _helpers() -> concurrent.futures.ThreadPoolExecutor:
     """This process's CRC threads (made again in a forked child, which has none of them)."""
     global _pool
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid():
-            workers = min(4, os.cpu_count() or 1)
+            workers = min(MAX_THREADS, cpus())
             _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(workers, "ddpstate-crc"))
         return _pool[1]
 
@@ -200,3 +254,45 @@ def crc32_alongside(
     for piece_crc, n in crcs:
         crc = crc32_combine(crc, piece_crc, n)
     return done, crc
+
+
+def crc32_parallel(data: Any, crc: int = 0, *, threads: Optional[int] = None) -> int:
+    """The CRC-32 of a buffer already in memory, in pieces on several threads when it pays.
+
+    A buffer of at least two :data:`PIECE` s on a process with more than one CPU is
+    cut into one equal run per thread (at most :data:`MAX_THREADS`); the caller's
+    thread checksums the first while helpers do the rest, and :func:`crc32_combine`
+    joins them. Otherwise (one CPU, a small buffer) it is one :data:`crc32` call, so
+    it never costs more than that.
+
+    Args:
+        data: A C-contiguous buffer (bytes, bytearray, memoryview, a NumPy array).
+        crc: The CRC-32 to continue (of the bytes before ``data``).
+        threads: Cut into this many runs whatever the size (None: the rule above).
+
+    Returns:
+        ``zlib.crc32(data, crc)``.
+
+    Example:
+        >>> import zlib
+        >>> from ddpstate._crc import PIECE, crc32_parallel
+        >>> data = bytes(range(256)) * (PIECE // 64)
+        >>> crc32_parallel(data, 7) == zlib.crc32(data, 7)
+        True
+    """
+    view = memoryview(data).cast("B")
+    if threads is None:
+        threads = min(cpus(), MAX_THREADS, view.nbytes // PIECE)
+    if threads < 2:
+        return crc32(view, crc)
+    bounds = [view.nbytes * i // threads for i in range(threads + 1)]
+    later = [
+        (_helpers().submit(crc32, view[a:b], 0), b - a) for a, b in itertools.pairwise(bounds[1:])
+    ]
+    try:
+        crc = crc32(view[: bounds[1]], crc)
+    finally:  # the helpers read data: wait for them, also when this thread failed
+        crcs = [(task.result(), n) for task, n in later]
+    for piece_crc, n in crcs:
+        crc = crc32_combine(crc, piece_crc, n)
+    return crc

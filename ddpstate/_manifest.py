@@ -18,14 +18,12 @@ import os
 import posixpath
 import re
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ddpstate import _checksum, _fs, storage
+from ddpstate import _checksum, _crc, _fs, storage
 from ddpstate._checksum import checksum_hex, error_text
-from ddpstate._crc import crc32_alongside
 from ddpstate._fs import PathLike
 from ddpstate._version import __version__
 from ddpstate.errors import (
@@ -101,7 +99,7 @@ class ChecksumWriter(io.RawIOBase):
             return piece.nbytes if written is None else int(written)
 
         try:  # a large write is CRC-32'd in pieces on helper threads as it goes out
-            count, self.crc = crc32_alongside(memoryview(data).cast("B"), put, self.crc)
+            count, self.crc = _crc.crc32_alongside(memoryview(data).cast("B"), put, self.crc)
         except BaseException as exc:
             self.error = exc
             raise
@@ -350,7 +348,7 @@ def manifest_for(
 
 def manifest_crc(manifest: Mapping[str, Any]) -> str:
     body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC_FIELD}
-    return checksum_hex(zlib.crc32(manifest_bytes(body)))
+    return checksum_hex(_crc.crc32(manifest_bytes(body)))
 
 
 def _is_plain_name(name: Any) -> bool:
@@ -621,9 +619,11 @@ def verify_checkpoint(
     :meth:`CheckpointManager.restore` accepts exactly the folders this passes.
 
     A manager directory is good when every committed step folder is good and
-    the ``latest`` pointer names the newest committed step; uncommitted step
-    folders there are only noted (the next save deletes them), and each
-    problem is prefixed with its step folder's name.
+    the ``latest`` pointer, if any, is readable and names a committed step;
+    uncommitted step folders there, and a ``latest`` naming an older step than
+    the newest committed one (a kill between a commit and the pointer update:
+    ``restore()`` does not read the pointer), are only noted, and each problem
+    is prefixed with its step folder's name.
 
     Not a collective; reads every byte of every file once.
 
@@ -746,10 +746,12 @@ def _latest_problems(
             + ("is not committed" if exists else "does not exist")
         ]
     if committed and step != max(committed):
-        return [
+        # A kill between a step's commit and the pointer update leaves this; restore() never
+        # reads the pointer (it takes the newest step that verifies): a remark, not damage.
+        notes.append(
             f"{LATEST_NAME} names {pointed}, but {step_name(max(committed))} is the newest "
             f"committed step (a save was interrupted between its commit and the pointer update, "
-            f"or {LATEST_NAME} was edited); restore() takes the newest step that verifies, and "
-            f"the next save rewrites {LATEST_NAME}"
-        ]
+            f"or {LATEST_NAME} was edited); restore() does not read {LATEST_NAME}, and the next "
+            f"save rewrites it"
+        )
     return []

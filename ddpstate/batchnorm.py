@@ -6,7 +6,6 @@ import copy
 import functools
 import hashlib
 import weakref
-import zlib
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpstate import _ddp_buffers
+from ddpstate import _crc, _ddp_buffers
 from ddpstate._ddp_buffers import (
     BUFFER_SYNC_KWARG,
     BUFFER_SYNC_NAMES,
@@ -416,8 +415,8 @@ def stats_checksums(model: nn.Module) -> Optional[list[int]]:
     layers = _stat_layers(model)
     if not layers:
         return None
-    # One CRC of both tensors' bytes: the same as chaining zlib.crc32 over each.
-    return [zlib.crc32(_stat_bytes(m)) for _, m in layers]
+    # One CRC of both tensors' bytes: the same as chaining the CRC-32 over each.
+    return [_crc.crc32(_stat_bytes(m)) for _, m in layers]
 
 
 def warn_if_checksums_differ(model: nn.Module, gathered: list[Any], *, where: str) -> None:

@@ -240,7 +240,9 @@ def save(
             ``model-00001-of-0000N.safetensors`` and
             ``model.safetensors.index.json``; ``obj`` must be a state dict. The
             folder is replaced as a whole (staged, then renamed); a folder
-            holding other files is refused.
+            holding other files is refused. A tied key (one tensor under two
+            keys) is stored once and left out of the index, as transformers
+            does; :func:`load` gives it back tied.
 
     Raises:
         CheckpointWriteError: Writing failed (folder not writable, disk full,

@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import posixpath
 import re
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import IO, Any, NoReturn, Optional
 
-from ddpstate import formats
+import torch
+
+from ddpstate import _crc, formats, storage
+from ddpstate._fs import is_remote
 from ddpstate._progress import human_bytes
 from ddpstate._version import __version__
 from ddpstate.convert import StateEdit, convert_file, diff_files, inspect_file, verify_file
-from ddpstate.errors import DDPStateError, InvalidArgumentError
+from ddpstate.errors import (
+    CheckpointAccessError,
+    CheckpointFormatError,
+    DDPStateError,
+    InvalidArgumentError,
+)
 from ddpstate.formats import DESCRIPTIONS, MANAGER, PT, SAFETENSORS, FormatName, parse_format
+from ddpstate.integrations._run_folders import RunFolder, find_run_folder, verify_run_folder
 
 __all__ = ["main"]
 
@@ -63,6 +74,8 @@ examples:
   ddpstate inspect model.safetensors --json | python -m json.tool
   ddpstate inspect dcp_folder/                     # keys, shapes, dtypes from .metadata only
   ddpstate inspect out/checkpoint-500              # a training folder: model, files and roles
+  ddpstate inspect runs/exp1                       # a manager directory: its newest committed step
+  ddpstate inspect out/                            # a folder of checkpoints: its newest one
 """
 
 _DIFF_EPILOG = """\
@@ -79,15 +92,28 @@ _VERIFY_EPILOG = """\
 examples:
   ddpstate verify ckpt.pt && cp ckpt.pt /backup/
   ddpstate verify runs/exp1/step_0000001200        # one CheckpointManager checkpoint
-  ddpstate verify runs/exp1                         # every committed step, and `latest`
+  ddpstate verify runs/exp1                         # every committed step; the one restore() takes
   ddpstate verify dcp_folder/                       # .metadata parses, every shard file whole
   ddpstate verify out/checkpoint-500                # HF Trainer / Accelerate: each file, manifest
+  ddpstate verify out/                              # a Trainer output_dir: every checkpoint-N
+  ddpstate verify project/checkpoints/              # Accelerate: every checkpoint_N
+  ddpstate verify ckpt_dir/                         # a Lightning dirpath: every .ckpt
+  ddpstate verify s3://bucket/runs/exp1 --storage-option endpoint_url=http://127.0.0.1:9000
 
-Exit status: 0 when intact, 1 when something is wrong (one line per problem).
+Exit status: 0 when intact, 1 when something is wrong (one line per problem). In a
+folder of checkpoints, each is listed ok or BAD and the one resuming takes is named;
+leftovers of killed saves and a `latest` behind the newest step are notes.
+URLs: fsspec options from --storage-option and $DDPSTATE_STORAGE_OPTIONS (a JSON
+object); for S3 also AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL.
 """
 
 
-_SRC_HELP = "checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder"
+_SRC_HELP = (
+    "checkpoint file, Hugging Face sharded folder or torch.distributed.checkpoint folder "
+    "(a path or an fsspec URL)"
+)
+#: A JSON object of fsspec options for every URL a command opens (--storage-option wins).
+STORAGE_OPTIONS_ENV = "DDPSTATE_STORAGE_OPTIONS"
 
 
 class _UsageError(Exception):
@@ -102,6 +128,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_common(parser: argparse.ArgumentParser, *, progress: bool = True) -> None:
+    parser.add_argument(
+        "--storage-option", "--storage_option", action="append", default=[],
+        type=_storage_option, metavar="KEY=VALUE", dest="storage_option",
+        help="an fsspec option for URLs (s3://, gs://, ...), repeatable; VALUE is read as "
+        "JSON when it parses (true, 3, {...}), else as a string, e.g. --storage-option "
+        "'client_kwargs={\"endpoint_url\": \"http://127.0.0.1:9000\"}'; given over the "
+        f"JSON object in ${STORAGE_OPTIONS_ENV}",
+    )  # fmt: skip
     parser.add_argument(
         "--unsafe",
         action="store_true",
@@ -162,7 +196,9 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_MAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"ddpstate {__version__}")
+    # The CRC-32 library decides how fast every check runs: a bug report should say which.
+    version = f"ddpstate {__version__} (torch {torch.__version__}, crc32: {_crc.IMPLEMENTATION})"
+    parser.add_argument("--version", action="version", version=version)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     for add in (_add_convert, _add_inspect, _add_diff, _add_verify):
@@ -270,14 +306,17 @@ def _add_verify(commands: Any) -> None:
         help="check a checkpoint file or CheckpointManager folder is intact",
         description="Read a checkpoint end to end: every record present, of the right size, "
         "and matching its CRC-32 (torch.save files). For a CheckpointManager step folder or "
-        "directory: the manifest (commit marker), every file's size and CRC-32, and the latest "
-        "pointer. For a Hugging Face sharded folder: every shard as above, every key in exactly "
-        "the shard its index names, and the index's total_size.",
+        "directory: the manifest (commit marker), every file's size and CRC-32, the latest "
+        "pointer, and the step restore() takes. For a Hugging Face sharded folder: every shard "
+        "as above, every key in exactly the shard its index names, and the index's total_size. "
+        "For a Lightning dirpath, an Accelerate checkpoints/ folder or a Trainer output_dir: "
+        "each checkpoint, and the one the integration resumes from.",
     )  # fmt: skip
     verify.add_argument(
         "src", metavar="SRC",
         help="checkpoint file, CheckpointManager step folder or directory, Hugging Face "
-        "sharded folder, or torch.distributed.checkpoint folder",
+        "sharded folder, torch.distributed.checkpoint folder, or a folder of a framework's "
+        "checkpoints (a path or an fsspec URL)",
     )  # fmt: skip
     verify.add_argument("--json", action="store_true", help="print JSON")
     _add_common(verify)
@@ -291,6 +330,37 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
     return value
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not KEY=VALUE (e.g. endpoint_url=http://...)"
+        )
+    try:
+        return key, json.loads(value)
+    except ValueError:  # not JSON: a plain string, as most options are
+        return key, value
+
+
+def _storage_options(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """The fsspec options: ``$DDPSTATE_STORAGE_OPTIONS``, then each ``--storage-option``."""
+    options: dict[str, Any] = {}
+    raw = os.environ.get(STORAGE_OPTIONS_ENV, "")
+    if raw.strip():
+        try:
+            loaded = json.loads(raw)
+        except ValueError as exc:
+            loaded = exc
+        if not isinstance(loaded, dict):
+            raise _UsageError(
+                f"${STORAGE_OPTIONS_ENV} must hold a JSON object of fsspec options, such as "
+                f'\'{{"endpoint_url": "http://127.0.0.1:9000"}}\', not {raw!r}'
+            )
+        options.update(loaded)
+    options.update(args.storage_option)
+    return options or None
 
 
 def _output_format(text: str) -> FormatName:
@@ -343,6 +413,7 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
         weights_only=not args.unsafe,
         progress=not args.quiet,
         fsync=not args.no_fsync,
+        storage_options=_storage_options(args),
     )
     if not result.written:
         print(f"{result.dst}: nothing to change; left as it is", file=out)
@@ -369,8 +440,24 @@ def _cmd_convert(args: argparse.Namespace, out: IO[str]) -> int:
     return 0
 
 
+def _about_run(run: RunFolder, shown: str) -> str:
+    """``inspect``'s note on a folder of checkpoints: what it holds, which one is ``shown``."""
+    names = ", ".join(posixpath.basename(p) for p in run.checkpoints)
+    which = "its own model" if run.own_files else f"its newest, {posixpath.basename(shown)}"
+    return (
+        f"{run.path}: {run.what} with {names}; shown: {which} (`ddpstate verify` names the "
+        f"one resume takes)"
+    )
+
+
 def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
-    info = inspect_file(args.src, weights_only=not args.unsafe)
+    opts = _storage_options(args)
+    run = _run_folder(args.src, opts)
+    # A folder of checkpoints shows its newest; one with a model of its own, that model.
+    src = run.checkpoints[-1] if run is not None and not run.own_files else args.src
+    info = inspect_file(src, weights_only=not args.unsafe, storage_options=opts)
+    if run is not None:
+        info = dataclasses.replace(info, notes=(_about_run(run, src), *info.notes))
     if args.json:
         return _print_json(info, out, 0)
     dtypes = ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(info.dtype_bytes.items()))
@@ -406,7 +493,7 @@ def _cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
 def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
     result = diff_files(
         args.a, args.b, raw_keys=args.raw_keys, atol=args.atol, weights_only=not args.unsafe,
-        progress=not args.quiet, **_key_rule(args),
+        progress=not args.quiet, storage_options=_storage_options(args), **_key_rule(args),
     )  # fmt: skip
     if args.json:
         return _print_json(result, out, 0 if result.equal else 1)
@@ -428,11 +515,32 @@ def _cmd_diff(args: argparse.Namespace, out: IO[str]) -> int:
     return 0 if result.equal else 1
 
 
+def _run_folder(src: str, opts: Optional[dict[str, Any]]) -> Optional[RunFolder]:
+    """A framework's folder of checkpoints at ``src``, when ``src`` is no checkpoint itself."""
+    if not storage.isdir(src, storage_options=opts):
+        return None
+    try:
+        kind = formats.detect_format(src, storage_options=opts)
+    except CheckpointFormatError:
+        return find_run_folder(src, opts)
+    # A Trainer's output_dir also holds the model save_model() wrote: a training folder too.
+    if kind in (formats.HF_TRAINER, formats.ACCELERATE):
+        return find_run_folder(src, opts, own_files=True)
+    return None
+
+
 def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
-    result = verify_file(args.src, weights_only=not args.unsafe, progress=not args.quiet)
+    opts = _storage_options(args)
+    run = _run_folder(args.src, opts)
+    checks: dict[str, Any] = {
+        "weights_only": not args.unsafe, "progress": not args.quiet, "storage_options": opts
+    }  # fmt: skip
+    result = verify_run_folder(run, **checks) if run else verify_file(args.src, **checks)
     if args.json:
         return _print_json(result, out, 0 if result.ok else 1)
     kind = DESCRIPTIONS.get(result.format, "unreadable") if result.format else "unreadable"
+    if run is not None:
+        kind = run.what
     if result.ok:
         counted = "" if result.format == MANAGER else f"{result.tensors} tensors, "
         checked = "read and checked" if result.format != formats.DCP else "read; sizes checked"
@@ -444,6 +552,12 @@ def _cmd_verify(args: argparse.Namespace, out: IO[str]) -> int:
         print(f"BAD: {result.path} ({kind}): {len(result.problems)} problem(s)", file=out)
         for problem in result.problems:
             print(f"  - {problem}", file=out)
+    if result.checkpoints:
+        rows = [
+            ("ok" if good else "BAD", name, "<- resume" if name == result.resume_from else "")
+            for name, good in result.checkpoints.items()
+        ]
+        print("\n".join(_table("checkpoints", rows)), file=out)
     for note in result.notes:
         print(f"note: {note}", file=out)
     return 0 if result.ok else 1
@@ -520,6 +634,52 @@ def _one_line(exc: BaseException, typed: Sequence[str] = ()) -> str:
     return text or type(exc).__name__
 
 
+# botocore's errors for credentials it cannot find or use (by name: botocore is s3fs's, optional).
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError")
+
+
+def _credentials_error(exc: BaseException, urls: Sequence[str]) -> Optional[CheckpointAccessError]:
+    """``exc`` as one line naming the URL and what to set, when it is a credential failure."""
+    if not urls:
+        return None
+    chain: list[BaseException] = []
+    cause: Optional[BaseException] = exc
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    found = [e for e in chain if type(e).__name__ in _NO_CREDENTIALS]
+    missing = bool(found)
+    # s3fs, gcsfs...: a refusal by the store, which names no local file (a local one does).
+    found += [
+        e
+        for e in chain
+        if isinstance(e, PermissionError)
+        and not isinstance(e, DDPStateError)
+        and e.filename is None
+    ]
+    if not found:
+        return None
+    url = " / ".join(dict.fromkeys(urls))
+    what = "no credentials were found" if missing else "access was refused"
+    if urls[0].startswith(("s3://", "s3a://")):
+        fix = (
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and "
+            "AWS_ENDPOINT_URL for an S3-compatible server, or pass --storage-option key=... "
+            "--storage-option secret=... --storage-option endpoint_url=..."
+        )
+    else:
+        fix = "set the credentials its fsspec filesystem reads, or pass them with --storage-option"
+    return CheckpointAccessError(
+        f"{url}: {what} ({_one_line(found[0])}); {fix} (or ${STORAGE_OPTIONS_ENV})"
+    )
+
+
+def _urls(args: argparse.Namespace) -> list[str]:
+    """The fsspec URLs among a command's paths."""
+    named = (getattr(args, name, None) for name in ("src", "dst", "a", "b"))
+    return [text for text in named if isinstance(text, str) and is_remote(text)]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``ddpstate`` command line; returns the exit status.
 
@@ -540,8 +700,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = os.environ.get("DDPSTATE_DEBUG", "") not in ("", "0")
     typed = list(sys.argv[1:] if argv is None else argv)  # kept verbatim in messages
     parser = _build_parser()
+    urls: list[str] = []
     try:
         args = parser.parse_args(argv)
+        urls = _urls(args)
         return int(args.func(args, sys.stdout))
     except SystemExit as exc:  # --help and --version end here
         return exc.code if isinstance(exc.code, int) else 0
@@ -553,13 +715,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except Exception as exc:
+    except Exception as raised:
         if debug:
             traceback.print_exc()
-        text = _one_line(exc, typed)
-        if not isinstance(exc, (_UsageError, DDPStateError, ValueError, OSError)):
+        access = _credentials_error(raised, urls)  # said in option terms already
+        text = str(access) if access is not None else _one_line(raised, typed)
+        if access is None and not isinstance(
+            raised, (_UsageError, DDPStateError, ValueError, OSError)
+        ):
             text = (
-                f"unexpected {type(exc).__name__}: {text} (set DDPSTATE_DEBUG=1 for the "
+                f"unexpected {type(raised).__name__}: {text} (set DDPSTATE_DEBUG=1 for the "
                 "traceback, and please report it)"
             )
         print(f"ddpstate: error: {text}", file=sys.stderr)

@@ -126,8 +126,22 @@ def require_reachable(resolved: ResolvedMapLocation, name: str) -> None:
         )
 
 
-def _target_device(saved: str, resolved: ResolvedMapLocation) -> Optional[torch.device]:
-    """The device a tensor saved at ``saved`` goes to; None when a callable decides."""
+def target_device(saved: str, resolved: ResolvedMapLocation) -> Optional[torch.device]:
+    """The device a tensor saved at ``saved`` goes to; None when a callable decides.
+
+    Args:
+        saved: The device it was saved from (``"cuda:1"``, ``"cpu"``...).
+        resolved: What :func:`resolve_map_location` returned.
+
+    Returns:
+        The target device, or None for a ``map_location`` callable.
+
+    Example:
+        >>> import torch
+        >>> from ddpstate.location import target_device
+        >>> target_device("cpu", {"cpu": "cuda:1"})
+        device(type='cuda', index=1)
+    """
     if resolved is None:
         return torch.device(saved)
     if isinstance(resolved, torch.device):
@@ -157,7 +171,7 @@ def place(tensor: torch.Tensor, saved: str, resolved: ResolvedMapLocation) -> to
         >>> place(torch.zeros(1), "cuda:0", torch.device("cpu")).device
         device(type='cpu')
     """
-    device = _target_device(saved, resolved)
+    device = target_device(saved, resolved)
     if device is not None:
         return tensor if tensor.device == device else tensor.to(device)
     assert callable(resolved)

@@ -1,6 +1,8 @@
 """Training-state checkpoints over time: rotation, verified auto-resume, async saves, preemption.
 
-On disk, a :class:`CheckpointManager` folder looks like this::
+On disk, a :class:`CheckpointManager` folder looks like this:
+
+.. code-block:: text
 
     <directory>/
         latest                      # "step_0000001200\\n", replaced atomically after each commit

@@ -191,8 +191,8 @@ def atomic_write(
     local file is replaced, its blocks are freed by a background thread after
     the new file is committed (the interpreter waits for it before exiting).
     A local writer holds a ``flock`` on its temp file; after a successful
-    write, temp files of the same target that no process holds locked (left by
-    a writer killed mid-write) are deleted.
+    write, temp files and staging folders in the same folder that no process
+    holds locked (left by writers killed mid-write) are deleted.
 
     Args:
         path: Local path (or ``file://`` URL) or any fsspec URL.
@@ -243,7 +243,7 @@ def size_and_crc32(
         limit: Read at most this many bytes (None: to the end).
 
     Returns:
-        The number of bytes read and their ``zlib.crc32``.
+        The number of bytes read and their CRC-32 (``zlib.crc32``'s value).
 
     Example:
         >>> import io
@@ -487,10 +487,11 @@ class StagedFolder:
 
         Locally the folder's entries are fsynced first (files other ranks created
         in it included, unless ``fsync=False``), and :func:`replace_folder` swaps
-        it in; then staging folders of this target that no running save holds
-        (left by killed saves) are deleted. On URLs the manifest (or, for a version
-        folder, a pointer naming it) is one atomic PUT, then what the previous
-        commit used is deleted. Either way the commit fails, and changes nothing,
+        it in; then the staging folders and temp files beside it that no running
+        save holds (left by killed saves of any target there) are deleted. On URLs
+        the manifest (or, for a version folder, a pointer naming it) is one atomic
+        PUT, then what the previous commit used is deleted. Either way the commit
+        fails, and changes nothing,
         if another save committed ``target`` since this one was staged. A failure
         leaves the old ``target`` as it was and the staging folder for :meth:`discard`.
 

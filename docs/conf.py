@@ -21,6 +21,7 @@ Why Sphinx, and these extensions:
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -101,11 +102,21 @@ def _resolve_by_public_name(app, env, node, contnode):  # type: ignore[no-untype
         return None
     name = target.rsplit(".", 1)[-1] if target.startswith("ddpstate.") else target
     domain = env.get_domain("py")
-    found = [
-        f"{module}.{name}"
-        for module in PUBLIC_MODULES
-        if f"{module}.{name}" in domain.objects and not domain.objects[f"{module}.{name}"].aliased
-    ]
+
+    def public(name: str) -> list[str]:
+        return [
+            f"{module}.{name}"
+            for module in PUBLIC_MODULES
+            if f"{module}.{name}" in domain.objects
+            and not domain.objects[f"{module}.{name}"].aliased
+        ]
+
+    # A method named inside its class's docstring (:meth:`restore`) where that class is shown
+    # unindexed (the manager page): the method's entry is under the indexed class.
+    cls = node.get("py:class")
+    found = public(f"{cls}.{name}") if cls else []
+    if len(found) != 1:
+        found = public(name)
     if len(found) != 1:
         return None
     return domain.resolve_xref(
@@ -113,5 +124,29 @@ def _resolve_by_public_name(app, env, node, contnode):  # type: ignore[no-untype
     )
 
 
+# A class's fields are documented once: by its docstring's Attributes section, which napoleon
+# turns into the class's "Variables" list (type and description each). autodoc would list each
+# field again as a bare attribute (a dataclass's annotations, with undoc-members). Its
+# skip-member event is not told the class, so the fields the docstring documents are kept from
+# the class's own docstring event, which autodoc emits just before choosing its members.
+_DOCUMENTED_FIELDS: set[str] = set()
+_IVAR = re.compile(r"^:ivar (\w+):")
+
+
+def _note_documented_fields(app, what, name, obj, options, lines):  # type: ignore[no-untyped-def]
+    if what in ("class", "exception"):
+        _DOCUMENTED_FIELDS.clear()
+        _DOCUMENTED_FIELDS.update(m.group(1) for line in lines if (m := _IVAR.match(line)))
+
+
+def _skip_documented_fields(app, what, name, obj, skip, options):  # type: ignore[no-untyped-def]
+    if what in ("class", "exception") and name in _DOCUMENTED_FIELDS and not callable(obj):
+        return True
+    return None
+
+
 def setup(app):  # type: ignore[no-untyped-def]
     app.connect("missing-reference", _resolve_by_public_name)
+    # After napoleon (priority 500) has turned Attributes into :ivar: lines.
+    app.connect("autodoc-process-docstring", _note_documented_fields, priority=900)
+    app.connect("autodoc-skip-member", _skip_documented_fields)

@@ -1,5 +1,6 @@
 """Accelerate's quick start with checkpoints that survive a crash: two lines change.
 
+    pip install "torch==2.13.0" -e ".[accelerate]"   # from a checkout; or, once on PyPI:
     pip install "ddpstate[accelerate]"
     accelerate launch examples/accelerate_ddpstate.py --project runs/acc   # or: python ...
     accelerate launch examples/accelerate_ddpstate.py --project runs/acc   # resumes

@@ -4,7 +4,8 @@ Every checkpoint is written atomically and fsynced (a crash or power loss leaves
 one or the new one), and a rerun resumes from the newest checkpoint that verifies,
 skipping a damaged one with a warning. Built-in random data, on the CPU::
 
-    pip install "torch==2.13.0" -e ".[lightning]"
+    pip install "torch==2.13.0" -e ".[lightning]"   # from a checkout; or, once on PyPI:
+    pip install "ddpstate[lightning]"
     python examples/lightning_ddpstate.py --max-epochs 2   # trains, a checkpoint per epoch
     python examples/lightning_ddpstate.py --max-epochs 4   # resumes at epoch 2
 """
@@ -47,8 +48,9 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=args.max_epochs,
-        plugins=[DDPStateCheckpointIO()],  # ddpstate writes and reads every checkpoint
-        callbacks=[ModelCheckpoint(dirpath=args.dirpath, save_last=True)],
+        # ddpstate writes and reads every checkpoint (and checks before the first epoch that
+        # the state can be saved and loaded weights-only)
+        callbacks=[DDPStateCheckpointIO(), ModelCheckpoint(dirpath=args.dirpath, save_last=True)],
         logger=False,
     )
     # The newest checkpoint that verifies, or None on the first run.

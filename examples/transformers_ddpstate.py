@@ -6,7 +6,8 @@ rerun resumes, through the Trainer's own resume (global step, optimizer, schedul
 data position), from the newest folder that verifies, skipping one a crash left
 incomplete. A tiny GPT-2 built in code on random tokens, on the CPU, no download::
 
-    pip install "torch==2.13.0" -e ".[transformers]"
+    pip install "torch==2.13.0" -e ".[transformers]"   # from a checkout; or, once on PyPI:
+    pip install "ddpstate[transformers]"
     python examples/transformers_ddpstate.py --max-steps 20   # checkpoints at 10 and 20
     ddpstate verify runs/transformers_ddpstate/checkpoint-20
     python examples/transformers_ddpstate.py --max-steps 40   # resumes at step 20

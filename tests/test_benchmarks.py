@@ -81,7 +81,7 @@ def test_strip_module_family_runs_against_cp_and_the_script(tmp_path: Path) -> N
 def test_small_tensors_family_runs_on_two_ranks_and_names_the_crc(tmp_path: Path) -> None:
     """Issue 42's family: the three comparisons recorded from two real gloo ranks (the
     restore twice: against torch.load and with load_state_dict), the CRC-32 in the notes."""
-    from benchmarks import small_tensors
+    from benchmarks import harness, small_tensors
     from benchmarks.__main__ import main
 
     results = main(
@@ -96,4 +96,4 @@ def test_small_tensors_family_runs_on_two_ranks_and_names_the_crc(tmp_path: Path
     for row in rows.values():
         assert row.x == small_tensors.TENSORS == 25_640
         assert row.ours_s > 0 and row.baseline_s > 0, row
-    assert f"small_tensors: CRC-32 in use: {small_tensors.crc_in_use()}" in results.notes
+    assert f"small_tensors: {harness.crc32_in_use()}" in results.notes

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -139,8 +140,10 @@ def _undocumented(documented: set[str]) -> list[str]:
     return missing
 
 
-@pytest.mark.slow
-def test_site_builds_without_a_warning(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The site built once for this module's tests: ``(html folder, the build's result)``."""
+    tmp_path = tmp_path_factory.mktemp("site")
     html = tmp_path / "html"
     # README's command, into a fresh folder (a stale build would hide a page's warnings).
     done = subprocess.run(
@@ -148,6 +151,14 @@ def test_site_builds_without_a_warning(tmp_path: Path) -> None:
          "-d", str(tmp_path / "doctrees"), str(DOCS), str(html)],
         cwd=ROOT, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
+    return html, done
+
+
+@pytest.mark.slow
+def test_site_builds_without_a_warning(
+    site: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    html, done = site
     assert done.returncode == 0 and "WARNING" not in done.stderr, done.stderr[-6000:]
     assert not _undocumented(_inventory(html)), _undocumented(_inventory(html))
     # Every guide is in the site's navigation.
@@ -165,3 +176,80 @@ def test_help_lists_the_public_names() -> None:
         assert f"class {name}(" in text, f"help(ddpstate) lacks class {name}"
     assert set(ddpstate.__all__) <= set(dir(ddpstate))
     assert "_EXPORTS" not in dir(ddpstate)
+
+
+def _block_after(page: str, marker: str) -> tuple[str, str]:
+    """``(highlight class, inner HTML)`` of the code block whose text holds ``marker``."""
+    for lang, body in re.findall(
+        r'<div class="highlight-(\w+) notranslate"><div class="highlight"><pre>(.*?)</pre>',
+        page,
+        flags=re.S,
+    ):
+        if marker in re.sub(r"<[^>]+>", "", body):
+            return lang, body
+    raise AssertionError(f"no code block holds {marker!r}")
+
+
+def _class_section(page: str, name: str) -> str:
+    """The HTML of one class's entry: from its signature to the next module-level entry."""
+    start = page.index(f'descname"><span class="pre">{name}</span>')
+    end = re.search(r'<dl class="py (class|function|exception|data)">', page[start:])
+    return page[start : start + end.start()] if end else page[start:]
+
+
+@pytest.mark.slow
+def test_site_renders_the_reference_as_written(
+    site: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    html, done = site
+    assert done.returncode == 0, done.stderr[-6000:]
+    package = (html / "reference" / "ddpstate.html").read_text()
+    manager = (html / "reference" / "manager.html").read_text()
+    # The package overview and the manager's folder tree are text, not Python to colour
+    # (keywords in bold, an apostrophe opening a string).
+    for page, marker in (
+        (package, "Save and load (every rank calls"),
+        (manager, "step_0000001100/"),
+    ):
+        lang, body = _block_after(page, marker)
+        assert lang in ("text", "none") and "<span class=" not in body, (lang, body[:300])
+    # Each field of a dataclass is documented once: in its docstring's Attributes (the
+    # "Variables" list), not again as a bare attribute entry.
+    section = _class_section(manager, "CheckpointVerification")
+    for field in dataclasses.fields(ddpstate.manager.CheckpointVerification):
+        listed = section.count(f"<strong>{field.name}</strong>")
+        entries = section.count(f'id="ddpstate.manager.CheckpointVerification.{field.name}"')
+        assert (listed, entries) == (1, 0), (field.name, listed, entries)
+    # The manager page documents CheckpointManager itself, methods and all.
+    cm = _class_section(manager, "CheckpointManager")
+    for method in ("save", "restore", "should_stop", "close"):
+        assert f'<span class="pre">{method}</span>' in cm, method
+    # The index says how to install without a made-up URL, with README's torch advice.
+    index = (html / "index.html").read_text()
+    assert "&lt;this repository&gt;" not in index
+    assert "torch==2.13.0" in index and "drop the" in index
+
+
+# The extras a user installs with the library (the others need a checkout: tests, docs...).
+_LIBRARY_EXTRAS = ("lightning", "transformers", "accelerate", "integrations")
+
+
+def test_install_lines_give_the_published_and_the_checkout_form() -> None:
+    """`pip install "ddpstate[X]"` fails until ddpstate is on PyPI: each paragraph that names
+    an extra's install gives both that form and the checkout's `pip install -e ".[X]"`."""
+    files = [
+        ROOT / "README.md",
+        *sorted(DOCS.rglob("*.md")),
+        *sorted((ROOT / "examples").glob("*.py")),
+    ]
+    missing = []
+    for path in files:
+        for paragraph in re.split(r"\n\s*\n", path.read_text()):
+            if "pip install" not in paragraph:
+                continue
+            for extra in _LIBRARY_EXTRAS:
+                published = f"ddpstate[{extra}]" in paragraph
+                checkout = f'".[{extra}]"' in paragraph
+                if published != checkout:
+                    missing.append(f"{path.relative_to(ROOT)}: [{extra}] {paragraph[:120]!r}")
+    assert not missing, "\n".join(missing)

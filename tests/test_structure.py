@@ -256,8 +256,9 @@ CLI_OPTIONS = {
         "--no-fsync",
         "--unsafe",
         "--quiet",
+        "--storage-option",
     ],
-    "inspect": ["--json", "--unsafe"],
+    "inspect": ["--json", "--unsafe", "--storage-option"],
     "diff": [
         "--strip-module",
         "--add-module",
@@ -271,8 +272,9 @@ CLI_OPTIONS = {
         "--json",
         "--unsafe",
         "--quiet",
+        "--storage-option",
     ],
-    "verify": ["--json", "--unsafe", "--quiet"],
+    "verify": ["--json", "--unsafe", "--quiet", "--storage-option"],
 }
 
 

@@ -10,7 +10,19 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-PACKAGES = ("torch", "pytest", "safetensors", "fsspec", "moto", "s3fs", "numpy", "hypothesis")
+# isal and zlib-ng: the CRC-32 libraries ddpstate picks from (ddpstate/_crc.py).
+PACKAGES = (
+    "torch",
+    "pytest",
+    "safetensors",
+    "fsspec",
+    "moto",
+    "s3fs",
+    "numpy",
+    "hypothesis",
+    "isal",
+    "zlib-ng",
+)
 
 
 def resolved_versions() -> str:

@@ -28,6 +28,7 @@ from ddpstate._convert.source import (
     read_checkpoint,
 )
 from ddpstate._fs import PathLike
+from ddpstate._io.safetensors_io import tied_keys
 from ddpstate._progress import Progress
 from ddpstate.errors import AmbiguousStateDictError, StateDictNotFoundError
 
@@ -64,6 +65,18 @@ def _model_tensors(
             raise with_message(exc, f"{ckpt.path}: {exc}") from exc
         note = f"{ckpt.path} is a bare state dict without {key!r}; compared whole"
     return (f"'{dotted(path)}'" if path else "the whole file"), sd, note
+
+
+def _tied_only(sd: Mapping[Any, Any], other: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``{key: canonical}``: keys of ``sd`` absent from ``other``, tied to a key both have.
+
+    A tied key (lm_head.weight sharing the embedding) is the same tensor as its
+    canonical key, so comparing the canonical key compares it; transformers'
+    ``save_pretrained`` leaves such a key out of its files.
+    """
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    aliases, _ = tied_keys(tensors)
+    return {k: c for k, c in aliases.items() if k not in other and c in other}
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -177,8 +190,9 @@ def diff_files(
         if not raw_keys:
             sd_a = keys.normalize_keys(sd_a, on_collision=on_collision)
             sd_b = keys.normalize_keys(sd_b, on_collision=on_collision)
-        only_a = tuple(str(k) for k in sd_a if k not in sd_b)
-        only_b = tuple(str(k) for k in sd_b if k not in sd_a)
+        tied_a, tied_b = _tied_only(sd_a, sd_b), _tied_only(sd_b, sd_a)
+        only_a = tuple(str(k) for k in sd_a if k not in sd_b and k not in tied_a)
+        only_b = tuple(str(k) for k in sd_b if k not in sd_a and k not in tied_b)
         mismatched: list[tuple[str, str, str]] = []
         diffs: dict[str, float] = {}
         shared = [k for k in sd_a if k in sd_b]
@@ -202,6 +216,12 @@ def diff_files(
             bar.update(va.nbytes + vb.nbytes)
         notes = [f"compared {where_a} of {ca.path} with {where_b} of {cb.path}"]
         notes += [n for n in (note_a, note_b) if n]
+        notes += [
+            f"{k} is tied to {c} in {side} (one tensor under both keys) and absent from the "
+            f"other, as transformers leaves a tied key out; compared as {c}"
+            for side, tied in (("A", tied_a), ("B", tied_b))
+            for k, c in tied.items()
+        ]
         if not raw_keys:
             notes.append(
                 "keys compared without wrapper prefixes (--raw-keys compares them as stored)"

@@ -28,7 +28,21 @@ _SHARD_ROLE = "model weights shard"
 def describe(
     path: str, kind: str, unit: Optional[str], opts: Optional[dict[str, Any]]
 ) -> list[str]:
-    """``inspect``'s lines about a training folder: its kind, manifest, files and their roles."""
+    """``inspect``'s lines about a training folder: its kind, manifest, files and their roles.
+
+    A manager directory is described by its newest committed step folder (what
+    ``inspect`` reads), after a line naming its committed steps.
+    """
+    manager = kind == formats.MANAGER
+    committed = _manifest.StepFolders(path, opts).committed_steps() if manager else []
+    if committed:
+        newest = _manifest.step_name(committed[-1])
+        steps = ", ".join(map(str, committed))
+        return [
+            f"{path}: CheckpointManager directory, committed steps {steps}; shown: its newest "
+            f"committed step {newest} (`ddpstate verify` names the one restore() takes)",
+            *describe(storage.join(path, newest), kind, unit, opts),
+        ]
     what = formats.DESCRIPTIONS[kind]  # type: ignore[index]
     shown = f"shown: its model weights {unit}" if unit else "no model weights picked"
     lines = [f"{path}: {what}; {shown}"]

@@ -161,6 +161,12 @@ class VerifyResult:
         tensors: Tensors checked.
         bytes_read: Bytes read to check the data.
         notes: Remarks that are not problems (no CRC recorded...).
+        checkpoints: For a folder of checkpoints (a CheckpointManager directory, a
+            Lightning ``dirpath``, an Accelerate ``checkpoints/`` folder, a Hugging Face
+            ``output_dir``): each checkpoint's name and whether it verified.
+        resume_from: The checkpoint of such a folder that resuming takes
+            (``CheckpointManager.restore()``, or the integration's
+            ``last_verified_checkpoint``/``load_state``); None when none verifies.
     """
 
     path: str
@@ -169,6 +175,8 @@ class VerifyResult:
     tensors: int = 0
     bytes_read: int = 0
     notes: tuple[str, ...] = ()
+    checkpoints: dict[str, bool] = dataclasses.field(default_factory=dict)
+    resume_from: Optional[str] = None
 
     @property
     def ok(self) -> bool:

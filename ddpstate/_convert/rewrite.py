@@ -320,10 +320,11 @@ def _convert(
         Progress(ckpt.size, "convert", enabled=None if progress else False)
     ) as bar:
         if out.shard_limit is not None:
-            count, copied = write_sharded(
+            count, copied, notes = write_sharded(
                 ckpt, done.sd, meta, out.dst, out.shard_limit,
                 fsync=out.fsync, overwrite=out.overwrite,
             )  # fmt: skip
+            done.notes += notes
             dst_format = HF_SHARDED
         else:
             with storage.atomic_write(

@@ -274,7 +274,7 @@ def _load_sharded(path: str, unsafe: bool, opts: Optional[dict[str, Any]]) -> Ch
         merged.update(part.obj)
         size += part.size
         shards.append(part)
-    obj = collections.OrderedDict((k, merged[k]) for k in index.weight_map)
+    obj = collections.OrderedDict((k, merged[k]) for k in index.order)
     meta = next((c.st_metadata for c in shards if c.format == formats.SAFETENSORS), {})
     locations = {p: loc for c in shards for p, loc in c.locations.items()}
     unsafe_globals = tuple(sorted({g for c in shards for g in c.unsafe_globals}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -17,7 +18,10 @@ from ddpstate._fs import PathLike
 from ddpstate._io.torch_io import check_container
 from ddpstate._layout.hf_index import find_index, key_problems, read_index
 from ddpstate._layout.torch_zip import check_crcs
-from ddpstate._manifest import verify_checkpoint
+from ddpstate._manager.config import make_config
+from ddpstate._manager.restore import choose
+from ddpstate._manager.writer import StepWriter
+from ddpstate._manifest import StepFolders, step_name, verify_checkpoint
 from ddpstate._progress import Progress
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, DDPStateError
 
@@ -44,7 +48,10 @@ def verify_file(
 
     A folder is checked as a CheckpointManager step folder or directory by
     :func:`ddpstate.manager.verify_checkpoint` (manifest, sizes, CRC-32s,
-    commit marker, ``latest`` pointer); the result's format is ``"manager"``.
+    commit marker, ``latest`` pointer); the result's format is ``"manager"``. For a
+    manager directory, ``checkpoints`` says which committed steps verify and
+    ``resume_from`` names the step ``CheckpointManager.restore()`` takes (its own
+    chooser, run read-only; it reads the newest candidates once more).
     An Accelerate ``save_state`` or Hugging Face Trainer ``checkpoint-N`` folder
     (format ``"accelerate"``/``"hf_trainer"``): its ddpstate manifest when it has
     one, then each file on its own (weights-only; files that pickle other
@@ -188,16 +195,47 @@ def _verify_folder(path: str, storage_options: Optional[dict[str, Any]]) -> Veri
     # One implementation: the manager's restore() accepts exactly what this passes.
     found = verify_checkpoint(path, storage_options=storage_options)
     steps = ", ".join(str(s) for s in found.steps) or "none"
+    notes = [
+        f"{found.files} file(s) of committed step(s) {steps} checked against their manifest",
+        *found.notes,
+    ]
+    verdicts: dict[str, bool] = {}
+    resume: Optional[str] = None
+    if StepFolders(path, storage_options).committed_steps():  # a manager directory
+        for step in found.steps:
+            name = step_name(step)
+            verdicts[name] = not any(p.startswith(f"{name}: ") for p in found.problems)
+        chosen = _restore_choice(path, storage_options)
+        resume = step_name(chosen) if chosen is not None else None
+        notes.append(
+            f"restore() takes {resume} (the newest step that verifies)"
+            if resume is not None
+            else "restore() finds no step that verifies: it would refuse to resume"
+        )
     return VerifyResult(
         path=found.path,
         format=formats.MANAGER,
         problems=found.problems,
         bytes_read=found.bytes_read,
-        notes=(
-            f"{found.files} file(s) of committed step(s) {steps} checked against their manifest",
-            *found.notes,
-        ),
+        notes=tuple(notes),
+        checkpoints=verdicts,
+        resume_from=resume,
     )
+
+
+def _restore_choice(directory: str, opts: Optional[dict[str, Any]]) -> Optional[int]:
+    """The step ``CheckpointManager(directory).restore()`` takes: its own chooser, read-only."""
+    config = make_config(
+        directory, keep_last=None, best=None, async_save=False, format=formats.PT,
+        storage_options=opts, timeout=None, safe_globals=(), local=None, writers="rank0",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its "skipping step_N" repeats the problems listed
+        try:
+            chosen = choose(StepWriter(config), None)
+        except CheckpointCorruptError:  # committed steps, none of them whole
+            return None
+    return chosen.step if chosen is not None else None
 
 
 def verify_sharded(

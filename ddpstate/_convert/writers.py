@@ -11,7 +11,7 @@ from typing import IO, Any, Optional
 import torch
 
 from ddpstate._convert.source import Checkpoint, check_materializable, iter_tensors
-from ddpstate._io.safetensors_io import save_sharded, write_safetensors
+from ddpstate._io.safetensors_io import save_sharded, tied_keys, write_safetensors
 from ddpstate._progress import Progress
 from ddpstate.location import map_nested
 
@@ -71,19 +71,24 @@ def write_safetensors_file(
 ) -> tuple[int, int, list[str]]:
     """``sd`` as one safetensors file; ``(tensors, bytes, notes)``: ties and overlaps told."""
     _checked(ckpt, sd)
-    # The writer warns of tensors overlapping in memory; convert tells it in its notes.
+    # The writer warns of ties and overlaps in memory; convert tells them in its notes.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         aliases = write_safetensors(_Counted(file, bar), sd, metadata, name=ckpt.path)  # type: ignore[arg-type]
-    notes = [str(w.message) for w in caught if "overlap" in str(w.message)]
-    if aliases:
-        notes.insert(
-            0,
-            f"{len(aliases)} tied tensor(s) written once and recorded as aliases "
-            f"({', '.join(f'{a} -> {c}' for a, c in list(aliases.items())[:3])})",
-        )
+    notes = _tie_notes(aliases, caught, "recorded as aliases")
     nbytes = _stored({k: v for k, v in sd.items() if k not in aliases})[1]
     return len(sd) - len(aliases), nbytes, notes
+
+
+def _tie_notes(
+    aliases: Mapping[str, str], caught: list[warnings.WarningMessage], how: str
+) -> list[str]:
+    """Convert's notes for tied tensors (``how`` they were recorded) and overlapping ones."""
+    notes = [str(w.message) for w in caught if "overlap" in str(w.message)]
+    if aliases:
+        shown = ", ".join(f"{a} -> {c}" for a, c in list(aliases.items())[:3])
+        notes.insert(0, f"{len(aliases)} tied tensor(s) written once and {how} ({shown})")
+    return notes
 
 
 def write_sharded(
@@ -95,11 +100,16 @@ def write_sharded(
     *,
     fsync: bool,
     overwrite: bool,
-) -> tuple[int, int]:
-    """``sd`` as a Hugging Face sharded folder; ``(tensors, bytes)``."""
+) -> tuple[int, int, list[str]]:
+    """``sd`` as a Hugging Face sharded folder; ``(tensors, bytes, notes)``: ties told."""
     _checked(ckpt, sd)
-    save_sharded(sd, dst, limit, metadata, overwrite=overwrite, fsync=fsync)
-    return len(sd), _stored(sd)[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        weight_map = save_sharded(sd, dst, limit, metadata, overwrite=overwrite, fsync=fsync)
+    # The keys left out of the index; tied_keys names the key whose tensor each shares.
+    aliases = tied_keys(sd)[0] if len(weight_map) < len(sd) else {}
+    notes = _tie_notes(aliases, caught, "left out of the index, as transformers does")
+    return len(weight_map), _stored(sd)[1], notes
 
 
 def _spilled(value: torch.Tensor, dtype: torch.dtype, folder: str) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ddpstate.formats import (
     FormatName,
     detect_format,
 )
-from ddpstate.location import ResolvedMapLocation, place_all, require_reachable
+from ddpstate.location import ResolvedMapLocation, place_all, require_reachable, target_device
 
 __all__ = ["Reading", "detect", "load_sharded", "read"]
 
@@ -134,7 +134,13 @@ def _read_file(text: str, kind: FormatName, how: Reading) -> Any:
         )
         use_mmap = TABLE[kind].mappable and isinstance(src, str) if mmap is None else bool(mmap)
         if kind == SAFETENSORS:
-            return place_all(read_safetensors(src, mmap=use_mmap), "cpu", how.resolved)
+            # Read straight onto a CUDA target: reading to the CPU and then moving would
+            # hold every byte in host memory at once (mmap=False) or copy from pageable
+            # memory (mmap=True).
+            target = target_device("cpu", how.resolved)
+            device = target if target is not None and target.type == "cuda" else "cpu"
+            tensors = read_safetensors(src, device=device, mmap=use_mmap)
+            return place_all(tensors, "cpu", how.resolved)
         return torch_io.load_torch_file(
             src,
             kind=kind,
@@ -159,7 +165,8 @@ def load_sharded(path: str, how: Reading) -> collections.OrderedDict[str, Any]:
             (``.bin`` shards), ``mmap``, ``storage_options`` and ``safe_globals``.
 
     Returns:
-        An ``OrderedDict`` of every tensor, in the index's order.
+        An ``OrderedDict`` of every tensor, in the index's order; the tied keys
+        ddpstate recorded in the index come last, sharing their tensor.
 
     Raises:
         CheckpointNotFoundError, CheckpointCorruptError, CheckpointFormatError,
@@ -189,7 +196,9 @@ def load_sharded(path: str, how: Reading) -> collections.OrderedDict[str, Any]:
             )
         check_keys(index, shard, list(part))
         merged.update(part)
-    # The index's order: a state dict's own for files ddpstate writes (then nothing moves).
-    if list(merged) == list(index.weight_map):
+    # The index's order (tied keys it records last): a state dict's own for files
+    # ddpstate writes, unless a tied key stood before others (then nothing moves).
+    order = index.order
+    if list(merged) == order:
         return merged
-    return collections.OrderedDict((k, merged[k]) for k in index.weight_map)
+    return collections.OrderedDict((k, merged[k]) for k in order)

@@ -27,6 +27,7 @@ import safetensors
 import torch
 
 from ddpstate._gc import gc_paused
+from ddpstate._io.device_copy import read_into, read_into_tensors
 from ddpstate._layout.hf_write import parse_size, plan_shards, write_sharded
 from ddpstate._layout.safetensors import (
     ALIASES_KEY,
@@ -55,6 +56,7 @@ __all__ = [
     "read_safetensors_header",
     "safetensors_header_for",
     "save_sharded",
+    "tied_keys",
     "write_safetensors",
 ]
 
@@ -186,8 +188,19 @@ def _view(key: str, t: torch.Tensor) -> Optional[View]:
     return View(key, identity, storage, start, start + extent * size)
 
 
-def _find_ties(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, str]:
-    """``{alias: canonical}`` of tied tensors; warns about overlaps that are not ties."""
+def tied_keys(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, str], list[str]]:
+    """``({alias: canonical}, overlaps)``: keys that are the very same view of another's tensor.
+
+    Tied tensors (the same view of the same memory) are written once, under
+    their first key. Overlaps are tensors sharing memory without being the same
+    view (written as copies), as :func:`~ddpstate._layout.safetensors.find_aliases` tells them.
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(2)
+        >>> tied_keys({"embed": w, "head": w, "b": torch.zeros(1)})
+        ({'head': 'embed'}, [])
+    """
     # Only tensors that share a storage with another can be tied or overlap; a
     # storage's start is data_ptr - offset, which costs no storage object.
     by_storage: dict[tuple[int, int], list[str]] = {}
@@ -195,7 +208,12 @@ def _find_ties(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, s
         base = t.data_ptr() - int(t.storage_offset()) * t.element_size()
         by_storage.setdefault((t.get_device(), base), []).append(k)
     shared = {k for keys in by_storage.values() if len(keys) > 1 for k in keys}
-    aliases, overlaps = find_aliases(_view(k, t) for k, t in state_dict.items() if k in shared)
+    return find_aliases(_view(k, t) for k, t in state_dict.items() if k in shared)
+
+
+def _find_ties(state_dict: Mapping[str, torch.Tensor], name: str) -> dict[str, str]:
+    """``{alias: canonical}`` of tied tensors; warns about overlaps that are not ties."""
+    aliases, overlaps = tied_keys(state_dict)
     if overlaps:
         warn(
             f"{name}: tensors overlap in memory without being identical "
@@ -345,7 +363,10 @@ def save_sharded(
     """Save a state dict in the Hugging Face sharded layout (what ``save(max_shard_size=)`` does).
 
     Tied entries (the same tensor under two keys) share a shard and are
-    stored once there, as :func:`write_safetensors` records them.
+    stored once there, as :func:`write_safetensors` records them; as
+    ``transformers`` does, the index leaves the tied key out (so every key it
+    names is in its shard) and records it in its ``metadata``, from which
+    :func:`ddpstate.load` gives it back, shared.
 
     Args:
         state: Names to tensors.
@@ -356,7 +377,7 @@ def save_sharded(
         fsync: Fsync every shard (the folder swap is fsynced either way).
 
     Returns:
-        The weight map written.
+        The weight map written (tied keys left out).
 
     Raises:
         CheckpointFormatError: ``state`` is not a flat map of names to tensors.
@@ -372,7 +393,7 @@ def save_sharded(
     limit = parse_size(max_shard_size)
     keys = list(state)
     # Tied keys go with the key whose tensor they share; write_safetensors warns of overlaps.
-    owner, _ = find_aliases(_view(k, t) for k, t in state.items())
+    owner, _ = tied_keys(state)
     nbytes = {k: t.numel() * t.element_size() for k, t in state.items() if k not in owner}
     entries = dict(metadata or {})
     entries.setdefault("format", "pt")
@@ -383,7 +404,9 @@ def save_sharded(
         return sum(nbytes.get(k, 0) for k in shard_keys)
 
     shards = plan_shards(keys, nbytes, owner, limit)
-    return write_sharded(target, shards, write_shard, order=keys, overwrite=overwrite, fsync=fsync)
+    return write_sharded(
+        target, shards, write_shard, order=keys, overwrite=overwrite, aliases=owner, fsync=fsync
+    )
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -497,6 +520,47 @@ def _load_local(path: str, device: str, mmap: bool, name: str) -> Any:
     return _finish(tensors, metadata, name)
 
 
+def _library_keys(path: str, name: str) -> set[str]:
+    """The tensors the safetensors library finds in a local file; its errors, ours."""
+    try:
+        with safetensors.safe_open(path, framework="pt") as f:  # the header only
+            return set(f.keys())
+    except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
+        raise _damage(path, name, exc) from exc
+
+
+def _read_in_pieces(source: Source, device: torch.device, name: str) -> Any:
+    """Every tensor straight onto ``device`` (CUDA) through two pinned pieces (``device_copy``).
+
+    The library reads a local file's tensors into host memory first (every byte at
+    once, with ``pread``); here host memory stays at two pieces. The library still
+    gives its verdict on a local file's header, and ddpstate's parser (the one file
+    objects are read with) must find the same tensors before their bytes are read.
+    """
+    with contextlib.ExitStack() as stack:
+        if isinstance(source, (str, os.PathLike)):
+            path = os.fspath(source)
+            keys: Optional[set[str]] = _library_keys(path, name)
+            stream: Any = stack.enter_context(open(path, "rb", buffering=0))
+        else:
+            keys = None
+            raw = isinstance(source, (bytes, bytearray, memoryview))
+            stream = io.BytesIO(source) if raw else source  # type: ignore[arg-type]
+        header = read_safetensors_header(stream)
+        if keys is not None and keys != set(header.tensors):
+            raise _corrupt(name, "the safetensors library and ddpstate read different tensors")
+        tensors = {
+            key: torch.empty(entry.shape, dtype=entry.dtype, device=device)
+            for key, entry in header.tensors.items()
+        }
+        order = sorted(header.tensors, key=lambda key: header.tensors[key].begin)
+        spans = [(header.data_start + header.tensors[k].begin, tensors[k]) for k in order]
+        filled = read_into_tensors(stream, spans)
+    if filled < len(order):
+        raise _corrupt(name, f"tensor {order[filled]!r} is cut short")
+    return _finish(tensors, header.metadata, name)
+
+
 def read_safetensors(
     source: Source,
     *,
@@ -507,8 +571,11 @@ def read_safetensors(
 
     A local path is read by the safetensors library (``safe_open``); bytes
     and file objects (fsspec streams) are read tensor by tensor into fresh
-    memory. Keys come in the order ddpstate recorded when it wrote the file,
-    else in the file's order (as ``safetensors.torch.load_file`` gives them).
+    memory. Onto a CUDA device every source is read through two pinned host
+    pieces straight into the tensors there (never every byte in host memory at
+    once, ``mmap`` or not: the tensors live on the device either way). Keys
+    come in the order ddpstate recorded when it wrote the file, else in the
+    file's order (as ``safetensors.torch.load_file`` gives them).
 
     Args:
         source: A local path, the file's bytes, or a readable, seekable binary
@@ -536,12 +603,14 @@ def read_safetensors(
         tensor(True)
     """
     name = _source_name(source)
-    if isinstance(source, (str, os.PathLike)):
-        return _load_local(os.fspath(source), str(device), mmap is None or mmap, name)  # type: ignore[no-any-return]
-    if mmap:
+    if mmap and not isinstance(source, (str, os.PathLike)):
         raise CheckpointFormatError(
             f"{name}: mmap=True needs a local file path; pass mmap=None or False"
         )
+    if torch.device(device).type == "cuda":
+        return _read_in_pieces(source, torch.device(device), name)  # type: ignore[no-any-return]
+    if isinstance(source, (str, os.PathLike)):
+        return _load_local(os.fspath(source), str(device), mmap is None or mmap, name)  # type: ignore[no-any-return]
     stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
     header = read_safetensors_header(stream)
     tensors: dict[str, torch.Tensor] = {}
@@ -550,25 +619,9 @@ def read_safetensors(
         if t.numel():
             stream.seek(header.data_start + entry.begin)
             target = t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-            if _read_into(stream, target) != len(target):
+            if read_into(stream, target) != len(target):
                 raise _corrupt(name, f"tensor {key!r} is cut short")
         tensors[key] = t
     # Header order; .to() returns a tensor already on the device as it is.
     tensors = {key: tensors[key].to(device) for key in header.tensors}
     return _finish(tensors, header.metadata, name)  # type: ignore[no-any-return]
-
-
-def _read_into(f: Any, target: memoryview) -> int:
-    done = 0
-    readinto = getattr(f, "readinto", None)
-    while done < len(target):
-        if readinto is not None:
-            got = readinto(target[done:])
-        else:
-            chunk = f.read(len(target) - done)
-            got = len(chunk)
-            target[done : done + got] = chunk
-        if not got:
-            break
-        done += got
-    return done

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import importlib
 import pickle
@@ -42,10 +43,13 @@ from ddpstate.errors import (
 __all__ = [
     "EVERYDAY_GLOBALS",
     "allowed_globals",
+    "allow_advice",
     "check_safe_globals",
+    "check_saveable",
     "check_tensors",
     "loading_allowed",
     "save_torch",
+    "safe_globals_named",
     "sharded_types",
 ]
 
@@ -460,6 +464,56 @@ def _defaultdict_refusal(
     )
 
 
+# How the caller's user passes safe_globals: None is ddpstate's own API (CheckpointManager,
+# save/load); an integration names its own parameter (DDPStateCheckpointIO(safe_globals=...)).
+_ALLOW_AS: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    "ddpstate_safe_globals_as", default=None
+)
+
+
+@contextlib.contextmanager
+def safe_globals_named(template: str) -> Iterator[None]:
+    """In the block, unsafe-type errors say to allow a type as ``template`` does.
+
+    Args:
+        template: The caller's own parameter, ``{}`` standing for the types
+            (``"DDPStateCheckpointIO(safe_globals=[{}])"``).
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> from ddpstate._io.savecheck import allow_advice, safe_globals_named
+        >>> with safe_globals_named("MyIO(safe_globals=[{}])"):
+        ...     allow_advice("Config", "ddpstate.load(..., safe_globals=[Config])")
+        'MyIO(safe_globals=[Config])'
+    """
+    token = _ALLOW_AS.set(template)
+    try:
+        yield
+    finally:
+        _ALLOW_AS.reset(token)
+
+
+def allow_advice(names: str, default: str) -> str:
+    """How to allow ``names`` by name: ``default`` (ddpstate's own API) or the caller's parameter.
+
+    Args:
+        names: The types, as the user writes them (``"Config"``, ``"..."``).
+        default: The advice in ddpstate's terms.
+
+    Returns:
+        ``default``, or the :func:`safe_globals_named` template filled with ``names``.
+
+    Example:
+        >>> from ddpstate._io.savecheck import allow_advice
+        >>> allow_advice("Config", "save/load(..., safe_globals=[Config])")
+        'save/load(..., safe_globals=[Config])'
+    """
+    template = _ALLOW_AS.get()
+    return default if template is None else template.format(names)
+
+
 def _refusal(root: Any, what: str, where: str, refused: Any) -> UnsafeCheckpointError:
     if isinstance(refused, collections.defaultdict):
         return _defaultdict_refusal(root, what, where, refused)
@@ -482,8 +536,12 @@ def _refusal(root: Any, what: str, where: str, refused: Any) -> UnsafeCheckpoint
         f"cannot save {where}: {at} is {shown}, and loading it would need {name}, which "
         f"torch.load(weights_only=True) refuses (unpickling it could run code). If the type is "
         f"yours and holds only data, allow it by name for both the save and the restore: "
-        f"CheckpointManager(..., safe_globals=[{cls}]) (or ddpstate.save/load(..., "
-        f"safe_globals=[{cls}])); else store plain values (dicts, numbers, strings, tensors)",
+        + allow_advice(
+            cls,
+            f"CheckpointManager(..., safe_globals=[{cls}]) (or ddpstate.save/load(..., "
+            f"safe_globals=[{cls}]))",
+        )
+        + "; else store plain values (dicts, numbers, strings, tensors)",
         unsafe_globals=[name],
     )
 
@@ -552,5 +610,48 @@ def save_torch(
     """
     try:
         torch.save(obj, fileobj, pickle_module=_pickle_module(extra))
+    except _Refused as exc:
+        raise _refusal(obj, what, where, exc.obj) from None
+
+
+class _Discarded:
+    """A sink for :func:`check_saveable`'s pickle: the bytes are not needed, only the refusal."""
+
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+def check_saveable(obj: Any, *, what: str, where: str, extra: Sequence[Any] = ()) -> None:
+    """Refuse ``obj`` as :func:`save_torch` would, without writing or copying a tensor's bytes.
+
+    The same checking pickler runs over the structure; each tensor's storage is
+    pickled as a reference (as ``torch.save`` does), so a GPU model is not copied.
+    For a check before the first checkpoint (Lightning's ``on_fit_start``).
+
+    Args:
+        obj: What a later save will hold.
+        what: How to name ``obj`` in paths (``"checkpoint"``).
+        where: The destination, for messages.
+        extra: Types allowed beyond the everyday ones (``safe_globals``).
+
+    Raises:
+        UnsafeCheckpointError: As :func:`save_torch` would.
+
+    Example:
+        >>> import torch
+        >>> from ddpstate._io.savecheck import check_saveable
+        >>> check_saveable({"w": torch.ones(2)}, what="state", where="ck.pt")
+    """
+    checking = _pickle_module(extra).Pickler
+
+    class _StorageByReference(checking):  # type: ignore[misc, valid-type]
+        # torch.save's pickler gives each storage a persistent id too: no bytes in the pickle.
+        def persistent_id(self, value: Any) -> Any:
+            if isinstance(value, (torch.storage.TypedStorage, torch.UntypedStorage)):
+                return ("storage", id(value))
+            return None
+
+    try:
+        _StorageByReference(_Discarded(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
     except _Refused as exc:
         raise _refusal(obj, what, where, exc.obj) from None

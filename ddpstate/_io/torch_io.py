@@ -17,7 +17,7 @@ from typing import IO, Any, Optional, Union
 import torch
 
 from ddpstate import storage
-from ddpstate._io.savecheck import loading_allowed
+from ddpstate._io.savecheck import allow_advice, loading_allowed
 from ddpstate._layout.torch_zip import TorchZip, read_torch_zip
 from ddpstate._manifest import MANIFEST_NAME
 from ddpstate.errors import (
@@ -179,8 +179,8 @@ def _unsafe_error(source: Source, kind: str, name: str, exc: BaseException) -> D
         return UnsafeCheckpointError(
             f"{name}: loading needs more than weights_only=True allows ({str(detail).strip()}). "
             f"If these are your own data-only types, allow them by name with "
-            f"safe_globals=[...] (ddpstate.load, CheckpointManager); only if you trust the "
-            f"file's source, load it with weights_only=False",
+            + allow_advice("...", "safe_globals=[...] (ddpstate.load, CheckpointManager)")
+            + "; only if you trust the file's source, load it with weights_only=False",
         )
     shown = ", ".join(needed[:_SHOW]) + (
         f" and {len(needed) - _SHOW} more" if len(needed) > _SHOW else ""
@@ -198,9 +198,12 @@ def _unsafe_error(source: Source, kind: str, name: str, exc: BaseException) -> D
     return UnsafeCheckpointError(
         f"{name}: loading would import and call {shown}, which weights_only=True refuses "
         f"because unpickling them can run arbitrary code. If they are your own data-only "
-        f"types, allow just these by name: safe_globals=[...] (ddpstate.load, "
-        f"CheckpointManager(..., safe_globals=[...])); only if you trust the file's source: "
-        f"load it with weights_only=False",
+        f"types, allow just these by name: "
+        + allow_advice(
+            "...",
+            "safe_globals=[...] (ddpstate.load, CheckpointManager(..., safe_globals=[...]))",
+        )
+        + "; only if you trust the file's source: load it with weights_only=False",
         unsafe_globals=needed,
     )
 

@@ -2,10 +2,14 @@
 
 The layout (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``
 next to ``model-00001-of-00003.safetensors``...) is ``{"metadata": {"total_size":
-N}, "weight_map": {key: shard file name}}``. This module knows the index alone, so
-format detection (:mod:`ddpstate.formats`) and the writers can use it without the
-shard readers; it imports nothing of ddpstate but ``_fs``, ``storage`` and ``errors``
-(both below the layouts).
+N}, "weight_map": {key: shard file name}}``. As ``transformers`` writes it, a tied
+key (one tensor under two names) is not in the weight map: every key the index names
+is a tensor stored in the shard it names. ddpstate records its tied keys in the
+index's ``metadata`` under :data:`~ddpstate._layout.safetensors.ALIASES_KEY` (and in
+the shard's header), so its own readers give them back. This module knows the index
+alone, so format detection (:mod:`ddpstate.formats`) and the writers can use it
+without the shard readers; it imports nothing of ddpstate but ``_fs``, ``storage``,
+``errors`` (below the layouts) and the safetensors layout's vocabulary.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from ddpstate import _fs, storage
+from ddpstate._layout.safetensors import ALIASES_KEY
 from ddpstate.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
 
 #: How the index files of the layout end (transformers writes these two).
@@ -38,6 +43,9 @@ class ShardIndex:
         shards: The shard file names, each once, sorted (the layout numbers them).
         total_size: ``metadata.total_size``, or None when absent.
         keys_of: Shard file name -> the keys the index puts in it.
+        aliases: Tied key -> the key whose tensor it shares, from the index's
+            ``metadata`` (ddpstate's sharded output); these keys are not in
+            ``weight_map``, and the shard of their canonical key gives them back.
     """
 
     path: str
@@ -46,6 +54,12 @@ class ShardIndex:
     shards: tuple[str, ...]
     total_size: Optional[int]
     keys_of: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def order(self) -> list[str]:
+        """Every key a reader gives back: the weight map's, then the tied ones (in their order)."""
+        return [*self.weight_map, *self.aliases]
 
     def shard_path(self, shard: str) -> str:
         """The full path or URL of one shard, checked to be a regular file in the folder.
@@ -186,6 +200,7 @@ def read_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> S
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
         raise _bad_index(path, f"metadata.total_size is {total!r}, not a byte count")
+    aliases = metadata.get(ALIASES_KEY, {}) if isinstance(metadata, dict) else {}
     return ShardIndex(
         path=path,
         folder=folder_of(path),
@@ -193,7 +208,24 @@ def read_index(path: str, storage_options: Optional[dict[str, Any]] = None) -> S
         shards=tuple(sorted(by_shard)),
         total_size=total,
         keys_of={shard: frozenset(keys) for shard, keys in by_shard.items()},
+        aliases=_check_aliases(path, aliases, weight_map),
     )
+
+
+def _check_aliases(path: str, aliases: Any, weight_map: dict[str, str]) -> dict[str, str]:
+    """The index's tied keys, each naming a key of the weight map and not in it itself."""
+    if not isinstance(aliases, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+    ):
+        raise _bad_index(path, f"metadata[{ALIASES_KEY!r}] is not a map of key -> key")
+    for alias, canonical in aliases.items():
+        if alias in weight_map or canonical not in weight_map:
+            raise _bad_index(
+                path,
+                f"metadata[{ALIASES_KEY!r}] ties {alias!r} to {canonical!r}, but the weight map "
+                f"{'lists the first' if alias in weight_map else 'does not list the second'}",
+            )
+    return dict(aliases)
 
 
 def check_keys(index: ShardIndex, shard: str, keys: Sequence[str]) -> None:
@@ -213,16 +245,28 @@ def check_keys(index: ShardIndex, shard: str, keys: Sequence[str]) -> None:
 
 
 def key_problems(index: ShardIndex, shard: str, keys: Sequence[str]) -> list[str]:
-    """What is wrong between the keys ``shard`` holds and those the index gives it."""
+    """What is wrong between the keys ``shard`` holds and those the index gives it.
+
+    ``keys`` are those a reader gives back, tied keys included: each tied key the
+    index records goes with the shard of the key whose tensor it shares.
+    """
     held = set(keys)
-    if held == index.keys_of.get(shard, frozenset()) and len(held) == len(keys):
+    tied = {a for a, c in index.aliases.items() if index.weight_map[c] == shard}
+    if held == index.keys_of.get(shard, frozenset()) | tied and len(held) == len(keys):
         return []
     problems = [
         f"key {k!r} is listed in {shard} but that shard does not hold it"
         for k, s in index.weight_map.items()
         if s == shard and k not in held
     ]
+    problems += [
+        f"tied key {a!r} is recorded with {index.aliases[a]!r} in {shard} but that shard does "
+        f"not give it back"
+        for a in sorted(tied - held)
+    ]
     for k in keys:
+        if k in tied:
+            continue
         owner = index.weight_map.get(k)
         if owner is None:
             problems.append(f"{shard} holds key {k!r}, which the index does not list")

@@ -4,6 +4,10 @@ Shards are filled in state-dict order up to the size limit (a tensor larger
 than the limit gets a shard of its own, as ``transformers`` does), named
 ``model-00001-of-00003.safetensors``, and listed in
 ``model.safetensors.index.json`` (``metadata.total_size`` and ``weight_map``).
+A tied key (a tensor stored once under its first key) is left out of the
+weight map, as ``transformers`` leaves it out, so every key the index names is
+a tensor in the shard it names; ddpstate records it in the index's
+``metadata`` (and the shard's header) so that its readers give it back.
 Everything is written into a staging folder next to the target, which then
 takes the target's name in one step (:func:`ddpstate.storage.replace_folder`),
 so a failure leaves whatever was there before untouched.
@@ -15,10 +19,11 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Union
+from typing import IO, Optional, Union
 
 from ddpstate import _fs, storage
 from ddpstate._layout.hf_index import SAFETENSORS_INDEX, find_index, read_index
+from ddpstate._layout.safetensors import ALIASES_KEY
 from ddpstate.errors import CheckpointExistsError, DDPStateError, InvalidArgumentError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
@@ -136,11 +141,23 @@ def _replaceable(target: str, overwrite: bool) -> None:
         )
 
 
-def write_index(folder: str, weight_map: Mapping[str, str], total_size: int) -> None:
-    """Write ``model.safetensors.index.json`` (fsynced) into ``folder``."""
-    text = json.dumps(
-        {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}, indent=2
-    )
+def write_index(
+    folder: str,
+    weight_map: Mapping[str, str],
+    total_size: int,
+    aliases: Optional[Mapping[str, str]] = None,
+) -> None:
+    """Write ``model.safetensors.index.json`` (fsynced) into ``folder``.
+
+    ``aliases`` (tied key -> the key whose tensor it shares, neither in
+    ``weight_map`` twice) go into ``metadata`` under
+    :data:`~ddpstate._layout.safetensors.ALIASES_KEY`, where transformers'
+    readers, which read ``weight_map`` alone, do not look.
+    """
+    metadata: dict[str, object] = {"total_size": total_size}
+    if aliases:
+        metadata[ALIASES_KEY] = dict(aliases)
+    text = json.dumps({"metadata": metadata, "weight_map": dict(weight_map)}, indent=2)
     with storage.atomic_write(os.path.join(folder, SAFETENSORS_INDEX)) as f:
         f.write(text.encode("utf-8") + b"\n")
 
@@ -152,6 +169,7 @@ def write_sharded(
     *,
     order: Sequence[str],
     overwrite: bool,
+    aliases: Optional[Mapping[str, str]] = None,
     fsync: bool = True,
 ) -> dict[str, str]:
     """Write the shards and the index into a staging folder, then put it at ``target``.
@@ -164,10 +182,13 @@ def write_sharded(
         order: Every key in state-dict order, the order of the weight map
             (which is what a reader's state dict gets).
         overwrite: Replace a sharded checkpoint already at ``target``.
+        aliases: Tied key -> the key whose tensor it shares: written with that
+            key's shard, left out of the weight map and recorded in the index's
+            ``metadata`` (see :func:`write_index`).
         fsync: Fsync every file (the folder swap is fsynced either way).
 
     Returns:
-        The weight map written (key -> shard file name).
+        The weight map written (key -> shard file name), tied keys left out.
     """
     if _fs.is_remote(target):
         raise InvalidArgumentError(
@@ -185,6 +206,7 @@ def write_sharded(
             with storage.atomic_write(path, fsync=fsync) as f:
                 total += write_shard(f, keys, name)
             weight_map.update((k, name) for k in keys)
-        weight_map = {k: weight_map[k] for k in order}
-        write_index(staged.path, weight_map, total)
+        tied = aliases or {}
+        weight_map = {k: weight_map[k] for k in order if k not in tied}
+        write_index(staged.path, weight_map, total, {k: tied[k] for k in order if k in tied})
     return weight_map

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -31,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ddpstate import _checksum, _manifest, storage
+from ddpstate import _checksum, _crc, _manifest, storage
 from ddpstate._manager import local_check
 from ddpstate._manager.config import ManagerConfig
 from ddpstate._manager.entries import Entry
@@ -368,7 +367,7 @@ class _Sink:
 
     def write(self, data: memoryview) -> None:
         if self._file is not None:
-            self._crc = zlib.crc32(data, self._crc)
+            self._crc = _crc.crc32_parallel(data, self._crc)
             self._guard(lambda: self._file.write(data))
 
     def finish(self, filename: str, crc32: str) -> None:

@@ -127,29 +127,29 @@ def flock(fd: int, *, wait: bool) -> bool:
 
 
 def remove_stale_temps(target: str, own: str, own_retired: Optional[str] = None) -> None:
-    """Delete the temp files of the folder's files left by writers killed mid-write.
+    """Delete what writers killed mid-write left in ``target``'s folder, for any of its targets.
 
-    A writer holds an exclusive ``flock`` on its temp file from creation until
-    it closes it just before the rename, and the kernel drops the lock when the
-    process dies; a temp file that nobody holds locked is stale, whichever file
-    of the folder it was for (a killed save is cleaned up by the next save in its
-    folder, not only by the next save of its own target). Temp folders are
-    ``target``'s own ``write_by_name`` ones only: other folders with temp names
-    (a manager's staged steps) are not locked by their writers. Retired copies
+    A writer holds an exclusive ``flock`` on its temp file, or on its staging
+    folder (``create_locked_temp``: ``stage_folder``'s, ``write_by_name``'s), from
+    creation until its commit, and the kernel drops the lock when the process dies;
+    a temp file or folder that nobody holds locked is stale, whichever file of the
+    folder it was for. So a killed save is cleaned up by the next save in its folder,
+    not only by the next save of its own target: an Accelerate ``checkpoint_3`` killed
+    mid-write goes with the commit of ``checkpoint_4``. Retired copies
     (:func:`_free_retired`) go too, but ``own_retired``, this write's own, already
     being freed. Best effort: a failure here never fails the save that just succeeded.
     """
-    folder, base = os.path.split(target)
-    prefix = f".{base}{TEMP_MARKER}"
+    folder = os.path.dirname(target)
     try:
         names = os.listdir(folder)
     except OSError:
         return
     for name in names:
         path = os.path.join(folder, name)
-        if retired_original(name) is not None:
+        original = retired_original(name)
+        if original is not None:
             if path != own_retired:
-                _free_retired(path)
+                _free_retired(path, os.path.join(folder, original))
             continue
         if TEMP_MARKER not in name or not _TEMP_RE.match(name) or path == own:
             continue
@@ -161,8 +161,8 @@ def remove_stale_temps(target: str, own: str, own_retired: Optional[str] = None)
             mode = os.fstat(fd).st_mode
             if stat.S_ISREG(mode) and flock(fd, wait=False):
                 os.unlink(path)
-            elif stat.S_ISDIR(mode) and name.startswith(prefix) and flock(fd, wait=False):
-                # A write_by_name staging folder (a library's own temp file inside).
+            elif stat.S_ISDIR(mode) and flock(fd, wait=False):
+                # A killed save's staging folder (every ddpstate writer locks its own).
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass
@@ -170,18 +170,24 @@ def remove_stale_temps(target: str, own: str, own_retired: Optional[str] = None)
             os.close(fd)
 
 
-def _free_retired(path: str) -> None:
-    """Free a retired copy of any file in the folder that a crash left behind.
+def _free_retired(path: str, original: str) -> None:
+    """Free a retired copy (of a file or a folder) in the folder that a crash left behind.
 
     A writer killed between :func:`_retire`'s link and its rename leaves a second
     name of the old file, a full copy once that target is replaced again. It is
     never the only copy of a checkpoint (the target keeps its name throughout), so
     it is always safe to drop; a live writer's one only makes its replace free the
-    blocks itself. Folders are the manager's (put back or deleted by its clean-up).
+    blocks itself. A retired folder (``replace_folder`` killed between its two
+    renames) is the only copy of the old checkpoint while ``original`` is missing,
+    so it is kept then (a manager puts it back); once a save committed ``original``
+    again it is outdated and goes.
     """
     with contextlib.suppress(OSError):
-        if stat.S_ISREG(os.lstat(path).st_mode):
+        mode = os.lstat(path).st_mode
+        if stat.S_ISREG(mode):
             _free_later(path)
+        elif stat.S_ISDIR(mode) and os.path.isdir(original):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def create_locked_temp(

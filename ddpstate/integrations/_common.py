@@ -46,6 +46,21 @@ def numbered(
     return [(n, storage.join(folder, name)) for n, name in found]
 
 
+def modified_time(path: str, storage_options: Optional[dict[str, Any]] = None) -> float:
+    """When ``path`` (local or fsspec URL) was last modified, in seconds; 0.0 where unknown.
+
+    Filesystems that keep no times (``NotImplementedError``) give 0.0, so that another key
+    (a step in the name, the name) orders their files.
+    """
+    if not _fs.is_remote(path):
+        return os.stat(_fs.local_path(path)).st_mtime
+    fs, inner = _fs.url_to_fs(path, storage_options)
+    try:
+        return float(fs.modified(inner).timestamp())
+    except NotImplementedError:
+        return 0.0
+
+
 def _problem(path: str, opts: Optional[dict[str, Any]]) -> Optional[str]:
     """Why ``path`` cannot be resumed from, or None when it verifies."""
     try:

@@ -1,8 +1,10 @@
 """ddpstate inside Lightning: durable checkpoint writes and a resume that skips damaged files.
 
-``Trainer(plugins=[DDPStateCheckpointIO()])`` (or ``Fabric(plugins=[...])``) makes every
-checkpoint Lightning writes durable (fsynced before and after its atomic rename) and
-loads them through ddpstate (weights-only, named errors);
+``Trainer(callbacks=[DDPStateCheckpointIO()])`` (or ``Trainer(plugins=[...])``,
+``Fabric(plugins=[...])``) makes every checkpoint Lightning writes durable (fsynced before
+and after its atomic rename) and loads them through ddpstate (weights-only, named errors);
+as a callback it also checks, before the first epoch, that the model's, optimizers' and
+callbacks' state can be saved that way.
 ``trainer.fit(model, ckpt_path=last_verified_checkpoint(dirpath))`` resumes from the
 newest checkpoint that verifies. Needs ``pip install "ddpstate[lightning]"``.
 """
@@ -14,14 +16,17 @@ import re
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from ddpstate import _fs, storage
+from ddpstate import storage
+from ddpstate._io.savecheck import check_saveable, safe_globals_named
 from ddpstate.checkpoint import load, save
 from ddpstate.dist import get_rank
-from ddpstate.errors import InvalidArgumentTypeError
-from ddpstate.integrations._common import missing_framework, newest_verified
+from ddpstate.errors import InvalidArgumentError, InvalidArgumentTypeError
+from ddpstate.integrations._common import missing_framework, modified_time, newest_verified
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch.callbacks import Callback
 except ImportError as exc:  # the framework is an optional extra
     raise missing_framework("lightning", "lightning") from exc
 
@@ -30,6 +35,8 @@ __all__ = ["DDPStateCheckpointIO", "last_verified_checkpoint"]
 #: ModelCheckpoint's file suffix.
 CKPT_SUFFIX = ".ckpt"
 _STEP = re.compile(r"step=(\d+)")
+# Unsafe-type errors name this class's parameter, not ddpstate.save/load's.
+_ALLOW_AS = "DDPStateCheckpointIO(safe_globals=[{}])"
 
 
 def _options(*given: Any) -> Optional[dict[str, Any]]:
@@ -44,7 +51,7 @@ def _options(*given: Any) -> Optional[dict[str, Any]]:
     return merged or None
 
 
-class DDPStateCheckpointIO(CheckpointIO):
+class DDPStateCheckpointIO(CheckpointIO, Callback):
     """A Lightning ``CheckpointIO`` that writes and reads checkpoints through ddpstate.
 
     Saves go to a temporary file beside the target, fsynced, renamed onto it, and the
@@ -54,6 +61,14 @@ class DDPStateCheckpointIO(CheckpointIO):
     checkpoint. Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on rank
     0 only, so neither is a collective: nothing waits for the other ranks.
 
+    It is also a ``Callback``: given as ``Trainer(callbacks=[DDPStateCheckpointIO()])``
+    it becomes the Trainer's checkpoint plugin (in ``setup``, before a ``ckpt_path`` is
+    loaded) and, in ``on_fit_start`` (every rank, before the first training step), checks
+    what the checkpoints will hold as far as it is known then (the model's state dict,
+    the optimizers', the schedulers', ``hyper_parameters``, the callbacks' and a datamodule's), so
+    an unsafe type stops ``fit`` at once, not at the first checkpoint an epoch later.
+    Given only as ``plugins=[...]`` (or to Fabric) the same check runs at each save.
+
     Args:
         storage_options: fsspec options (credentials, endpoint) for URL paths;
             ``trainer.save_checkpoint(..., storage_options=)`` adds to them per call.
@@ -62,10 +77,16 @@ class DDPStateCheckpointIO(CheckpointIO):
             classes that you trust. Also checked at save time.
         safe_globals: Your own data-only types a weights-only load may build.
 
+    Raises:
+        UnsafeCheckpointError: (``fit``, before the first step) The state holds a type a
+            weights-only load refuses; the message names its path and
+            ``DDPStateCheckpointIO(safe_globals=[...])``.
+        InvalidArgumentError: (``fit``) The Trainer has another ``CheckpointIO`` plugin.
+
     Example:
         >>> import lightning as L  # doctest: +SKIP
         >>> from ddpstate.integrations.lightning import DDPStateCheckpointIO
-        >>> trainer = L.Trainer(plugins=[DDPStateCheckpointIO()])  # doctest: +SKIP
+        >>> trainer = L.Trainer(callbacks=[DDPStateCheckpointIO()])  # doctest: +SKIP
     """
 
     def __init__(
@@ -90,16 +111,17 @@ class DDPStateCheckpointIO(CheckpointIO):
             UnsafeCheckpointError: The checkpoint holds an object a weights-only load
                 refuses (named); pass ``safe_globals`` or ``weights_only=False``.
         """
-        save(
-            checkpoint,
-            path,
-            format="pt",
-            src_rank=get_rank(),  # the rank Lightning calls this on writes: no collective
-            barrier=False,
-            storage_options=_options(self.storage_options, storage_options),
-            safe_globals=self.safe_globals,
-            weights_only=self.weights_only,
-        )
+        with safe_globals_named(_ALLOW_AS):
+            save(
+                checkpoint,
+                path,
+                format="pt",
+                src_rank=get_rank(),  # the rank Lightning calls this on writes: no collective
+                barrier=False,
+                storage_options=_options(self.storage_options, storage_options),
+                safe_globals=self.safe_globals,
+                weights_only=self.weights_only,
+            )
 
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
@@ -111,30 +133,73 @@ class DDPStateCheckpointIO(CheckpointIO):
             CheckpointCorruptError: The file is truncated or damaged.
             UnsafeCheckpointError: It needs ``weights_only=False`` (the globals are named).
         """
-        loaded: dict[str, Any] = load(
-            path,
-            map_location="cpu" if map_location is None else map_location,
-            weights_only=self.weights_only if weights_only is None else weights_only,
-            mmap=False,  # Lightning keeps the optimizer's tensors: plain memory, like torch.load
-            barrier=False,  # each rank reads for itself, as Lightning calls it on every rank
-            storage_options=self.storage_options,
-            safe_globals=self.safe_globals,
-        )
+        with safe_globals_named(_ALLOW_AS):
+            loaded: dict[str, Any] = load(
+                path,
+                map_location="cpu" if map_location is None else map_location,
+                weights_only=self.weights_only if weights_only is None else weights_only,
+                # Lightning keeps the optimizer's tensors: plain memory, like torch.load.
+                mmap=False,
+                barrier=False,  # each rank reads for itself, as Lightning calls it on every rank
+                storage_options=self.storage_options,
+                safe_globals=self.safe_globals,
+            )
         return loaded
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (a missing one is no error)."""
         storage.remove(path, storage_options=self.storage_options, recursive=True, missing_ok=True)
 
+    def teardown(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to release (called as a plugin with no arguments, as a callback with three)."""
 
-def _modified(path: str, storage_options: Optional[dict[str, Any]]) -> float:
-    if not _fs.is_remote(path):
-        return os.stat(_fs.local_path(path)).st_mtime
-    fs, inner = _fs.url_to_fs(path, storage_options)
-    try:
-        return float(fs.modified(inner).timestamp())
-    except NotImplementedError:  # filesystems without times: the step in the name decides
-        return 0.0
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Become the Trainer's checkpoint plugin, unless it already is (callback hook).
+
+        Raises:
+            InvalidArgumentError: The Trainer has another ``CheckpointIO`` plugin.
+        """
+        strategy = trainer.strategy
+        current = strategy.checkpoint_io  # Lightning's default TorchCheckpointIO when none given
+        inner = getattr(current, "checkpoint_io", current)  # a wrapper's (AsyncCheckpointIO)
+        if inner is self:
+            return
+        if current is not inner or type(current) is not TorchCheckpointIO:
+            # A wrapper keeps the plugin it was given first: replacing it would not take.
+            raise InvalidArgumentError(
+                f"DDPStateCheckpointIO is in Trainer(callbacks=...) but the Trainer already has "
+                f"another checkpoint plugin ({type(current).__name__}); give only one: pass this "
+                f"DDPStateCheckpointIO in plugins=[...] too (wrapped, "
+                f"AsyncCheckpointIO(checkpoint_io=it)), or drop the other"
+            )
+        strategy.checkpoint_io = self
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Check, before the first training step, that the checkpoints can be saved and loaded.
+
+        Raises:
+            UnsafeCheckpointError: The state holds a type a weights-only load refuses.
+        """
+        if not self.weights_only:
+            return  # the user trusts their checkpoints: anything torch can pickle goes
+        known = {
+            "state_dict": pl_module.state_dict(),
+            "optimizer_states": [opt.state_dict() for opt in trainer.optimizers],
+            "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "hyper_parameters": dict(pl_module.hparams),
+            "callbacks": {c.state_key: c.state_dict() for c in trainer.callbacks},
+        }
+        data = trainer.datamodule
+        if data is not None:  # saved under its class's name, its hyperparameters beside
+            known[type(data).__qualname__] = data.state_dict()
+            known["datamodule_hyper_parameters"] = dict(data.hparams)
+        with safe_globals_named(_ALLOW_AS):
+            check_saveable(
+                known,
+                what="checkpoint",
+                where="Lightning's checkpoints (checked before the first epoch)",
+                extra=self.safe_globals,
+            )
 
 
 def last_verified_checkpoint(
@@ -173,7 +238,7 @@ def last_verified_checkpoint(
 
     def newest(path: str) -> tuple[float, int]:
         step = _STEP.search(os.path.basename(path))
-        return _modified(path, opts), int(step.group(1)) if step else -1
+        return modified_time(path, opts), int(step.group(1)) if step else -1
 
     paths.sort(key=newest, reverse=True)
     return newest_verified(paths, what="Lightning checkpoint", storage_options=opts)

@@ -17,7 +17,7 @@ from torch import nn
 import ddpstate
 import ddpstate.convert
 import ddpstate.errors
-from ddpstate import formats, keys
+from ddpstate import _crc, formats, keys
 from tests.payloads import RunsCommand
 from tests.samples import RESNET20, data_offset
 
@@ -76,6 +76,8 @@ def test_help_version_and_bad_flags(tmp_path: Path) -> None:
     assert "--strip-module" in help_text.stdout and "--to {pt,safetensors,dcp}" in help_text.stdout
     version = run("--version")
     assert version.returncode == 0 and version.stdout.startswith("ddpstate ")
+    # The CRC-32 library in use is part of the version line (issue 42).
+    assert version.stdout.endswith(f"(torch {torch.__version__}, crc32: {_crc.IMPLEMENTATION})\n")
     assert_error(run("convert", "x.pt", "--strip-module", "--normalize"), "not allowed with")
 
 

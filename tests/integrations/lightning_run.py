@@ -60,8 +60,12 @@ def fit(out: Path, ckpt_path: str | None) -> tuple[dict[str, Any], int]:
         devices=2,
         strategy="ddp",
         max_epochs=3,
-        plugins=[DDPStateCheckpointIO()],
-        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", save_top_k=-1), start],
+        # As a callback: the checkpoint plugin, and the check before the first step.
+        callbacks=[
+            DDPStateCheckpointIO(),
+            ModelCheckpoint(dirpath=out / "checkpoints", save_top_k=-1),
+            start,
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -74,6 +78,7 @@ def fit(out: Path, ckpt_path: str | None) -> tuple[dict[str, Any], int]:
         "model": {k: v.clone() for k, v in model.state_dict().items()},
         "optimizer": trainer.optimizers[0].state_dict(),
         "global_step": trainer.global_step,
+        "checkpoint_io": type(trainer.strategy.checkpoint_io).__name__,
     }
     return final, start.step
 

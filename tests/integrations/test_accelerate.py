@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -247,3 +249,168 @@ def test_one_rank_failing_fails_every_rank_and_commits_nothing(tmp_path: Path) -
         assert "rank 1" in error and "No space left" in error, error
     # no checkpoint_1, no staging folder left
     assert os.listdir(tmp_path / "checkpoints") == ["checkpoint_0"]
+
+
+class _KilledOnSecondSave:
+    """A custom object whose second ``state_dict`` (mid ``save_state``) SIGKILLs the process."""
+
+    def __init__(self, kill: bool = True) -> None:
+        self.saves = 0
+        self.kill = kill
+
+    def state_dict(self) -> dict[str, Any]:
+        self.saves += 1
+        if self.saves == 2 and self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"n": self.saves}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saves = state["n"]
+
+
+def _killed_mid_save(rank: int, world: int, root: str) -> None:
+    from ddpstate.integrations.accelerate import save_state
+
+    acc, model, opt, sched = _setup(root, custom=_KilledOnSecondSave())
+    acc.project_configuration.automatic_checkpoint_naming = False
+    save_state(acc, os.path.join(root, "ckpt", "epoch_2"))
+    _train(acc, model, opt, sched, 2)
+    save_state(acc, os.path.join(root, "ckpt", "epoch_4"))  # killed while Accelerate writes
+
+
+def _read_then_save(rank: int, world: int, root: str) -> tuple[list[str], list[str], list[str]]:
+    from ddpstate._manifest import verify_checkpoint
+    from ddpstate.integrations.accelerate import load_state, save_state
+
+    parent = os.path.join(root, "ckpt")
+    acc, model, opt, sched = _setup(root, custom=_KilledOnSecondSave(kill=False))
+    acc.project_configuration.automatic_checkpoint_naming = False
+    load_state(acc, os.path.join(parent, "epoch_2"))
+    assert verify_checkpoint(os.path.join(parent, "epoch_2")).ok
+    after_reads = sorted(os.listdir(parent))
+    _train(acc, model, opt, sched, 1)
+    save_state(acc, os.path.join(parent, "epoch_3"))  # another target than the killed save's
+    after_save = sorted(os.listdir(parent))
+    return after_reads, after_save, sorted(os.listdir(os.path.join(parent, "epoch_3")))
+
+
+def test_a_killed_save_state_is_cleaned_by_the_next_save_never_by_a_reader(
+    tmp_path: Path,
+) -> None:
+    """Issue 43: a SIGKILL mid ``save_state`` left ``.epoch_4.ddpstate-tmp-*`` (Accelerate's files
+    half written) forever; loads and saves of other targets never removed it."""
+    assert run_ranks(_killed_mid_save, 1, args=(str(tmp_path),), expect_failure=True) == [None]
+    left = sorted(os.listdir(tmp_path / "ckpt"))
+    assert left[0].startswith(".epoch_4.ddpstate-tmp-") and left[1:] == ["epoch_2"], left
+    assert "model.safetensors" in os.listdir(tmp_path / "ckpt" / left[0])  # killed midway
+    [(after_reads, after_save, saved)] = run_ranks(_read_then_save, 1, args=(str(tmp_path),))
+    assert after_reads == left  # load_state and verify delete nothing
+    assert after_save == ["epoch_2", "epoch_3"]
+    assert "manifest.json" in saved and "custom_checkpoint_0.pkl" in saved
+
+
+# What a resume reproduces with a shuffled DataLoader and dropout: 32 samples in batches of 4
+# (8 steps an epoch), 2 epochs; a checkpoint at the end of epoch 0 (step 8) or in its middle
+# (step 4, resumed with skip_first_batches). Each case: (use_seedable_sampler, step, dropout).
+_EPOCH_STEPS, _EPOCHS = 8, 2
+_CASES = [(False, 8, 0.5), (True, 8, 0.5), (False, 4, 0.5), (True, 4, 0.5), (False, 4, 0.0),
+          (True, 4, 0.0)]  # fmt: skip
+
+
+def _shuffled_run(seedable: bool, dropout: float) -> tuple[Any, ...]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    AcceleratorState._reset_state(True)
+    set_seed(0)  # the same script: the first run and the resumed one start alike
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1)
+    )
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(7)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=gen), torch.randn(32, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    config = DataLoaderConfiguration(use_seedable_sampler=seedable)
+    acc = Accelerator(cpu=True, dataloader_config=config)
+    return (acc, *acc.prepare(net, opt, loader))
+
+
+def _steps(acc: Any, net: Any, opt: Any, loader: Any, start: int, stop: int) -> str:
+    """Train from step ``start`` to ``stop`` (a mid-epoch start skips the epoch's first batches)."""
+    step = start
+    while step < stop:
+        epoch, done = divmod(step, _EPOCH_STEPS)
+        loader.set_epoch(epoch)  # the seedable sampler's order is seed + epoch
+        for x, y in acc.skip_first_batches(loader, done) if done else loader:
+            acc.backward((net(x) - y).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step == stop:
+                break
+    digest = hashlib.sha256()
+    for _, value in sorted(net.state_dict().items()):
+        digest.update(value.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _run_through_and_save(rank: int, world: int, root: str) -> dict[tuple[bool, float], str]:
+    from ddpstate.integrations.accelerate import save_state
+
+    ends = {}
+    for seedable, dropout in {(s, d) for s, _, d in _CASES}:
+        acc, net, opt, loader = _shuffled_run(seedable, dropout)
+        ends[seedable, dropout] = _steps(acc, net, opt, loader, 0, _EPOCH_STEPS * _EPOCHS)
+    for seedable, at, dropout in _CASES:
+        for how in ("accelerate", "ddpstate"):
+            acc, net, opt, loader = _shuffled_run(seedable, dropout)
+            _steps(acc, net, opt, loader, 0, at)
+            folder = os.path.join(root, f"{how}-{seedable}-{at}-{dropout}")
+            acc.save_state(folder) if how == "accelerate" else save_state(acc, folder)
+    return ends
+
+
+def _resume_each(rank: int, world: int, root: str) -> dict[tuple[Any, ...], str]:
+    from ddpstate.integrations.accelerate import load_state
+
+    ends = {}
+    for seedable, at, dropout in _CASES:
+        for how in ("accelerate", "ddpstate"):
+            acc, net, opt, loader = _shuffled_run(seedable, dropout)
+            folder = os.path.join(root, f"{how}-{seedable}-{at}-{dropout}")
+            acc.load_state(folder) if how == "accelerate" else load_state(acc, folder)
+            ends[how, seedable, at, dropout] = _steps(
+                acc, net, opt, loader, at, _EPOCH_STEPS * _EPOCHS
+            )
+    return ends
+
+
+def test_a_resume_with_a_shuffled_loader_is_exactly_as_exact_as_accelerates_own(
+    tmp_path: Path,
+) -> None:
+    """Issue 43: docs/integrations.md said the integration "resumes bitwise"; this is what a
+    shuffled DataLoader with dropout shows, the run through against a new process resumed
+    from the checkpoint, with Accelerate's own save_state/load_state and with ddpstate's."""
+    [through] = run_ranks(_run_through_and_save, 1, args=(str(tmp_path),), timeout=240)
+    [resumed] = run_ranks(_resume_each, 1, args=(str(tmp_path),), timeout=240)
+    exact = {}
+    for seedable, at, dropout in _CASES:
+        ours, theirs = (
+            resumed["ddpstate", seedable, at, dropout],
+            resumed["accelerate", seedable, at, dropout],
+        )
+        assert ours == theirs, (seedable, at, dropout)  # ddpstate changes nothing in the resume
+        exact[seedable, at, dropout] = ours == through[seedable, dropout]
+    assert exact == {
+        (False, 8, 0.5): True,  # end of epoch: the RNG states restored, the next order alike
+        (True, 8, 0.5): True,
+        (False, 4, 0.5): False,  # mid-epoch: the resumed epoch's order is drawn again
+        (True, 4, 0.5): False,  # same order, but the new iterator's seed draw shifts dropout's
+        (False, 4, 0.0): False,
+        (True, 4, 0.0): True,  # seedable sampler + skip_first_batches, nothing else random
+    }
+    guide = (Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
+    accelerate_part = guide[guide.index("## Accelerate") : guide.index("## What it costs")]
+    assert "| mid-epoch, `skip_first_batches` | no | `True` | bitwise |" in accelerate_part
+    assert "the integration resumes bitwise" not in accelerate_part  # said with no DataLoader

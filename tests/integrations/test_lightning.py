@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
 
 from ddpstate.convert import verify_file
-from ddpstate.errors import CheckpointCorruptError, UnsafeCheckpointError
+from ddpstate.errors import CheckpointCorruptError, InvalidArgumentError, UnsafeCheckpointError
+from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow  # importing Lightning alone takes seconds
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +77,7 @@ def test_a_ddp_run_saves_through_the_plugin_and_resumes_bitwise(
     assert result["start_step"] == 8
     first, second = result["first"], result["second"]
     assert first["global_step"] == second["global_step"] == 12
+    assert first["checkpoint_io"] == second["checkpoint_io"] == "DDPStateCheckpointIO"
     assert _same(first["model"], second["model"])
     assert _same(first["optimizer"], second["optimizer"])
     # Every checkpoint written is whole and opens with plain torch, weights-only.
@@ -128,6 +134,32 @@ def test_unsafe_objects_are_refused_at_save_and_damage_at_load(
         io.load_checkpoint(path)
 
 
+def _killed_at_fsync(io: Any, path: Path) -> None:
+    """Save through the plugin, SIGKILLed when the temp file's bytes are written (its fsync)."""
+    os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+    io.save_checkpoint(_checkpoint(8), path)
+
+
+def test_a_save_killed_midway_is_cleaned_by_the_next_save_never_by_a_reader(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    from tests.faults import _harness as h
+
+    io = lt.DDPStateCheckpointIO()
+    io.save_checkpoint(_checkpoint(4), tmp_path / "epoch=0-step=4.ckpt")
+    pid = h._fork(lambda: _killed_at_fsync(io, tmp_path / "epoch=1-step=8.ckpt"))
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    left = sorted(os.listdir(tmp_path))
+    assert left[0].startswith(".epoch=1-step=8.ckpt.ddpstate-tmp-"), left
+    assert left[1:] == ["epoch=0-step=4.ckpt"]
+    assert lt.last_verified_checkpoint(tmp_path) == str(tmp_path / "epoch=0-step=4.ckpt")
+    assert io.load_checkpoint(tmp_path / "epoch=0-step=4.ckpt")["global_step"] == 4
+    assert sorted(os.listdir(tmp_path)) == left  # readers delete nothing
+    io.save_checkpoint(_checkpoint(12), tmp_path / "epoch=2-step=12.ckpt")  # another name
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=4.ckpt", "epoch=2-step=12.ckpt"]
+
+
 def test_last_verified_checkpoint_takes_the_newest_whole_file(
     lt: ModuleType, tmp_path: Path
 ) -> None:
@@ -161,6 +193,176 @@ def test_last_verified_checkpoint_never_unpickles_the_candidates(
     torch.save({"state_dict": {"w": torch.ones(2)}, "hook": RunsCommand(marker)}, folder / "a.ckpt")
     assert lt.last_verified_checkpoint(folder) == str(folder / "a.ckpt")
     assert not marker.exists()
+
+
+@dataclasses.dataclass
+class RunInfo:
+    """A data-only type of the user's, kept in the model's state (``get_extra_state``)."""
+
+    name: str = "tiny"
+
+
+def _fit_with_run_info(root: Path, **trainer_kw: Any) -> tuple[int, Any]:
+    """Fit a model whose state dict holds a RunInfo (8 steps a epoch, 2 epochs): (steps, model)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class WithInfo(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.info = RunInfo()
+
+        def get_extra_state(self) -> RunInfo:
+            return self.info
+
+        def set_extra_state(self, state: RunInfo) -> None:
+            self.info = state
+
+        def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Steps(Callback):
+        count = 0
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.count += 1
+
+    steps, callbacks = Steps(), trainer_kw.pop("callbacks", [])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root,
+        callbacks=[*callbacks, steps, ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1)],
+        **trainer_kw,
+    )  # fmt: skip
+    model = WithInfo()
+    data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4)
+    try:
+        trainer.fit(model, data)
+    except UnsafeCheckpointError as exc:
+        return steps.count, exc
+    return steps.count, model
+
+
+def test_an_unsafe_type_stops_fit_before_the_first_step_naming_the_plugin_parameter(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    """Issue 43: an unsafe type stopped fit only at the first checkpoint, an epoch later,
+    telling to pass safe_globals to CheckpointManager or ddpstate.save/load."""
+    steps, error = _fit_with_run_info(tmp_path / "a", callbacks=[lt.DDPStateCheckpointIO()])
+    assert steps == 0, steps
+    assert isinstance(error, UnsafeCheckpointError), error
+    assert "['state_dict']['_extra_state'] is a RunInfo" in str(error)
+    assert "DDPStateCheckpointIO(safe_globals=[RunInfo])" in str(error)
+    assert "CheckpointManager" not in str(error) and "ddpstate.save" not in str(error)
+    assert not (tmp_path / "a" / "ckpt").exists()
+    # As a plugin alone it has no hook before training: the first save refuses, in its terms.
+    steps, error = _fit_with_run_info(tmp_path / "b", plugins=[lt.DDPStateCheckpointIO()])
+    assert steps == 8 and "DDPStateCheckpointIO(safe_globals=[RunInfo])" in str(error), error
+    # Allowed by name: the fit runs, every checkpoint is saved and loads back weights-only.
+    io = lt.DDPStateCheckpointIO(safe_globals=[RunInfo])
+    steps, model = _fit_with_run_info(tmp_path / "c", callbacks=[io])
+    assert steps == 16 and model.info == RunInfo()
+    loaded = io.load_checkpoint(tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt")
+    assert loaded["state_dict"]["_extra_state"] == RunInfo()
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"DDPStateCheckpointIO\(safe_globals=\[\.\.\.\]\)"
+    ):
+        lt.DDPStateCheckpointIO().load_checkpoint(tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt")
+    # Another checkpoint plugin already in place: refused, never silently left in charge.
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    with pytest.raises(InvalidArgumentError, match="AsyncCheckpointIO"):
+        _fit_with_run_info(
+            tmp_path / "d", callbacks=[lt.DDPStateCheckpointIO()], plugins=[AsyncCheckpointIO()]
+        )
+
+
+def _fit_shuffled(root: Path, io: str, ckpt_path: Optional[str] = None) -> str:
+    """One process, a shuffled DataLoader, dropout: 8 steps an epoch, 2 epochs; checkpoints
+    every 4 steps in root/mid and at each epoch's end in root/end. The final weights' digest."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+            )
+
+        def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
+            return (self.net(batch[0]) - batch[1]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    L.seed_everything(0, verbose=False)  # the same script: the first run and the resumed one
+    gen = torch.Generator().manual_seed(7)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randn(32, 1, generator=gen))
+    callbacks: list[Any] = [
+        ModelCheckpoint(dirpath=root / "mid", every_n_train_steps=4, save_top_k=-1),
+        ModelCheckpoint(dirpath=root / "end", every_n_epochs=1, save_on_train_epoch_end=True,
+                        save_top_k=-1),
+    ]  # fmt: skip
+    if io == "ddpstate":
+        from ddpstate.integrations.lightning import DDPStateCheckpointIO
+
+        callbacks.append(DDPStateCheckpointIO())
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip
+    model = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's warning about a mid-epoch resume
+        trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+    digest = hashlib.sha256()
+    for _, value in sorted(model.state_dict().items()):
+        digest.update(value.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+_SHUFFLED_CHECKPOINTS = {"mid": "epoch=0-step=4.ckpt", "end": "epoch=0-step=8.ckpt"}
+
+
+def _shuffled_through(rank: int, world: int, root: str) -> dict[str, Any]:
+    ends = {io: _fit_shuffled(Path(root) / io, io) for io in ("plain", "ddpstate")}
+    saved = torch.load(Path(root) / "plain" / "end" / "epoch=0-step=8.ckpt", weights_only=True)
+    return {"ends": ends, "keys": sorted(saved)}
+
+
+def _shuffled_resumed(rank: int, world: int, root: str) -> dict[tuple[str, str], str]:
+    return {
+        (io, kind): _fit_shuffled(
+            Path(root) / f"{io}-resumed-{kind}", io, str(Path(root) / io / kind / name)
+        )
+        for io in ("plain", "ddpstate")
+        for kind, name in _SHUFFLED_CHECKPOINTS.items()
+    }
+
+
+def test_a_resume_with_a_shuffled_loader_and_dropout_is_as_exact_as_lightnings_own(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    """Issue 43: what the docs may claim. Lightning saves no RNG state, so on one process with
+    a shuffled DataLoader and dropout neither its own CheckpointIO nor ddpstate's resumes
+    bitwise, from a mid-epoch or an end-of-epoch checkpoint; both end with the same weights."""
+    [through] = run_ranks(_shuffled_through, 1, args=(str(tmp_path),), init_pg=False, timeout=300)
+    [resumed] = run_ranks(_shuffled_resumed, 1, args=(str(tmp_path),), init_pg=False, timeout=300)
+    assert through["ends"]["plain"] == through["ends"]["ddpstate"]
+    assert not [k for k in through["keys"] if "rng" in k.lower() or "random" in k.lower()]
+    for kind in _SHUFFLED_CHECKPOINTS:
+        assert resumed["plain", kind] == resumed["ddpstate", kind], kind
+        assert resumed["ddpstate", kind] != through["ends"]["ddpstate"], kind
+    guide = (ROOT / "docs" / "integrations.md").read_text()
+    lightning_part = guide[guide.index("## Lightning") : guide.index("## Hugging Face Trainer")]
+    assert "Lightning saves no RNG state" in lightning_part
 
 
 def test_a_missing_lightning_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:

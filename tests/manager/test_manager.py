@@ -331,6 +331,26 @@ def test_stale_temp_files_and_unfinished_saves_are_cleaned_by_the_next_save(
     assert manager.steps() == [1, 3]
 
 
+def test_restore_and_verify_leave_what_a_killed_save_left(tmp_path: Path) -> None:
+    """Only a save cleans up (issue 43): a reader never deletes a killed save's leftovers."""
+    from ddpstate.manager import verify_checkpoint
+
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, {"x": 1})
+        crashed = Path(manager.checkpoint_path(2))
+        crashed.mkdir()
+        (crashed / "x.pt").write_bytes(b"half")
+        staged = tmp_path / ".step_0000000003.ddpstate-tmp-0123456789abcdef"
+        staged.mkdir()
+        before = _all_names(tmp_path)
+        state = {"x": 0}
+        assert manager.restore(state) == 1 and state["x"] == 1
+        assert verify_checkpoint(tmp_path).ok
+        assert _all_names(tmp_path) == before
+        manager.save(4, {"x": 4})
+    assert not crashed.exists() and not staged.exists()
+
+
 def test_saving_an_existing_step_replaces_it(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as manager:
         manager.save(5, {"x": 1, "old": 0})

@@ -290,6 +290,27 @@ def test_staged_folder_replaces_the_target_whole_manifest_last(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
 
 
+def test_a_commit_deletes_killed_saves_staging_of_any_target_in_its_folder(tmp_path: Path) -> None:
+    """Issue 43: an unlocked staging folder (its save killed) of another target stayed forever;
+    so did a retired folder whose target a later save had committed again."""
+    killed = tmp_path / ".checkpoint_3.ddpstate-tmp-0123456789abcdef"
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half")
+    only_copy = tmp_path / ".gone.ddpstate-old-0123456789abcdef"  # "gone" itself is missing
+    only_copy.mkdir()
+    live = storage.stage_folder(tmp_path / "checkpoint_5")  # a save still running: locked
+    with storage.staged_folder(tmp_path / "checkpoint_4") as staged:
+        (Path(staged.path) / "model.pt").write_bytes(b"new")
+    assert not killed.exists()
+    assert Path(live.path).is_dir() and only_copy.is_dir()
+    outdated = tmp_path / ".checkpoint_4.ddpstate-old-fedcba9876543210"
+    outdated.mkdir()  # a copy retired by a killed re-save of checkpoint_4, since replaced
+    with storage.staged_folder(tmp_path / "checkpoint_6") as staged:
+        (Path(staged.path) / "model.pt").write_bytes(b"newer")
+    assert not outdated.exists() and only_copy.is_dir() and Path(live.path).is_dir()
+    live.discard()
+
+
 def test_staged_folder_failure_leaves_the_old_target_and_no_staging(tmp_path: Path) -> None:
     target = tmp_path / "shards"
     target.mkdir()
