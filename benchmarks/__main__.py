@@ -40,6 +40,7 @@ from benchmarks import (
     report,
     safetensors_lib,
     save_load,
+    small_tensors,
     strip_module,
 )
 
@@ -53,6 +54,7 @@ FAMILIES: dict[str, Callable[[harness.Results, harness.Settings], None]] = {
     "hf_sharded": hf_sharded.run,
     "dcp": dcp.run,
     "gpu": gpu.run,
+    "small_tensors": small_tensors.run,
 }
 
 PRESETS = {

@@ -97,3 +97,25 @@ def test_dcp_family_measures_storage_on_1_and_2_ranks_with_zstandard(tmp_path: P
         assert targets[(f"2-rank FSDP2 restore ({place})", "dcp.load")] == 1.10
     assert any("CRC-32 by " in note for note in results.notes)
     assert all(c.ours_s > 0 and c.baseline_s > 0 for c in results.comparisons)
+
+
+@pytest.mark.slow
+def test_small_tensors_family_runs_on_two_ranks_and_names_the_crc(tmp_path: Path) -> None:
+    """Issue 42's family: the three comparisons recorded from two real gloo ranks (the
+    restore twice: against torch.load and with load_state_dict), the CRC-32 in the notes."""
+    from benchmarks import harness, small_tensors
+    from benchmarks.__main__ import main
+
+    results = main(
+        ["--only", "small_tensors", "--repeats", "1", "--no-plot",
+         "--out", str(tmp_path / "results"), "--work", str(tmp_path)]
+    )  # fmt: skip
+    rows = {(c.case, c.baseline): c for c in results.comparisons}
+    assert {case for case, _ in rows} == {
+        "MoE save (2 ranks)", "MoE async save() call", "MoE restore (2 ranks)"
+    }  # fmt: skip
+    assert len(rows) == 4
+    for row in rows.values():
+        assert row.x == small_tensors.TENSORS == 25_640
+        assert row.ours_s > 0 and row.baseline_s > 0, row
+    assert f"small_tensors: {harness.crc32_in_use()}" in results.notes

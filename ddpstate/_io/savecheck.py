@@ -394,7 +394,9 @@ def _pickle_module(extra: Sequence[Any]) -> Any:
     allowed.add(id(bytes))  # protocol 2 pickles b"" as bytes(), loaded by _empty_bytes
     # Storage classes travel in torch's persistent ids, which its loader handles itself.
     allowed |= {id(c) for c in (*torch._storage_classes, torch.UntypedStorage)}
-    plain = (torch.Tensor, torch.nn.Parameter)
+    # Every tensor's reduce value holds a torch.Size (allowed, and not reduced to a name):
+    # passed through at once, not reduced a second time to look (issue 42: per tensor).
+    plain = (torch.Tensor, torch.nn.Parameter, torch.Size)
     np = sys.modules.get("numpy")
     # A numpy dtype pickles as numpy.dtype(...) plus state, and weights_only loading
     # checks the class of what it builds: an object or string dtype fails there.
