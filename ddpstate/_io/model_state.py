@@ -99,6 +99,7 @@ def load_fitting(
     strict: bool,
     ignore_mismatched: bool,
     dtypes: DTypePolicy = "warn",
+    own: Optional[Mapping[str, Any]] = None,
 ) -> list[str]:
     """``model.load_state_dict`` with shape mismatches named, or skipped and returned.
 
@@ -106,8 +107,11 @@ def load_fitting(
     Every load path (``load_model_state``, ``CheckpointManager.restore``) comes
     through here, so a wrong shape is always :class:`ShapeMismatchError`.
     ``dtypes`` says what a tensor of another dtype does (see :func:`check_dtypes`).
+    ``own``: the model's ``state_dict()`` when the caller already took it (one per
+    restore: with 25,000 tensors each call costs as much as the checks).
     """
-    own, target = model.state_dict(), type(model).__name__
+    own = model.state_dict() if own is None else own
+    target = type(model).__name__
     mismatched = shape_mismatches(
         state_dict, own, name=name, target=target, ignore_mismatched=ignore_mismatched
     )

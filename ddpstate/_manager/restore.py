@@ -23,7 +23,7 @@ from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._gc import gc_paused
 from ddpstate._io import model_state
-from ddpstate._keys.match import STRICT_ADVICE
+from ddpstate._keys.match import STRICT_ADVICE, adapted_if_same
 from ddpstate._manager import dcp_step as _dcp
 from ddpstate._manager import optim_state
 from ddpstate._manager import verify_split as _verify_split
@@ -141,8 +141,13 @@ def _load_ready(
     files: dict[str, str],
     ignore_mismatched: bool,
     policy: model_state.DTypePolicy,
+    owns: Mapping[str, Any],
 ) -> None:
-    """Load each prepared entry into its live object (plain values into ``state``)."""
+    """Load each prepared entry into its live object (plain values into ``state``).
+
+    ``owns``: each model entry's ``state_dict()`` taken while preparing (loading
+    changes no key, shape or dtype, so one call serves both).
+    """
     # Parameters ignore_mismatched skipped: optimizers must not get their old
     # per-parameter state (it has the old shape), so models load first.
     skipped: set[int] = set()
@@ -156,9 +161,11 @@ def _load_ready(
                 strict=True,
                 ignore_mismatched=ignore_mismatched,
                 dtypes=policy,
+                own=owns[name],
             )
-            params = dict(target.named_parameters())
-            skipped.update(id(params[k]) for k in keys if k in params)
+            if keys:
+                params = dict(target.named_parameters())
+                skipped.update(id(params[k]) for k in keys if k in params)
         elif has_state_dict(target):
             if skipped and isinstance(target, torch.optim.Optimizer):
                 value = without_skipped(value, target, skipped, f"{file} (entry {name!r})")
@@ -181,10 +188,12 @@ def _prepare(
     state: Mapping[str, Any],
     file: str,
     policy: model_state.DTypePolicy,
+    owns: dict[str, Any],
 ) -> Any:
     """Entry ``name``'s loaded ``value`` made ready for its live object; refuses, never loads.
 
-    Models get their keys adapted and dtypes checked; optimizers saved by
+    Models get their keys adapted and dtypes checked against their ``state_dict()``,
+    kept in ``owns`` for the load; optimizers saved by
     parameter name are laid out as the live optimizer's positions (those saved
     by position, by earlier versions, stay as they are).
     """
@@ -196,8 +205,11 @@ def _prepare(
                 f"{file}: entry {name!r} holds a {type(value).__name__}, not a state "
                 f"dict, so it cannot be loaded into {type(target).__name__}"
             )
+        own = owns[name] = target.state_dict()
+        # A model's own checkpoint has exactly its keys: no key-by-key matching.
+        same = adapted_if_same(value, own)
         try:
-            adapted = adapt_state_dict(value, target)
+            adapted = adapt_state_dict(value, target) if same is None else same
         except KeyMismatchError as exc:
             # restore's strict= is about the entries of `state`; a model's keys load whole.
             raise with_message(
@@ -210,7 +222,7 @@ def _prepare(
                 ),
             ) from exc
         model_state.check_dtypes(
-            adapted, target.state_dict(), name=where, target=type(target).__name__, policy=policy
+            adapted, own, name=where, target=type(target).__name__, policy=policy
         )
         return adapted
     if not isinstance(target, torch.optim.Optimizer):
@@ -501,7 +513,9 @@ def _load(
     try:
         if staged.dcp_kinds:
             _dcp.apply_entries(state, staged.dcp_kinds, staged.dcp)
-        _load_ready(state, staged.ready, staged.files, ignore_mismatched, staged.policy)
+        _load_ready(
+            state, staged.ready, staged.files, ignore_mismatched, staged.policy, staged.owns
+        )
         restore_rng(staged.rng, manifest)
     except Exception as exc:
         if not is_distributed():
@@ -519,6 +533,7 @@ class _Staged(NamedTuple):
     files: dict[str, str]
     rng: Any
     policy: model_state.DTypePolicy
+    owns: dict[str, Any]
 
 
 def _stage(
@@ -559,7 +574,9 @@ def _stage(
     _rng_states(rng, manifest)
     # Model keys adapted and dtypes checked; optimizer state mapped by name onto the
     # live layout (_manager/optim_state.py).
+    owns: dict[str, Any] = {}
     ready = {
-        name: _prepare(name, value, state, files[name], policy) for name, value in loaded.items()
+        name: _prepare(name, value, state, files[name], policy, owns)
+        for name, value in loaded.items()
     }
-    return _Staged(dcp_kinds, dcp, ready, files, rng, policy)
+    return _Staged(dcp_kinds, dcp, ready, files, rng, policy, owns)
