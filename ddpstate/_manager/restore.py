@@ -135,18 +135,32 @@ def choose(
     return None
 
 
+class _Live(NamedTuple):
+    """What preparing a step learnt of each live model, kept for loading it.
+
+    Loading changes no key, shape or dtype, so these stay true until the load.
+
+    Attributes:
+        pairs: Per model entry whose saved state is plainly its own, the
+            ``(live, saved)`` tensors to copy (``model_state.plain_pairs``).
+        owns: Per other model entry, its ``state_dict()`` (taken once).
+    """
+
+    pairs: dict[str, model_state.Pairs]
+    owns: dict[str, Any]
+
+
 def _load_ready(
     state: MutableMapping[str, Any],
     ready: dict[str, Any],
     files: dict[str, str],
     ignore_mismatched: bool,
     policy: model_state.DTypePolicy,
-    owns: Mapping[str, Any],
+    live: _Live,
 ) -> None:
     """Load each prepared entry into its live object (plain values into ``state``).
 
-    ``owns``: each model entry's ``state_dict()`` taken while preparing (loading
-    changes no key, shape or dtype, so one call serves both).
+    ``live``: what preparing learnt of each model (see :class:`_Live`).
     """
     # Parameters ignore_mismatched skipped: optimizers must not get their old
     # per-parameter state (it has the old shape), so models load first.
@@ -154,6 +168,9 @@ def _load_ready(
     for name in sorted(ready, key=lambda n: not isinstance(state[n], nn.Module)):
         value, target, file = ready[name], state[name], files[name]
         if isinstance(target, nn.Module):
+            pairs = live.pairs.get(name)
+            if pairs is not None and model_state.copy_pairs(pairs):
+                continue
             keys = model_state.load_fitting(
                 target,
                 value,
@@ -161,7 +178,7 @@ def _load_ready(
                 strict=True,
                 ignore_mismatched=ignore_mismatched,
                 dtypes=policy,
-                own=owns[name],
+                own=live.owns.get(name),
             )
             if keys:
                 params = dict(target.named_parameters())
@@ -188,12 +205,13 @@ def _prepare(
     state: Mapping[str, Any],
     file: str,
     policy: model_state.DTypePolicy,
-    owns: dict[str, Any],
+    live: _Live,
 ) -> Any:
     """Entry ``name``'s loaded ``value`` made ready for its live object; refuses, never loads.
 
     Models get their keys adapted and dtypes checked against their ``state_dict()``,
-    kept in ``owns`` for the load; optimizers saved by
+    kept in ``live`` for the load (a model's own plain checkpoint, nothing to adapt
+    or refuse, only its copy pairs); optimizers saved by
     parameter name are laid out as the live optimizer's positions (those saved
     by position, by earlier versions, stay as they are).
     """
@@ -205,7 +223,11 @@ def _prepare(
                 f"{file}: entry {name!r} holds a {type(value).__name__}, not a state "
                 f"dict, so it cannot be loaded into {type(target).__name__}"
             )
-        own = owns[name] = target.state_dict()
+        pairs = model_state.plain_pairs(target, value)
+        if pairs is not None:
+            live.pairs[name] = pairs
+            return value
+        own = live.owns[name] = target.state_dict()
         # A model's own checkpoint has exactly its keys: no key-by-key matching.
         same = adapted_if_same(value, own)
         try:
@@ -514,7 +536,7 @@ def _load(
         if staged.dcp_kinds:
             _dcp.apply_entries(state, staged.dcp_kinds, staged.dcp)
         _load_ready(
-            state, staged.ready, staged.files, ignore_mismatched, staged.policy, staged.owns
+            state, staged.ready, staged.files, ignore_mismatched, staged.policy, staged.live
         )
         restore_rng(staged.rng, manifest)
     except Exception as exc:
@@ -533,7 +555,7 @@ class _Staged(NamedTuple):
     files: dict[str, str]
     rng: Any
     policy: model_state.DTypePolicy
-    owns: dict[str, Any]
+    live: _Live
 
 
 def _stage(
@@ -574,9 +596,9 @@ def _stage(
     _rng_states(rng, manifest)
     # Model keys adapted and dtypes checked; optimizer state mapped by name onto the
     # live layout (_manager/optim_state.py).
-    owns: dict[str, Any] = {}
+    live = _Live({}, {})
     ready = {
-        name: _prepare(name, value, state, files[name], policy, owns)
+        name: _prepare(name, value, state, files[name], policy, live)
         for name, value in loaded.items()
     }
-    return _Staged(dcp_kinds, dcp, ready, files, rng, policy, owns)
+    return _Staged(dcp_kinds, dcp, ready, files, rng, policy, live)
