@@ -111,7 +111,7 @@ def _local_offset(file: IO[bytes], path: str, info: zipfile.ZipInfo) -> int:
     head = file.read(_LOCAL.size + 4 * len(info.orig_filename))
     if len(head) < _LOCAL.size or not head.startswith(_LOCAL_SIGNATURE):
         raise _refuse(path, info.filename, "has no local header where the directory says")
-    name_len, extra_len = _LOCAL.unpack_from(head)[-2:]
+    name_len, extra_len = (int(n) for n in _LOCAL.unpack_from(head)[-2:])
     raw = head[_LOCAL.size : _LOCAL.size + name_len]
     if len(raw) < name_len:  # a longer name than the directory's: read the rest
         raw += file.read(name_len - len(raw))
