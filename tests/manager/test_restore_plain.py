@@ -48,7 +48,9 @@ def test_plain_copy_is_load_state_dict() -> None:
     assert pairs is not None and len(pairs) == len(saved)
     assert copy_pairs(pairs)
     reference.load_state_dict(saved)
-    for (key, got), want in zip(plain.state_dict().items(), reference.state_dict().values()):
+    for (key, got), want in zip(
+        plain.state_dict().items(), reference.state_dict().values(), strict=True
+    ):
         assert torch.equal(got, want) and got.dtype == want.dtype, key
     # The same Parameter objects, written in place once (as copy_ does), still trainable.
     for key, p in plain.named_parameters():
@@ -171,7 +173,7 @@ def test_restore_of_a_plain_model_keeps_its_parameters(tmp_path: Path) -> None:
             p.add_(1.0)
     manager.restore({"model": model, "opt": opt})
     manager.close()
-    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
     assert opt.param_groups[0]["params"][0] is params[0]
     for key, value in model.state_dict().items():
         assert torch.equal(value, want[key]), key
