@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Optional
@@ -45,13 +44,18 @@ _MODULE = torch.nn.Module
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ABSENT = object()
 # What a module overrides to save or load its state its own way.
-_OVERRIDES = (
-    "_load_from_state_dict",
-    "_save_to_state_dict",
-    "set_extra_state",
-    "get_extra_state",
-    "state_dict",
+_OVERRIDES = frozenset(
+    (
+        "_load_from_state_dict",
+        "_save_to_state_dict",
+        "set_extra_state",
+        "get_extra_state",
+        "state_dict",
+    )
 )
+# What a saved tensor must share with its live one for a plain copy.
+_COMPARED = tuple(operator.attrgetter(a) for a in ("shape", "dtype", "device"))
+_IS_META = operator.attrgetter("is_meta")
 #: ``(live tensor, saved tensor)`` per key of a load that is one copy per tensor.
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -158,16 +162,21 @@ def load_fitting(
     return [k for k, _, _ in mismatched]
 
 
-def _plain(module: torch.nn.Module) -> bool:
+def _plain(module: torch.nn.Module, classes: dict[type, bool]) -> bool:
     """True when ``module`` saves and loads its state with ``nn.Module``'s own code.
 
     No override (BatchNorm's ``_load_from_state_dict``, an extra state, a custom
     ``state_dict``) and no state-dict hook: its ``state_dict()`` keys are then
     its parameters and persistent buffers, and loading one is ``copy_``.
+    ``classes`` remembers each class's answer (a model repeats a few classes).
     """
-    cls, own = type(module), module.__dict__
+    cls = type(module)
+    plain = classes.get(cls)
+    if plain is None:
+        plain = classes[cls] = all(getattr(cls, m, None) is getattr(_MODULE, m) for m in _OVERRIDES)
     return (
-        all(getattr(cls, m, None) is getattr(_MODULE, m) and m not in own for m in _OVERRIDES)
+        plain
+        and _OVERRIDES.isdisjoint(module.__dict__)
         and not module._load_state_dict_pre_hooks
         and not module._load_state_dict_post_hooks
         and not module._state_dict_hooks
@@ -208,15 +217,15 @@ def plain_pairs(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> Option
     if torch.__future__.get_swap_module_params_on_conversion():
         return None
     pairs: Pairs = []
+    classes: dict[type, bool] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        if not _plain(module):
+        if not _plain(module, classes):
             return None
         lead = f"{prefix}." if prefix else ""
-        skip = module._non_persistent_buffers_set
-        live = itertools.chain(
-            module._parameters.items(),
-            ((k, v) for k, v in module._buffers.items() if k not in skip),
-        )
+        live = list(module._parameters.items())
+        if module._buffers:
+            skip = module._non_persistent_buffers_set
+            live.extend((k, v) for k, v in module._buffers.items() if k not in skip)
         for name, tensor in live:
             if tensor is None:
                 continue
@@ -226,12 +235,12 @@ def plain_pairs(model: torch.nn.Module, state_dict: Mapping[str, Any]) -> Option
             pairs.append((tensor, saved))
     if len(pairs) != len(state_dict) or len({id(t) for t, _ in pairs}) != len(pairs):
         return None  # a key no tensor has, or one tensor under two keys (ties)
-    shape, dtype, device = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
     live_tensors, saved_tensors = [t for t, _ in pairs], [s for _, s in pairs]
-    if any(t.is_meta for t in live_tensors) or any(
-        list(map(get, live_tensors)) != list(map(get, saved_tensors))
-        for get in (shape, dtype, device)
-    ):
+    # Whole lists compared at C speed: no Python frame per tensor.
+    for get in _COMPARED:
+        if list(map(get, live_tensors)) != list(map(get, saved_tensors)):
+            return None
+    if any(map(_IS_META, live_tensors)):
         return None
     return pairs
 
