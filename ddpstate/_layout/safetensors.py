@@ -102,6 +102,13 @@ def _corrupt(name: str, detail: str, exc: Optional[BaseException] = None) -> Che
     return CheckpointCorruptError(message if exc is None else f"{message} [{exc}]")
 
 
+def _integers(value: Any) -> tuple[int, ...]:
+    """A JSON list of integers, as the library's header types take it: not true, 1.0 or "1"."""
+    if not isinstance(value, list) or not all(type(n) is int for n in value):
+        raise TypeError(f"{value!r} is not a list of integers")
+    return tuple(value)
+
+
 def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> Header:
     """Read and check a safetensors header without touching the data.
 
@@ -140,7 +147,8 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
         raise _corrupt(name, "header is not valid JSON", exc) from exc
     if not isinstance(parsed, dict):
         raise _corrupt(name, "header is not a JSON object")
-    meta = parsed.pop("__metadata__", None) or {}
+    meta = parsed.pop("__metadata__", None)
+    meta = {} if meta is None else meta  # null is no metadata to the library; [] or "" are not
     if not isinstance(meta, dict):
         raise _corrupt(name, "__metadata__ is not a JSON object")
     problems: list[str] = []
@@ -151,8 +159,8 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
     for key, info in parsed.items():
         try:
             code = info["dtype"]
-            shape = tuple(int(n) for n in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = _integers(info["shape"])
+            begin, end = _integers(info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise _corrupt(name, f"entry {key!r} is malformed", exc) from exc
         if not isinstance(code, str) or code not in DTYPES:

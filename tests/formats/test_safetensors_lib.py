@@ -228,3 +228,50 @@ def test_a_conjugate_view_is_not_taken_for_a_tie(tmp_path: Path) -> None:
         ddpstate.save(sd, path)
     back = ddpstate.load(path)
     assert torch.equal(back["z"], z) and torch.equal(back["z_conj"], z.conj().resolve_conj())
+
+
+def _crafted(header: dict[str, Any], data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+_F32 = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {**_F32, "shape": [True]},
+        {**_F32, "shape": [1.0]},
+        {**_F32, "shape": ["1"]},
+        {**_F32, "shape": [1.9]},
+        {**_F32, "data_offsets": [0.0, 4]},
+        {**_F32, "data_offsets": [False, "4"]},
+        {**_F32, "shape": 1},
+    ],
+    ids=["bool-dim", "float-dim", "text-dim", "fraction-dim", "float-offset", "odd-offsets", "int"],
+)
+def test_a_stream_header_the_library_refuses_is_refused_by_ddpstate_too(
+    tmp_path: Path, entry: dict[str, Any]
+) -> None:
+    """Bytes and streams are read by ddpstate's own header parser, which took int(x) for an
+    integer: shapes and offsets the library's JSON types refuse (true, 1.0, "1") were read."""
+    raw = _crafted({"a": entry}, bytes(4))
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.torch.load(raw)
+    with pytest.raises(CheckpointCorruptError, match="'a'"):
+        read_safetensors(raw)
+    with pytest.raises(CheckpointCorruptError):
+        read_safetensors(io.BytesIO(raw))
+
+
+@pytest.mark.parametrize("metadata", [[], "", 0, False])
+def test_a_falsy_metadata_that_is_not_a_map_is_refused_as_the_library_refuses_it(
+    metadata: Any,
+) -> None:
+    raw = _crafted({"__metadata__": metadata, "a": _F32}, bytes(4))
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.torch.load(raw)
+    with pytest.raises(CheckpointCorruptError, match="__metadata__"):
+        read_safetensors(raw)
