@@ -217,11 +217,19 @@ def restore_extras(
     """
     problems = []
     if ALIASES_KEY in metadata:
+        stored = set(state_dict)
         try:
             for alias, canonical in json.loads(metadata[ALIASES_KEY]).items():
+                # A stored tensor is what the library gives under its key, so an alias never
+                # replaces one; ddpstate's writer ties an absent key to a stored one only.
+                if alias in stored or canonical not in stored:
+                    raise ValueError(f"{alias!r} -> {canonical!r}")
                 state_dict[alias] = state_dict[canonical]
-        except (ValueError, KeyError, AttributeError, TypeError) as exc:
-            problems.append(f"{ALIASES_KEY} names a tensor that is not in the file ({exc!r})")
+        except (ValueError, AttributeError, TypeError) as exc:
+            problems.append(
+                f"{ALIASES_KEY} must tie keys the file does not store to tensors it stores "
+                f"({exc})"
+            )
     if KEY_ORDER_KEY in metadata:
         try:
             order = json.loads(metadata[KEY_ORDER_KEY])
