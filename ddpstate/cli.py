@@ -674,7 +674,7 @@ def _store_error(
             f"{url}: its fsspec filesystem refused the storage options ({_one_line(exc)}); "
             f"check each --storage-option KEY=VALUE and ${STORAGE_OPTIONS_ENV} against that "
             f"filesystem's options (VALUE is read as JSON when it parses, e.g. "
-            f"'client_kwargs={{\"region_name\": \"us-east-1\"}}')"
+            f'\'client_kwargs={{"region_name": "us-east-1"}}\')'
         )
     return None
 

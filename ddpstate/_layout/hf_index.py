@@ -255,8 +255,7 @@ def key_problems(index: ShardIndex, shard: str, part: Mapping[Any, Any]) -> list
     held = set(part)
     tied = {a for a, c in index.aliases.items() if index.weight_map[c] == shard}
     untied = [
-        f"tied key {a!r} is recorded with {index.aliases[a]!r}, but {shard} gives it another "
-        f"tensor"
+        f"tied key {a!r} is recorded with {index.aliases[a]!r}, but {shard} gives it another tensor"
         for a in sorted(tied & held)
         if index.aliases[a] in part and part[a] is not part[index.aliases[a]]
     ]

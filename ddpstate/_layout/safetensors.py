@@ -227,8 +227,7 @@ def restore_extras(
                 state_dict[alias] = state_dict[canonical]
         except (ValueError, AttributeError, TypeError) as exc:
             problems.append(
-                f"{ALIASES_KEY} must tie keys the file does not store to tensors it stores "
-                f"({exc})"
+                f"{ALIASES_KEY} must tie keys the file does not store to tensors it stores ({exc})"
             )
     if KEY_ORDER_KEY in metadata:
         try:

@@ -110,7 +110,7 @@ def test_a_recorded_tie_to_another_key_than_the_shard_ties_is_refused(tmp_path: 
     assert index["weight_map"]["blocks.0.weight"] == index["weight_map"]["embed.weight"]
     index["metadata"]["ddpstate.aliases"] = {"head.weight": "blocks.0.weight"}
     (out / INDEX).write_text(json.dumps(index))
-    with pytest.raises(CheckpointCorruptError, match="tied key 'head.weight'.*another tensor"):
+    with pytest.raises(CheckpointCorruptError, match=r"tied key 'head\.weight'.*another tensor"):
         ddpstate.load(out)
     result = verify_file(out)
     assert not result.ok and "'blocks.0.weight'" in " ".join(result.problems)

@@ -291,7 +291,7 @@ def test_aliases_that_would_replace_a_stored_tensor_are_damage_not_applied(
     safetensors.torch.save_file(stored, path, metadata={ALIASES_KEY: aliases})
     assert torch.equal(safetensors.torch.load_file(path)["head"], torch.ones(2))
     for source in (path, path.read_bytes()):
-        with pytest.raises(CheckpointCorruptError, match="ddpstate.aliases"):
+        with pytest.raises(CheckpointCorruptError, match=r"ddpstate\.aliases"):
             read_safetensors(source)
     result = ddpstate.convert.verify_file(path)
     assert not result.ok and "ddpstate.aliases" in result.problems[0]
