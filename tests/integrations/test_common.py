@@ -78,3 +78,26 @@ def test_newest_verified_checks_files_and_returns_none_when_nothing_verifies(
     with pytest.warns(UserWarning, match="missing.pt"):
         assert newest_verified([str(tmp_path / "missing.pt")], what="file") is None
     assert newest_verified([], what="file") is None
+
+
+def test_a_file_named_like_a_checkpoint_folder_is_not_resumed_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file (or fifo) named checkpoint-9 in a Trainer output_dir was the checkpoint ddpstate
+    resumed from (a torch.save file verifies), though the Trainer needs a folder and its own
+    get_last_checkpoint skips anything else; the same for Accelerate's checkpoint_9."""
+    pytest.importorskip("transformers")
+    from ddpstate.integrations.transformers import last_verified_checkpoint
+
+    out = tmp_path / "output_dir"
+    seal_folder(_folder(out / "checkpoint-1", 1), format="test")
+    torch.save({"w": torch.ones(2)}, out / "checkpoint-9")
+    os.mkfifo(out / "checkpoint-8")
+    assert last_verified_checkpoint(out) == str(out / "checkpoint-1")
+    assert main(["verify", str(out), "--json", "-q"]) == 0
+    assert '"resume_from": "checkpoint-1"' in capsys.readouterr().out
+    checkpoints = tmp_path / "project" / "checkpoints"
+    seal_folder(_folder(checkpoints / "checkpoint_1", 1), format="test")
+    torch.save({"w": torch.ones(2)}, checkpoints / "checkpoint_9")
+    assert main(["verify", str(checkpoints.parent), "--json", "-q"]) == 0
+    assert '"checkpoints": {\n    "checkpoint_1": true\n  }' in capsys.readouterr().out
