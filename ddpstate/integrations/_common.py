@@ -148,6 +148,11 @@ def remove_checkpoint(path: str, *, storage_options: Optional[dict[str, Any]] = 
         False
     """
     opts = storage_options
+    if not _fs.is_remote(path) and os.path.islink(_fs.local_path(path)):
+        # A link to a checkpoint folder (made by hand) goes alone: its manifest is the folder's
+        # it names, which another name keeps (or rotation keeps) committed.
+        os.unlink(_fs.local_path(path))
+        return
     storage.remove(storage.join(path, MANIFEST_NAME), storage_options=opts, missing_ok=True)
     storage.remove(path, storage_options=opts, recursive=True, missing_ok=True)
 
