@@ -102,6 +102,21 @@ def _corrupt(name: str, detail: str, exc: Optional[BaseException] = None) -> Che
     return CheckpointCorruptError(message if exc is None else f"{message} [{exc}]")
 
 
+#: The header's named fields: the library's header types refuse one given twice in its
+#: object (a tensor's name or a metadata key given twice counts at its last value there, as
+#: in ``json.loads``).
+_FIELDS = frozenset({"__metadata__", "dtype", "shape", "data_offsets"})
+
+
+class _Object(dict[str, Any]):
+    """A JSON object of a header, knowing the names it gives more than once."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        given = collections.Counter(k for k, _ in pairs)
+        self.twice = frozenset(k for k, n in given.items() if n > 1)
+
+
 def _integers(value: Any) -> tuple[int, ...]:
     """A JSON list of integers, as the library's header types take it: not true, 1.0 or "1"."""
     if not isinstance(value, list) or not all(type(n) is int for n in value):
@@ -142,11 +157,13 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
     if length > SAFETENSORS_MAX_HEADER or 8 + length > size:
         raise _corrupt(name, f"header length {length} does not fit in {size} bytes")
     try:
-        parsed = json.loads(bytes(read_at(8, length)).decode("utf-8"))
+        parsed = json.loads(bytes(read_at(8, length)).decode("utf-8"), object_pairs_hook=_Object)
     except (UnicodeDecodeError, ValueError) as exc:
         raise _corrupt(name, "header is not valid JSON", exc) from exc
     if not isinstance(parsed, dict):
         raise _corrupt(name, "header is not a JSON object")
+    if "__metadata__" in parsed.twice:
+        raise _corrupt(name, "__metadata__ is given twice")
     meta = parsed.pop("__metadata__", None)
     meta = {} if meta is None else meta  # null is no metadata to the library; [] or "" are not
     if not isinstance(meta, dict):
@@ -161,6 +178,8 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
             code = info["dtype"]
             shape = _integers(info["shape"])
             begin, end = _integers(info["data_offsets"])
+            if info.twice & _FIELDS:
+                raise ValueError(f"{sorted(info.twice & _FIELDS)} given twice")
         except (KeyError, TypeError, ValueError) as exc:
             raise _corrupt(name, f"entry {key!r} is malformed", exc) from exc
         if not isinstance(code, str) or code not in DTYPES:

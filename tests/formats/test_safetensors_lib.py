@@ -295,3 +295,34 @@ def test_aliases_that_would_replace_a_stored_tensor_are_damage_not_applied(
             read_safetensors(source)
     result = ddpstate.convert.verify_file(path)
     assert not result.ok and "ddpstate.aliases" in result.problems[0]
+
+
+_TWICE = '"dtype": "F32", "shape": [2], "data_offsets": [0, 8]'
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        '{"__metadata__": {"x": "1"}, "__metadata__": {"x": "2"}, "a": {' + _TWICE + "}}",
+        '{"a": {"dtype": "I32", ' + _TWICE + "}}",
+    ],
+    ids=["metadata-twice", "dtype-twice"],
+)
+def test_a_header_field_given_twice_is_refused_as_the_library_refuses_it(header: str) -> None:
+    """json.loads takes a duplicated name's last value; the library's header types refuse a
+    field given twice ("duplicate field"), so ddpstate read bytes and streams it refused."""
+    text = header.encode()
+    raw = struct.pack("<Q", len(text)) + text + bytes(8)
+    with pytest.raises(safetensors.SafetensorError, match="duplicate field"):
+        safetensors.torch.load(raw)
+    with pytest.raises(CheckpointCorruptError, match="twice"):
+        read_safetensors(raw)
+
+    # A tensor's name or a metadata key given twice counts at its last value, in both.
+    entry = "{" + _TWICE + "}"
+    text = f'{{"__metadata__": {{"k": "1", "k": "2"}}, "a": {entry}, "a": {entry}}}'.encode()
+    raw = struct.pack("<Q", len(text)) + text + bytes(range(8))
+    theirs = safetensors.torch.load(raw)
+    ours = read_safetensors(raw)
+    assert list(ours) == list(theirs) == ["a"] and torch.equal(ours["a"], theirs["a"])
+    assert read_safetensors_header(raw).metadata == {"k": "2"}
