@@ -117,6 +117,10 @@ class _Object(dict[str, Any]):
         self.twice = frozenset(k for k, n in given.items() if n > 1)
 
 
+def _not_json(literal: str) -> Any:
+    raise ValueError(f"{literal} is not JSON")
+
+
 def _integers(value: Any) -> tuple[int, ...]:
     """A JSON list of integers, as the library's header types take it: not true, 1.0 or "1"."""
     if not isinstance(value, list) or not all(type(n) is int for n in value):
@@ -157,10 +161,14 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
     if length > SAFETENSORS_MAX_HEADER or 8 + length > size:
         raise _corrupt(name, f"header length {length} does not fit in {size} bytes")
     try:
-        parsed = json.loads(bytes(read_at(8, length)).decode("utf-8"), object_pairs_hook=_Object)
+        parsed = json.loads(
+            bytes(read_at(8, length)).decode("utf-8"),
+            object_pairs_hook=_Object,
+            parse_constant=_not_json,  # NaN, Infinity: Python's extension, not JSON
+        )
     except (UnicodeDecodeError, ValueError) as exc:
         raise _corrupt(name, "header is not valid JSON", exc) from exc
-    if not isinstance(parsed, dict):
+    if not isinstance(parsed, _Object):
         raise _corrupt(name, "header is not a JSON object")
     if "__metadata__" in parsed.twice:
         raise _corrupt(name, "__metadata__ is given twice")

@@ -326,3 +326,12 @@ def test_a_header_field_given_twice_is_refused_as_the_library_refuses_it(header:
     ours = read_safetensors(raw)
     assert list(ours) == list(theirs) == ["a"] and torch.equal(ours["a"], theirs["a"])
     assert read_safetensors_header(raw).metadata == {"k": "2"}
+
+
+def test_a_nan_in_a_header_is_refused_as_the_library_refuses_it() -> None:
+    """Python's json reads NaN and Infinity, which are not JSON; the library refuses them."""
+    raw = _crafted({"a": {**_F32, "note": float("nan")}}, bytes(4))
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.torch.load(raw)
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+        read_safetensors(raw)
