@@ -736,7 +736,19 @@ def _verify_directory(text: str, opts: Optional[dict[str, Any]]) -> CheckpointVe
         total.files += check.files
         total.bytes_read += check.bytes_read
     for n in names:
-        if storage.is_temp_name(n):
+        original = storage.retired_original(n)
+        if (
+            original is not None
+            and parse_step(original) is not None
+            and original not in names
+            and storage.exists(storage.join(text, n, MANIFEST_NAME), storage_options=opts)
+        ):  # what clean_stale puts back
+            total.notes.append(
+                f"{n} is the committed {original}, retired by a re-save killed between its two "
+                f"renames: the next save puts it back (do not delete it); restore() does not "
+                f"read it until then"
+            )
+        elif storage.is_temp_name(n):
             total.notes.append(
                 f"{n} is a temporary file left by an interrupted write (the next save deletes it)"
             )
