@@ -95,8 +95,8 @@ def choose(
             folder = writer.retired_steps().get(step, "")
         if not folder:
             raise CheckpointNotFoundError(
-                f"{folder}: no checkpoint for step {step}; committed steps in "
-                f"{writer.config.directory}: {sorted(writer.committed_steps())}"
+                f"{writer.checkpoint_path(step)}: no checkpoint for step {step}; committed "
+                f"steps in {writer.config.directory}: {sorted(writer.committed_steps())}"
             )
         manifest, problem = _verify(writer, folder, step, split)
         if manifest is None:
