@@ -53,10 +53,15 @@ from ddpstate.rng import derived_seed, restore_rng_state, seed_all
 
 
 class Choice(NamedTuple):
-    """The durable step every rank restores and its manifest, as rank 0 broadcasts them."""
+    """The durable step every rank restores, its manifest and folder, as rank 0 broadcasts them.
+
+    ``folder`` is ``step_N``, or the retired copy that holds step N (see
+    ``StepFolders.retired_steps``), read in place.
+    """
 
     step: int
     manifest: dict[str, Any]
+    folder: str
 
 
 def _verify(
@@ -87,9 +92,11 @@ def choose(
     if step is not None:
         folder = writer.checkpoint_path(step)
         if not storage.exists(folder, storage_options=opts):
+            folder = writer.retired_steps().get(step, "")
+        if not folder:
             raise CheckpointNotFoundError(
-                f"{folder}: no checkpoint for step {step}; committed steps in "
-                f"{writer.config.directory}: {sorted(writer.committed_steps())}"
+                f"{writer.checkpoint_path(step)}: no checkpoint for step {step}; committed "
+                f"steps in {writer.config.directory}: {sorted(writer.committed_steps())}"
             )
         manifest, problem = _verify(writer, folder, step, split)
         if manifest is None:
@@ -97,16 +104,18 @@ def choose(
                 f"{folder}: cannot restore step {step}: {problem}. Restore another step, or "
                 f"pass step=None to take the newest valid checkpoint"
             )
-        return Choice(step, manifest)
+        _note_retired(writer, step, folder)
+        return Choice(step, manifest, folder)
     if not storage.isdir(writer.config.directory, storage_options=opts):
         return None
-    listed = storage.listdir(writer.config.directory, storage_options=opts)
-    steps = (s for s in map(parse_step, listed) if s is not None and (below is None or s < below))
-    candidates = sorted(steps, reverse=True)
+    listed = storage.listdir(writer.config.directory, storage_options=opts, include_temp=True)
+    folders = {s: writer.checkpoint_path(s) for s in map(parse_step, listed) if s is not None}
+    folders.update(writer.retired_steps(listed))
+    candidates = sorted((s for s in folders if below is None or s < below), reverse=True)
     skipped: list[tuple[str, str]] = []
     committed_bad = 0
     for s in candidates:
-        folder = writer.checkpoint_path(s)
+        folder = folders[s]
         if not storage.isdir(folder, storage_options=opts):
             continue
         manifest, problem = _verify(writer, folder, s, split)
@@ -117,7 +126,8 @@ def choose(
                     f"step {s} instead",
                     rank=get_rank(),
                 )
-            return Choice(s, manifest)
+            _note_retired(writer, s, folder)
+            return Choice(s, manifest, folder)
         skipped.append((folder, str(problem)))
         if storage.exists(storage.join(folder, MANIFEST_NAME), storage_options=opts):
             committed_bad += 1
@@ -133,6 +143,22 @@ def choose(
             rank=get_rank(),
         )
     return None
+
+
+def _note_retired(writer: StepWriter, step: int, folder: str) -> None:
+    """Warn when step ``step`` is read from a retired copy, not from its own folder."""
+    if folder != writer.checkpoint_path(step):
+        warn(
+            f"CheckpointManager.restore: reading step {step} from {folder}: a re-save of step "
+            f"{step} was killed between its two renames, leaving no {writer.checkpoint_path(step)}"
+            f"; the next save puts it back under that name (do not delete it)",
+            rank=get_rank(),
+        )
+
+
+def latest_step(writer: StepWriter) -> Optional[int]:
+    """The newest committed step, one only a retired copy holds included (see :func:`choose`)."""
+    return max([*writer.committed_steps(), *writer.retired_steps()], default=None)
 
 
 class _Live(NamedTuple):
@@ -359,7 +385,7 @@ def _check_none_elsewhere(writer: StepWriter, timeout: Timeout) -> None:
         )
 
     gather_and_decide(
-        writer.latest_step(),
+        latest_step(writer),
         decide,
         name="CheckpointManager.restore (visibility)",
         timeout=timeout,
@@ -430,7 +456,8 @@ def restore(
             step = check_step(step)
         # The node-local tier answers first when it holds a step at least as new as the durable
         # (a collective: every rank gets the same answer).
-        found = local.choose(writer.latest_step) if local is not None and step is None else None
+        latest = functools.partial(latest_step, writer)
+        found = local.choose(latest) if local is not None and step is None else None
         failed: Optional[CheckpointCorruptError] = None
         below: Optional[int] = None
         while True:
@@ -440,8 +467,8 @@ def restore(
                     if failed is not None:  # nothing older verifies: the state is untouched
                         raise failed
                     return RestoreSource(None, "none")
-                folder = writer.checkpoint_path(choice.step)
-                source, manifest = RestoreSource(choice.step, "durable", folder), choice.manifest
+                source = RestoreSource(choice.step, "durable", choice.folder)
+                manifest = choice.manifest
             else:
                 source, manifest = found
             try:
