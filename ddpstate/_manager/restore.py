@@ -23,7 +23,7 @@ from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._gc import gc_paused
 from ddpstate._io import model_state
-from ddpstate._keys.match import STRICT_ADVICE
+from ddpstate._keys.match import STRICT_ADVICE, adapted_if_same
 from ddpstate._manager import dcp_step as _dcp
 from ddpstate._manager import optim_state
 from ddpstate._manager import verify_split as _verify_split
@@ -161,20 +161,42 @@ def latest_step(writer: StepWriter) -> Optional[int]:
     return max([*writer.committed_steps(), *writer.retired_steps()], default=None)
 
 
+class _Live(NamedTuple):
+    """What preparing a step learnt of each live model, kept for loading it.
+
+    Loading changes no key, shape or dtype, so these stay true until the load.
+
+    Attributes:
+        pairs: Per model entry whose saved state is plainly its own, the
+            ``(live, saved)`` tensors to copy (``model_state.plain_pairs``).
+        owns: Per other model entry, its ``state_dict()`` (taken once).
+    """
+
+    pairs: dict[str, model_state.Pairs]
+    owns: dict[str, Any]
+
+
 def _load_ready(
     state: MutableMapping[str, Any],
     ready: dict[str, Any],
     files: dict[str, str],
     ignore_mismatched: bool,
     policy: model_state.DTypePolicy,
+    live: _Live,
 ) -> None:
-    """Load each prepared entry into its live object (plain values into ``state``)."""
+    """Load each prepared entry into its live object (plain values into ``state``).
+
+    ``live``: what preparing learnt of each model (see :class:`_Live`).
+    """
     # Parameters ignore_mismatched skipped: optimizers must not get their old
     # per-parameter state (it has the old shape), so models load first.
     skipped: set[int] = set()
     for name in sorted(ready, key=lambda n: not isinstance(state[n], nn.Module)):
         value, target, file = ready[name], state[name], files[name]
         if isinstance(target, nn.Module):
+            pairs = live.pairs.get(name)
+            if pairs is not None and model_state.copy_pairs(pairs):
+                continue
             keys = model_state.load_fitting(
                 target,
                 value,
@@ -182,9 +204,11 @@ def _load_ready(
                 strict=True,
                 ignore_mismatched=ignore_mismatched,
                 dtypes=policy,
+                own=live.owns.get(name),
             )
-            params = dict(target.named_parameters())
-            skipped.update(id(params[k]) for k in keys if k in params)
+            if keys:
+                params = dict(target.named_parameters())
+                skipped.update(id(params[k]) for k in keys if k in params)
         elif has_state_dict(target):
             if skipped and isinstance(target, torch.optim.Optimizer):
                 value = without_skipped(value, target, skipped, f"{file} (entry {name!r})")
@@ -207,10 +231,13 @@ def _prepare(
     state: Mapping[str, Any],
     file: str,
     policy: model_state.DTypePolicy,
+    live: _Live,
 ) -> Any:
     """Entry ``name``'s loaded ``value`` made ready for its live object; refuses, never loads.
 
-    Models get their keys adapted and dtypes checked; optimizers saved by
+    Models get their keys adapted and dtypes checked against their ``state_dict()``,
+    kept in ``live`` for the load (a model's own plain checkpoint, nothing to adapt
+    or refuse, only its copy pairs); optimizers saved by
     parameter name are laid out as the live optimizer's positions (those saved
     by position, by earlier versions, stay as they are).
     """
@@ -222,8 +249,15 @@ def _prepare(
                 f"{file}: entry {name!r} holds a {type(value).__name__}, not a state "
                 f"dict, so it cannot be loaded into {type(target).__name__}"
             )
+        pairs = model_state.plain_pairs(target, value)
+        if pairs is not None:
+            live.pairs[name] = pairs
+            return value
+        own = live.owns[name] = target.state_dict()
+        # A model's own checkpoint has exactly its keys: no key-by-key matching.
+        same = adapted_if_same(value, own)
         try:
-            adapted = adapt_state_dict(value, target)
+            adapted = adapt_state_dict(value, target) if same is None else same
         except KeyMismatchError as exc:
             # restore's strict= is about the entries of `state`; a model's keys load whole.
             raise with_message(
@@ -236,7 +270,7 @@ def _prepare(
                 ),
             ) from exc
         model_state.check_dtypes(
-            adapted, target.state_dict(), name=where, target=type(target).__name__, policy=policy
+            adapted, own, name=where, target=type(target).__name__, policy=policy
         )
         return adapted
     if not isinstance(target, torch.optim.Optimizer):
@@ -528,7 +562,9 @@ def _load(
     try:
         if staged.dcp_kinds:
             _dcp.apply_entries(state, staged.dcp_kinds, staged.dcp)
-        _load_ready(state, staged.ready, staged.files, ignore_mismatched, staged.policy)
+        _load_ready(
+            state, staged.ready, staged.files, ignore_mismatched, staged.policy, staged.live
+        )
         restore_rng(staged.rng, manifest)
     except Exception as exc:
         if not is_distributed():
@@ -546,6 +582,7 @@ class _Staged(NamedTuple):
     files: dict[str, str]
     rng: Any
     policy: model_state.DTypePolicy
+    live: _Live
 
 
 def _stage(
@@ -586,7 +623,9 @@ def _stage(
     _rng_states(rng, manifest)
     # Model keys adapted and dtypes checked; optimizer state mapped by name onto the
     # live layout (_manager/optim_state.py).
+    live = _Live({}, {})
     ready = {
-        name: _prepare(name, value, state, files[name], policy) for name, value in loaded.items()
+        name: _prepare(name, value, state, files[name], policy, live)
+        for name, value in loaded.items()
     }
-    return _Staged(dcp_kinds, dcp, ready, files, rng, policy)
+    return _Staged(dcp_kinds, dcp, ready, files, rng, policy, live)
