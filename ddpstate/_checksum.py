@@ -9,13 +9,15 @@ or threads of one process (:func:`check_files`; the CRC-32 (``_crc.crc32``) and 
 reads release the GIL). Each piece's read (:class:`PieceRead`) carries its size and
 CRC; :func:`file_problem` puts a file's pieces back together (``_crc``) and
 judges them with the words one pass over the whole file uses, so the problems
-never depend on how the work was split.
+never depend on how the work was split. :class:`ChecksumWriter` takes a file's
+size and CRC-32 on its way out, as the manifest lists them (:func:`write_listed_file`).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+import io
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -24,6 +26,7 @@ from ddpstate import _crc, _fs, storage
 from ddpstate.errors import CheckpointNotFoundError, DDPStateError
 
 __all__ = [
+    "ChecksumWriter",
     "Finding",
     "MIN_PIECE",
     "Piece",
@@ -36,6 +39,7 @@ __all__ = [
     "file_problem",
     "file_problems",
     "read_piece",
+    "write_listed_file",
 ]
 
 _READ_CHUNK = 8 << 20
@@ -303,3 +307,80 @@ def check_files(
     unread = {name for name, read in pairs if read.problem}
     read_files = {name for name, _ in pairs} - unread
     return file_problems(files, found), len(read_files), sum(r.size for _, r in pairs)
+
+
+class ChecksumWriter(io.RawIOBase):
+    """A write-only stream that counts bytes and CRC-32s them on their way to ``raw``.
+
+    Used by ``torch.save`` (a step's files) and DCP's writer (a shard's stream:
+    ``tell`` and ``fileno`` are the file's). With ``pieces``, ``crc`` covers the bytes
+    since the last :meth:`tell` and each ``tell`` ends a piece, recorded in ``pieces`` as
+    ``(offset, length, crc)``: DCP calls ``tell`` before and after each item it writes,
+    so the pieces are its items' byte ranges, each checkable on its own.
+    """
+
+    def __init__(self, raw: Any, *, pieces: bool = False) -> None:
+        super().__init__()
+        self._raw = raw
+        self.size = 0
+        self.crc = 0
+        self.pieces: Optional[list[tuple[int, int, int]]] = [] if pieces else None
+        self._start = 0
+        # torch.save's C++ writer replaces an exception from write() with its own
+        # "unexpected pos" error; the real cause (disk full...) is kept here.
+        self.error: Optional[BaseException] = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        def put(_: int, piece: memoryview) -> int:
+            written = self._raw.write(piece)
+            return piece.nbytes if written is None else int(written)
+
+        try:  # a large write is CRC-32'd in pieces on helper threads as it goes out
+            count, self.crc = _crc.crc32_alongside(memoryview(data).cast("B"), put, self.crc)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        self.size += count
+        return count
+
+    def tell(self) -> int:
+        if self.pieces is not None and self.size > self._start:
+            self.pieces.append((self._start, self.size - self._start, self.crc))
+            self._start, self.crc = self.size, 0
+        return int(self._raw.tell())
+
+    def fileno(self) -> int:
+        return int(self._raw.fileno())
+
+    def flush(self) -> None:
+        if not self._raw.closed:  # also called when this wrapper is collected
+            self._raw.flush()
+
+
+def write_listed_file(
+    path: str,
+    write: Callable[[ChecksumWriter], Any],
+    *,
+    fsync: bool = True,
+    storage_options: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Write one file atomically through a :class:`ChecksumWriter`; its manifest entry.
+
+    ``write(writer)`` writes the bytes. torch.save's C++ writer hides a failed
+    ``write`` behind its own error: the real cause (disk full...) is raised instead.
+
+    Returns:
+        ``{"size": ..., "crc32": ...}`` as the manifest lists the file.
+    """
+    with storage.atomic_write(path, storage_options=storage_options, fsync=fsync) as raw:
+        writer = ChecksumWriter(raw)
+        try:
+            write(writer)
+        except Exception as exc:
+            if writer.error is not None and writer.error is not exc:
+                raise writer.error from exc
+            raise
+    return {"size": writer.size, "crc32": checksum_hex(writer.crc)}

@@ -12,7 +12,6 @@ tier, sharded saves) import it.
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import os
 import posixpath
@@ -69,83 +68,6 @@ SHARD_SUFFIX = ".distcp"
 FOLDER_FORMAT = DCP
 
 
-class ChecksumWriter(io.RawIOBase):
-    """A write-only stream that counts bytes and CRC-32s them on their way to ``raw``.
-
-    Used by ``torch.save`` (a step's files) and DCP's writer (a shard's stream:
-    ``tell`` and ``fileno`` are the file's). With ``pieces``, ``crc`` covers the bytes
-    since the last :meth:`tell` and each ``tell`` ends a piece, recorded in ``pieces`` as
-    ``(offset, length, crc)``: DCP calls ``tell`` before and after each item it writes,
-    so the pieces are its items' byte ranges, each checkable on its own.
-    """
-
-    def __init__(self, raw: Any, *, pieces: bool = False) -> None:
-        super().__init__()
-        self._raw = raw
-        self.size = 0
-        self.crc = 0
-        self.pieces: Optional[list[tuple[int, int, int]]] = [] if pieces else None
-        self._start = 0
-        # torch.save's C++ writer replaces an exception from write() with its own
-        # "unexpected pos" error; the real cause (disk full...) is kept here.
-        self.error: Optional[BaseException] = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        def put(_: int, piece: memoryview) -> int:
-            written = self._raw.write(piece)
-            return piece.nbytes if written is None else int(written)
-
-        try:  # a large write is CRC-32'd in pieces on helper threads as it goes out
-            count, self.crc = _crc.crc32_alongside(memoryview(data).cast("B"), put, self.crc)
-        except BaseException as exc:
-            self.error = exc
-            raise
-        self.size += count
-        return count
-
-    def tell(self) -> int:
-        if self.pieces is not None and self.size > self._start:
-            self.pieces.append((self._start, self.size - self._start, self.crc))
-            self._start, self.crc = self.size, 0
-        return int(self._raw.tell())
-
-    def fileno(self) -> int:
-        return int(self._raw.fileno())
-
-    def flush(self) -> None:
-        if not self._raw.closed:  # also called when this wrapper is collected
-            self._raw.flush()
-
-
-def write_listed_file(
-    path: str,
-    write: Callable[[ChecksumWriter], Any],
-    *,
-    fsync: bool = True,
-    storage_options: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
-    """Write one file atomically through a :class:`ChecksumWriter`; its manifest entry.
-
-    ``write(writer)`` writes the bytes. torch.save's C++ writer hides a failed
-    ``write`` behind its own error: the real cause (disk full...) is raised instead.
-
-    Returns:
-        ``{"size": ..., "crc32": ...}`` as the manifest lists the file.
-    """
-    with storage.atomic_write(path, storage_options=storage_options, fsync=fsync) as raw:
-        writer = ChecksumWriter(raw)
-        try:
-            write(writer)
-        except Exception as exc:
-            if writer.error is not None and writer.error is not exc:
-                raise writer.error from exc
-            raise
-    return {"size": writer.size, "crc32": checksum_hex(writer.crc)}
-
-
 class StepFolders:
     """A manager directory's step folders: listing, clean-up after crashes, removal, rotation.
 
@@ -180,6 +102,35 @@ class StepFolders:
         found = self.committed_steps()
         return found[-1] if found else None
 
+    def retired_steps(self, names: Optional[list[str]] = None) -> dict[int, str]:
+        """Committed steps that only a retired copy holds: ``{step: that copy's folder}``.
+
+        Where two names cannot be swapped in one step, a re-save of step N killed
+        between :func:`ddpstate.storage.replace_folder`'s two renames leaves the
+        committed step N as ``.step_N.ddpstate-old-<hex>`` and no ``step_N``.
+        Restore reads that copy in place as step N (its manifest names the step);
+        :meth:`clean_stale` puts it back. One copy per step: the first by name.
+        ``names``: the directory's listing with temporary names, when the caller has it.
+        """
+        kw: dict[str, Any] = {"storage_options": self.storage_options}
+        if names is None:
+            if not storage.isdir(self.directory, **kw):
+                return {}
+            names = storage.listdir(self.directory, include_temp=True, **kw)
+        found: dict[int, str] = {}
+        for name in names:
+            original = storage.retired_original(name)
+            step = parse_step(original) if original is not None else None
+            path = storage.join(self.directory, name)
+            if (
+                step is not None
+                and step not in found
+                and original not in names
+                and storage.exists(storage.join(path, MANIFEST_NAME), **kw)
+            ):
+                found[step] = path
+        return found
+
     def clean_stale(self) -> list[int]:
         """Delete what crashed saves left; return the committed steps found.
 
@@ -190,17 +141,15 @@ class StepFolders:
         found: list[int] = []
         if not storage.isdir(self.directory, **kw):  # an object store's empty prefix
             return found
-        for name in storage.listdir(self.directory, include_temp=True, **kw):
+        names = storage.listdir(self.directory, include_temp=True, **kw)
+        retired = self.retired_steps(names)
+        for put_back, path in retired.items():
+            # A re-save crashed between its two renames: put the old copy back.
+            os.rename(path, self.checkpoint_path(put_back))
+            found.append(put_back)
+        for name in names:
             path = storage.join(self.directory, name)
-            original = storage.retired_original(name)
-            if (
-                original is not None
-                and parse_step(original) is not None
-                and not storage.exists(storage.join(self.directory, original), **kw)
-                and storage.exists(storage.join(path, MANIFEST_NAME), **kw)
-            ):
-                # A re-save crashed between its two renames: put the old copy back.
-                os.rename(path, storage.join(self.directory, original))
+            if path in retired.values():
                 continue
             step = parse_step(name)
             if storage.is_temp_name(name):
@@ -213,7 +162,7 @@ class StepFolders:
                     if storage.is_temp_name(inner):
                         storage.remove(storage.join(path, inner), missing_ok=True, **kw)
                 found.append(step)
-        return found
+        return sorted(found)
 
     def remove_step(self, step: int, newest: int, *, folder_too: bool = True) -> None:
         """Uncommit ``step`` (its manifest), then delete its folder (``newest`` is committed).
@@ -677,6 +626,9 @@ def _verify_directory(text: str, opts: Optional[dict[str, Any]]) -> CheckpointVe
         if (s := parse_step(n)) is not None
         and storage.isdir(storage.join(text, n), storage_options=opts)
     )
+    retired = StepFolders(text, opts).retired_steps(names)
+    # A committed step only a retired copy holds is checked there, named as that step too.
+    step_dirs += [(s, posixpath.basename(p)) for s, p in retired.items()]
     if not step_dirs and LATEST_NAME not in names:
         raise CheckpointFormatError(
             f"{text} is not a CheckpointManager folder: it has no {MANIFEST_NAME}, no step_* "
@@ -684,7 +636,7 @@ def _verify_directory(text: str, opts: Optional[dict[str, Any]]) -> CheckpointVe
         )
     total = FolderCheck(None, [], [])  # every step folder's findings, each named by its folder
     committed: list[int] = []
-    for s, n in step_dirs:
+    for s, n in sorted(step_dirs):
         folder = storage.join(text, n)
         if not storage.exists(storage.join(folder, MANIFEST_NAME), storage_options=opts):
             total.notes.append(
@@ -693,12 +645,20 @@ def _verify_directory(text: str, opts: Optional[dict[str, Any]]) -> CheckpointVe
             continue
         committed.append(s)
         check = check_folder(folder, s, opts)
-        total.problems.extend(f"{n}: {p}" for p in check.problems)
-        total.notes.extend(f"{n}: {p}" for p in check.notes)
+        label = n if s not in retired else f"{step_name(s)}: {n}"
+        total.problems.extend(f"{label}: {p}" for p in check.problems)
+        total.notes.extend(f"{label}: {p}" for p in check.notes)
         total.files += check.files
         total.bytes_read += check.bytes_read
     for n in names:
-        if storage.is_temp_name(n):
+        original = storage.retired_original(n)
+        if original is not None and storage.join(text, n) in retired.values():
+            total.notes.append(
+                f"{n} is the committed {original}, retired by a re-save killed between its two "
+                f"renames: restore() reads it as {original}, and the next save puts it back "
+                f"(do not delete it)"
+            )
+        elif storage.is_temp_name(n):
             total.notes.append(
                 f"{n} is a temporary file left by an interrupted write (the next save deletes it)"
             )

@@ -638,15 +638,52 @@ def _one_line(exc: BaseException, typed: Sequence[str] = ()) -> str:
 _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError")
 
 
-def _credentials_error(exc: BaseException, urls: Sequence[str]) -> Optional[CheckpointAccessError]:
-    """``exc`` as one line naming the URL and what to set, when it is a credential failure."""
-    if not urls:
-        return None
+# botocore's errors for an endpoint it cannot reach (by name, as above).
+_UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, each once."""
     chain: list[BaseException] = []
     cause: Optional[BaseException] = exc
     while cause is not None and cause not in chain:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
+    return chain
+
+
+def _store_error(
+    exc: BaseException, urls: Sequence[str], options_given: bool
+) -> Optional[DDPStateError]:
+    """``exc`` as one line naming the URL and the fix: an unreachable store, refused options.
+
+    An option the filesystem does not take (``bogus=1``, ``client_kwargs=text``) fails
+    inside fsspec or botocore as a TypeError or AttributeError, which is the user's to fix.
+    """
+    if not urls:
+        return None
+    url = " / ".join(dict.fromkeys(urls))
+    unreachable = [e for e in _chain(exc) if type(e).__name__ in _UNREACHABLE]
+    if unreachable:
+        return CheckpointAccessError(
+            f"{url}: the store cannot be reached ({_one_line(unreachable[0])}); check "
+            f"endpoint_url (--storage-option endpoint_url=..., AWS_ENDPOINT_URL) and the network"
+        )
+    if options_given and isinstance(exc, (TypeError, AttributeError)):
+        return InvalidArgumentError(
+            f"{url}: its fsspec filesystem refused the storage options ({_one_line(exc)}); "
+            f"check each --storage-option KEY=VALUE and ${STORAGE_OPTIONS_ENV} against that "
+            f"filesystem's options (VALUE is read as JSON when it parses, e.g. "
+            f'\'client_kwargs={{"region_name": "us-east-1"}}\')'
+        )
+    return None
+
+
+def _credentials_error(exc: BaseException, urls: Sequence[str]) -> Optional[CheckpointAccessError]:
+    """``exc`` as one line naming the URL and what to set, when it is a credential failure."""
+    if not urls:
+        return None
+    chain = _chain(exc)
     found = [e for e in chain if type(e).__name__ in _NO_CREDENTIALS]
     missing = bool(found)
     # s3fs, gcsfs...: a refusal by the store, which names no local file (a local one does).
@@ -701,8 +738,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     typed = list(sys.argv[1:] if argv is None else argv)  # kept verbatim in messages
     parser = _build_parser()
     urls: list[str] = []
+    options_given = bool(os.environ.get(STORAGE_OPTIONS_ENV, "").strip())
     try:
         args = parser.parse_args(argv)
+        options_given = options_given or bool(getattr(args, "storage_option", None))
         urls = _urls(args)
         return int(args.func(args, sys.stdout))
     except SystemExit as exc:  # --help and --version end here
@@ -718,7 +757,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as raised:
         if debug:
             traceback.print_exc()
-        access = _credentials_error(raised, urls)  # said in option terms already
+        # Said in option terms already.
+        access = _credentials_error(raised, urls) or _store_error(raised, urls, options_given)
         text = str(access) if access is not None else _one_line(raised, typed)
         if access is None and not isinstance(
             raised, (_UsageError, DDPStateError, ValueError, OSError)

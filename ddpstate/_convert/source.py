@@ -270,7 +270,7 @@ def _load_sharded(path: str, unsafe: bool, opts: Optional[dict[str, Any]]) -> Ch
                 f"{where}: a shard of {index.path} that is not a flat map of names to tensors; "
                 f"a sharded checkpoint's shards hold state-dict entries only"
             )
-        check_keys(index, shard, list(part.obj))
+        check_keys(index, shard, part.obj)
         merged.update(part.obj)
         size += part.size
         shards.append(part)

@@ -294,7 +294,7 @@ def verify_sharded(
         if not isinstance(obj, dict):
             problems.append(f"shard {shard} is not a flat map of names to tensors")
             continue
-        problems += key_problems(index, shard, [str(k) for k in obj])
+        problems += key_problems(index, shard, obj)
         # Tied entries (aliases of one stored tensor) count once, as they are stored.
         stored = {
             (v.data_ptr(), v.shape, v.stride(), v.dtype): v.nbytes

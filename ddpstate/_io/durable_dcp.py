@@ -2,7 +2,7 @@
 
 :class:`DurableWriter` is torch's ``FileSystemWriter`` (``FsspecWriter`` for URLs)
 with its file system wrapped (:class:`_Checksummed`): every ``.distcp`` stream is a
-:class:`~ddpstate._manifest.ChecksumWriter` in pieces mode, so each item's bytes are
+:class:`~ddpstate._checksum.ChecksumWriter` in pieces mode, so each item's bytes are
 CRC-32'd on their way out (DCP calls ``tell`` before and after each item). DCP's
 stream transforms (``_extensions``: ``ZStandard``, custom ones) wrap that stream, so
 the CRC-32s are over the bytes as stored (compressed), the bytes a reader reads back.
@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.futures import Future
 
 from ddpstate import _fs, _manifest, storage
-from ddpstate._checksum import checksum_hex
+from ddpstate._checksum import ChecksumWriter, checksum_hex
 from ddpstate._crc import crc32, crc32_alongside, crc32_combine, crc32_of_pieces
 from ddpstate._io.dcp_items import check_item_files, fsspec_dcp
 from ddpstate._manifest import FOLDER_FORMAT, MANIFEST_NAME, METADATA_NAME, SHARD_SUFFIX
@@ -146,7 +146,7 @@ class _Checksummed(FileSystemBase):
                 finally:  # also when torch choked on damaged bytes: say which
                     verified.check()
                 return
-            writer = _manifest.ChecksumWriter(raw, pieces=name.endswith(SHARD_SUFFIX))
+            writer = ChecksumWriter(raw, pieces=name.endswith(SHARD_SUFFIX))
             yield writer
             if writer.pieces is None:
                 self.whole[name] = {"size": writer.size, "crc32": checksum_hex(writer.crc)}

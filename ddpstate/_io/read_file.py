@@ -194,7 +194,7 @@ def load_sharded(path: str, how: Reading) -> collections.OrderedDict[str, Any]:
                 f"{where}: a shard of {index.path} that is not a state dict; a sharded "
                 f"checkpoint's shards hold state-dict entries only"
             )
-        check_keys(index, shard, list(part))
+        check_keys(index, shard, part)
         merged.update(part)
     # The index's order (tied keys it records last): a state dict's own for files
     # ddpstate writes, unless a tied key stood before others (then nothing moves).

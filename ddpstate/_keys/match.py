@@ -281,6 +281,12 @@ def _full_match(
 ) -> tuple[KeyMatch, _Side, _Side, _Attempt]:
     src, non_str = _source_side(state_dict)
     tgt = _target_side(target)
+    return _match_sides(src, non_str, tgt, target)
+
+
+def _match_sides(
+    src: _Side, non_str: list[Any], tgt: _Side, target: Any
+) -> tuple[KeyMatch, _Side, _Side, _Attempt]:
     match, attempt = _match(src, tgt)
     if is_module(target):
         match = _with_ties(match, cast("nn.Module", target))
@@ -422,6 +428,59 @@ def _adapted_metadata(
     return result
 
 
+def adapted_if_same(
+    state_dict: Mapping[Any, Any], own: Mapping[str, Any]
+) -> Optional[OrderedDict[str, Any]]:
+    """:func:`adapt_state_dict`'s result when ``state_dict`` has exactly ``own``'s keys, else None.
+
+    The keys as they are pair every key, so nothing is matched key by key: a
+    restore of the model's own checkpoint (25,000 keys) skips the matching rules.
+
+    Args:
+        state_dict: The source state dict; not modified.
+        own: The target model's ``state_dict()``.
+
+    Returns:
+        An OrderedDict in ``own``'s key order, its ``_metadata`` the source's
+        entries for ``own``'s module paths; None when the keys differ.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 2)
+        >>> list(adapted_if_same({"bias": 0, "weight": 1}, net.state_dict()))
+        ['weight', 'bias']
+        >>> adapted_if_same({"module.weight": 1}, net.state_dict()) is None
+        True
+    """
+    target = _metadata_of(own)
+    paths = list(target) if target is not None else _paths_from_keys(own)
+    return _same_keys_adapted(state_dict, list(own), paths)
+
+
+def _same_keys_adapted(
+    state_dict: Mapping[Any, Any], keys: list[str], paths: list[str]
+) -> Optional[OrderedDict[str, Any]]:
+    # adapted_if_same for a target of these keys and module paths.
+    # Equal sets of equal size: no key twice on the target side (a list of keys may have it).
+    if len(state_dict) != len(keys) or set(keys) != set(state_dict):
+        return None
+    # Keys in the same order copy at C speed; otherwise the target's order is taken.
+    same_order = list(state_dict) == keys
+    result: OrderedDict[str, Any] = (
+        OrderedDict(state_dict) if same_order else OrderedDict((k, state_dict[k]) for k in keys)
+    )
+    metadata = _metadata_of(state_dict)
+    if metadata is not None:
+        # What _adapted_metadata gives for the identity rule: the source's entries (copied)
+        # at the target's module paths, in the target's order.
+        result._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (p, dict(metadata[p]) if isinstance(metadata[p], Mapping) else metadata[p])
+            for p in paths
+            if isinstance(p, str) and p in metadata
+        )
+    return result
+
+
 def adapt_state_dict(
     state_dict: Mapping[Any, Any],
     target: nn.Module | Iterable[Any],
@@ -473,7 +532,13 @@ def adapt_state_dict(
         >>> list(adapt_state_dict(saved, compiled))
         ['_orig_mod.weight', '_orig_mod.bias']
     """
-    match, src, tgt, attempt = _full_match(state_dict, target)
+    src, non_str = _source_side(state_dict)
+    tgt = _target_side(target)
+    # The keys as they are pair every key: nothing to match key by key.
+    same = None if non_str else _same_keys_adapted(state_dict, tgt.keys, tgt.paths)
+    if same is not None:
+        return same
+    match, src, tgt, attempt = _match_sides(src, non_str, tgt, target)
     if strict and not match.complete:
         raise KeyMismatchError(
             _mismatch_message(match),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from ddpstate import _fs, storage
@@ -228,14 +228,15 @@ def _check_aliases(path: str, aliases: Any, weight_map: dict[str, str]) -> dict[
     return dict(aliases)
 
 
-def check_keys(index: ShardIndex, shard: str, keys: Sequence[str]) -> None:
+def check_keys(index: ShardIndex, shard: str, part: Mapping[Any, Any]) -> None:
     """Raise unless ``shard`` holds exactly the keys the index assigns to it.
 
     Raises:
-        CheckpointCorruptError: A key is missing from its shard, or the shard
-            holds a key the index lists elsewhere or not at all.
+        CheckpointCorruptError: A key is missing from its shard, the shard holds a
+            key the index lists elsewhere or not at all, or a tied key is not the
+            tensor the index ties it to.
     """
-    problems = key_problems(index, shard, keys)
+    problems = key_problems(index, shard, part)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointCorruptError(
@@ -244,15 +245,21 @@ def check_keys(index: ShardIndex, shard: str, keys: Sequence[str]) -> None:
         )
 
 
-def key_problems(index: ShardIndex, shard: str, keys: Sequence[str]) -> list[str]:
-    """What is wrong between the keys ``shard`` holds and those the index gives it.
+def key_problems(index: ShardIndex, shard: str, part: Mapping[Any, Any]) -> list[str]:
+    """What is wrong between the entries ``shard`` holds and those the index gives it.
 
-    ``keys`` are those a reader gives back, tied keys included: each tied key the
-    index records goes with the shard of the key whose tensor it shares.
+    ``part`` is what a reader gives back, tied keys included: each tied key the
+    index records goes with the shard of the key whose tensor it shares, and is
+    that very tensor (the shard's own header says which key it shares).
     """
-    held = set(keys)
+    held = set(part)
     tied = {a for a, c in index.aliases.items() if index.weight_map[c] == shard}
-    if held == index.keys_of.get(shard, frozenset()) | tied and len(held) == len(keys):
+    untied = [
+        f"tied key {a!r} is recorded with {index.aliases[a]!r}, but {shard} gives it another tensor"
+        for a in sorted(tied & held)
+        if index.aliases[a] in part and part[a] is not part[index.aliases[a]]
+    ]
+    if held == index.keys_of.get(shard, frozenset()) | tied and not untied:
         return []
     problems = [
         f"key {k!r} is listed in {shard} but that shard does not hold it"
@@ -264,7 +271,7 @@ def key_problems(index: ShardIndex, shard: str, keys: Sequence[str]) -> list[str
         f"not give it back"
         for a in sorted(tied - held)
     ]
-    for k in keys:
+    for k in part:
         if k in tied:
             continue
         owner = index.weight_map.get(k)
@@ -272,4 +279,4 @@ def key_problems(index: ShardIndex, shard: str, keys: Sequence[str]) -> list[str
             problems.append(f"{shard} holds key {k!r}, which the index does not list")
         elif owner != shard:
             problems.append(f"key {k!r} is in {shard} too, but the index puts it in {owner}")
-    return problems
+    return problems + untied

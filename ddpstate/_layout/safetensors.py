@@ -102,6 +102,32 @@ def _corrupt(name: str, detail: str, exc: Optional[BaseException] = None) -> Che
     return CheckpointCorruptError(message if exc is None else f"{message} [{exc}]")
 
 
+#: The header's named fields: the library's header types refuse one given twice in its
+#: object (a tensor's name or a metadata key given twice counts at its last value there, as
+#: in ``json.loads``).
+_FIELDS = frozenset({"__metadata__", "dtype", "shape", "data_offsets"})
+
+
+class _Object(dict[str, Any]):
+    """A JSON object of a header, knowing the names it gives more than once."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        given = collections.Counter(k for k, _ in pairs)
+        self.twice = frozenset(k for k, n in given.items() if n > 1)
+
+
+def _not_json(literal: str) -> Any:
+    raise ValueError(f"{literal} is not JSON")
+
+
+def _integers(value: Any) -> tuple[int, ...]:
+    """A JSON list of integers, as the library's header types take it: not true, 1.0 or "1"."""
+    if not isinstance(value, list) or not all(type(n) is int for n in value):
+        raise TypeError(f"{value!r} is not a list of integers")
+    return tuple(value)
+
+
 def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> Header:
     """Read and check a safetensors header without touching the data.
 
@@ -135,12 +161,19 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
     if length > SAFETENSORS_MAX_HEADER or 8 + length > size:
         raise _corrupt(name, f"header length {length} does not fit in {size} bytes")
     try:
-        parsed = json.loads(bytes(read_at(8, length)).decode("utf-8"))
+        parsed = json.loads(
+            bytes(read_at(8, length)).decode("utf-8"),
+            object_pairs_hook=_Object,
+            parse_constant=_not_json,  # NaN, Infinity: Python's extension, not JSON
+        )
     except (UnicodeDecodeError, ValueError) as exc:
         raise _corrupt(name, "header is not valid JSON", exc) from exc
-    if not isinstance(parsed, dict):
+    if not isinstance(parsed, _Object):
         raise _corrupt(name, "header is not a JSON object")
-    meta = parsed.pop("__metadata__", None) or {}
+    if "__metadata__" in parsed.twice:
+        raise _corrupt(name, "__metadata__ is given twice")
+    meta = parsed.pop("__metadata__", None)
+    meta = {} if meta is None else meta  # null is no metadata to the library; [] or "" are not
     if not isinstance(meta, dict):
         raise _corrupt(name, "__metadata__ is not a JSON object")
     problems: list[str] = []
@@ -151,8 +184,10 @@ def parse_header(read_at: Callable[[int, int], bytes], size: int, name: str) -> 
     for key, info in parsed.items():
         try:
             code = info["dtype"]
-            shape = tuple(int(n) for n in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = _integers(info["shape"])
+            begin, end = _integers(info["data_offsets"])
+            if info.twice & _FIELDS:
+                raise ValueError(f"{sorted(info.twice & _FIELDS)} given twice")
         except (KeyError, TypeError, ValueError) as exc:
             raise _corrupt(name, f"entry {key!r} is malformed", exc) from exc
         if not isinstance(code, str) or code not in DTYPES:
@@ -209,11 +244,18 @@ def restore_extras(
     """
     problems = []
     if ALIASES_KEY in metadata:
+        stored = set(state_dict)
         try:
             for alias, canonical in json.loads(metadata[ALIASES_KEY]).items():
+                # A stored tensor is what the library gives under its key, so an alias never
+                # replaces one; ddpstate's writer ties an absent key to a stored one only.
+                if alias in stored or canonical not in stored:
+                    raise ValueError(f"{alias!r} -> {canonical!r}")
                 state_dict[alias] = state_dict[canonical]
-        except (ValueError, KeyError, AttributeError, TypeError) as exc:
-            problems.append(f"{ALIASES_KEY} names a tensor that is not in the file ({exc!r})")
+        except (ValueError, AttributeError, TypeError) as exc:
+            problems.append(
+                f"{ALIASES_KEY} must tie keys the file does not store to tensors it stores ({exc})"
+            )
     if KEY_ORDER_KEY in metadata:
         try:
             order = json.loads(metadata[KEY_ORDER_KEY])

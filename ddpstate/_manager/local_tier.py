@@ -392,7 +392,7 @@ class _Sink:
 
 def _write_file(path: str, obj: Any, as_safetensors: bool, what: str) -> dict[str, Any]:
     # No fsync: the local tier is for surviving a crashed process, not a crashed node.
-    return _manifest.write_listed_file(path, lambda f: torch.save(obj, f), fsync=False)  # type: ignore[arg-type]
+    return _checksum.write_listed_file(path, lambda f: torch.save(obj, f), fsync=False)  # type: ignore[arg-type]
 
 
 def _send_file(

@@ -23,7 +23,7 @@ from ddpstate._checksum import error_text
 from ddpstate._collectives import with_message
 from ddpstate._gc import gc_paused
 from ddpstate._io import model_state
-from ddpstate._keys.match import STRICT_ADVICE
+from ddpstate._keys.match import STRICT_ADVICE, adapted_if_same
 from ddpstate._manager import dcp_step as _dcp
 from ddpstate._manager import optim_state
 from ddpstate._manager import verify_split as _verify_split
@@ -53,10 +53,15 @@ from ddpstate.rng import derived_seed, restore_rng_state, seed_all
 
 
 class Choice(NamedTuple):
-    """The durable step every rank restores and its manifest, as rank 0 broadcasts them."""
+    """The durable step every rank restores, its manifest and folder, as rank 0 broadcasts them.
+
+    ``folder`` is ``step_N``, or the retired copy that holds step N (see
+    ``StepFolders.retired_steps``), read in place.
+    """
 
     step: int
     manifest: dict[str, Any]
+    folder: str
 
 
 def _verify(
@@ -87,9 +92,11 @@ def choose(
     if step is not None:
         folder = writer.checkpoint_path(step)
         if not storage.exists(folder, storage_options=opts):
+            folder = writer.retired_steps().get(step, "")
+        if not folder:
             raise CheckpointNotFoundError(
-                f"{folder}: no checkpoint for step {step}; committed steps in "
-                f"{writer.config.directory}: {sorted(writer.committed_steps())}"
+                f"{writer.checkpoint_path(step)}: no checkpoint for step {step}; committed "
+                f"steps in {writer.config.directory}: {sorted(writer.committed_steps())}"
             )
         manifest, problem = _verify(writer, folder, step, split)
         if manifest is None:
@@ -97,16 +104,18 @@ def choose(
                 f"{folder}: cannot restore step {step}: {problem}. Restore another step, or "
                 f"pass step=None to take the newest valid checkpoint"
             )
-        return Choice(step, manifest)
+        _note_retired(writer, step, folder)
+        return Choice(step, manifest, folder)
     if not storage.isdir(writer.config.directory, storage_options=opts):
         return None
-    listed = storage.listdir(writer.config.directory, storage_options=opts)
-    steps = (s for s in map(parse_step, listed) if s is not None and (below is None or s < below))
-    candidates = sorted(steps, reverse=True)
+    listed = storage.listdir(writer.config.directory, storage_options=opts, include_temp=True)
+    folders = {s: writer.checkpoint_path(s) for s in map(parse_step, listed) if s is not None}
+    folders.update(writer.retired_steps(listed))
+    candidates = sorted((s for s in folders if below is None or s < below), reverse=True)
     skipped: list[tuple[str, str]] = []
     committed_bad = 0
     for s in candidates:
-        folder = writer.checkpoint_path(s)
+        folder = folders[s]
         if not storage.isdir(folder, storage_options=opts):
             continue
         manifest, problem = _verify(writer, folder, s, split)
@@ -117,7 +126,8 @@ def choose(
                     f"step {s} instead",
                     rank=get_rank(),
                 )
-            return Choice(s, manifest)
+            _note_retired(writer, s, folder)
+            return Choice(s, manifest, folder)
         skipped.append((folder, str(problem)))
         if storage.exists(storage.join(folder, MANIFEST_NAME), storage_options=opts):
             committed_bad += 1
@@ -135,20 +145,58 @@ def choose(
     return None
 
 
+def _note_retired(writer: StepWriter, step: int, folder: str) -> None:
+    """Warn when step ``step`` is read from a retired copy, not from its own folder."""
+    if folder != writer.checkpoint_path(step):
+        warn(
+            f"CheckpointManager.restore: reading step {step} from {folder}: a re-save of step "
+            f"{step} was killed between its two renames, leaving no {writer.checkpoint_path(step)}"
+            f"; the next save puts it back under that name (do not delete it)",
+            rank=get_rank(),
+        )
+
+
+def latest_step(writer: StepWriter) -> Optional[int]:
+    """The newest committed step, one only a retired copy holds included (see :func:`choose`)."""
+    return max([*writer.committed_steps(), *writer.retired_steps()], default=None)
+
+
+class _Live(NamedTuple):
+    """What preparing a step learnt of each live model, kept for loading it.
+
+    Loading changes no key, shape or dtype, so these stay true until the load.
+
+    Attributes:
+        pairs: Per model entry whose saved state is plainly its own, the
+            ``(live, saved)`` tensors to copy (``model_state.plain_pairs``).
+        owns: Per other model entry, its ``state_dict()`` (taken once).
+    """
+
+    pairs: dict[str, model_state.Pairs]
+    owns: dict[str, Any]
+
+
 def _load_ready(
     state: MutableMapping[str, Any],
     ready: dict[str, Any],
     files: dict[str, str],
     ignore_mismatched: bool,
     policy: model_state.DTypePolicy,
+    live: _Live,
 ) -> None:
-    """Load each prepared entry into its live object (plain values into ``state``)."""
+    """Load each prepared entry into its live object (plain values into ``state``).
+
+    ``live``: what preparing learnt of each model (see :class:`_Live`).
+    """
     # Parameters ignore_mismatched skipped: optimizers must not get their old
     # per-parameter state (it has the old shape), so models load first.
     skipped: set[int] = set()
     for name in sorted(ready, key=lambda n: not isinstance(state[n], nn.Module)):
         value, target, file = ready[name], state[name], files[name]
         if isinstance(target, nn.Module):
+            pairs = live.pairs.get(name)
+            if pairs is not None and model_state.copy_pairs(pairs):
+                continue
             keys = model_state.load_fitting(
                 target,
                 value,
@@ -156,9 +204,11 @@ def _load_ready(
                 strict=True,
                 ignore_mismatched=ignore_mismatched,
                 dtypes=policy,
+                own=live.owns.get(name),
             )
-            params = dict(target.named_parameters())
-            skipped.update(id(params[k]) for k in keys if k in params)
+            if keys:
+                params = dict(target.named_parameters())
+                skipped.update(id(params[k]) for k in keys if k in params)
         elif has_state_dict(target):
             if skipped and isinstance(target, torch.optim.Optimizer):
                 value = without_skipped(value, target, skipped, f"{file} (entry {name!r})")
@@ -181,10 +231,13 @@ def _prepare(
     state: Mapping[str, Any],
     file: str,
     policy: model_state.DTypePolicy,
+    live: _Live,
 ) -> Any:
     """Entry ``name``'s loaded ``value`` made ready for its live object; refuses, never loads.
 
-    Models get their keys adapted and dtypes checked; optimizers saved by
+    Models get their keys adapted and dtypes checked against their ``state_dict()``,
+    kept in ``live`` for the load (a model's own plain checkpoint, nothing to adapt
+    or refuse, only its copy pairs); optimizers saved by
     parameter name are laid out as the live optimizer's positions (those saved
     by position, by earlier versions, stay as they are).
     """
@@ -196,8 +249,15 @@ def _prepare(
                 f"{file}: entry {name!r} holds a {type(value).__name__}, not a state "
                 f"dict, so it cannot be loaded into {type(target).__name__}"
             )
+        pairs = model_state.plain_pairs(target, value)
+        if pairs is not None:
+            live.pairs[name] = pairs
+            return value
+        own = live.owns[name] = target.state_dict()
+        # A model's own checkpoint has exactly its keys: no key-by-key matching.
+        same = adapted_if_same(value, own)
         try:
-            adapted = adapt_state_dict(value, target)
+            adapted = adapt_state_dict(value, target) if same is None else same
         except KeyMismatchError as exc:
             # restore's strict= is about the entries of `state`; a model's keys load whole.
             raise with_message(
@@ -210,7 +270,7 @@ def _prepare(
                 ),
             ) from exc
         model_state.check_dtypes(
-            adapted, target.state_dict(), name=where, target=type(target).__name__, policy=policy
+            adapted, own, name=where, target=type(target).__name__, policy=policy
         )
         return adapted
     if not isinstance(target, torch.optim.Optimizer):
@@ -325,7 +385,7 @@ def _check_none_elsewhere(writer: StepWriter, timeout: Timeout) -> None:
         )
 
     gather_and_decide(
-        writer.latest_step(),
+        latest_step(writer),
         decide,
         name="CheckpointManager.restore (visibility)",
         timeout=timeout,
@@ -398,7 +458,8 @@ def restore(
             step = check_step(step)
         # The node-local tier answers first when it holds a step at least as new as the durable
         # (a collective: every rank gets the same answer).
-        found = local.choose(writer.latest_step) if local is not None and step is None else None
+        latest = functools.partial(latest_step, writer)
+        found = local.choose(latest) if local is not None and step is None else None
         failed: Optional[CheckpointCorruptError] = None
         below: Optional[int] = None
         while True:
@@ -408,8 +469,8 @@ def restore(
                     if failed is not None:  # nothing older verifies: the state is untouched
                         raise failed
                     return RestoreSource(None, "none")
-                folder = writer.checkpoint_path(choice.step)
-                source, manifest = RestoreSource(choice.step, "durable", folder), choice.manifest
+                source = RestoreSource(choice.step, "durable", choice.folder)
+                manifest = choice.manifest
             else:
                 source, manifest = found
             # Unpickling and loading make objects per tensor, none in a cycle: with
@@ -526,7 +587,9 @@ def _apply(
     try:
         if staged.dcp is not None:
             _dcp.load_entries(state, staged.dcp_kinds, staged.dcp)
-        _load_ready(state, staged.ready, staged.files, staged.ignore_mismatched, staged.policy)
+        _load_ready(
+            state, staged.ready, staged.files, staged.ignore_mismatched, staged.policy, staged.live
+        )
         restore_rng(staged.rng, manifest)
     except Exception as exc:
         error = with_message(exc, f"{exc}; {PARTLY}") if isinstance(exc, DDPStateError) else exc
@@ -547,6 +610,7 @@ class _Staged(NamedTuple):
     rng: Any
     policy: model_state.DTypePolicy
     ignore_mismatched: bool
+    live: _Live
 
 
 def _stage(
@@ -587,7 +651,9 @@ def _stage(
     _rng_states(rng, manifest)
     # Model keys adapted and dtypes checked; optimizer state mapped by name onto the
     # live layout (_manager/optim_state.py).
+    live = _Live({}, {})
     ready = {
-        name: _prepare(name, value, state, files[name], policy) for name, value in loaded.items()
+        name: _prepare(name, value, state, files[name], policy, live)
+        for name, value in loaded.items()
     }
-    return _Staged(dcp_kinds, dcp, ready, files, rng, policy, ignore_mismatched)
+    return _Staged(dcp_kinds, dcp, ready, files, rng, policy, ignore_mismatched, live)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ddpstate import _fs, _visibility, storage
-from ddpstate._checksum import error_text
+from ddpstate._checksum import ChecksumWriter, error_text, write_listed_file
 from ddpstate._io import savecheck as _savecheck
 from ddpstate._io.safetensors_io import write_safetensors
 from ddpstate._manager.config import ManagerConfig
@@ -30,12 +30,10 @@ from ddpstate._manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     RNG_FILE,
-    ChecksumWriter,
     StepFolders,
     manifest_for,
     read_manifest,
     step_name,
-    write_listed_file,
 )
 from ddpstate._warn import warn
 from ddpstate.dist import is_distributed, share_outcome

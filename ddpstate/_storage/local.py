@@ -278,9 +278,18 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
         fileobj.flush()
         if fsync:
             os.fsync(fileobj.fileno())
-        fileobj.close()
-        retired = _retire(target)
-        os.replace(temp, target)
+        # The lock belongs to the open file, not to a descriptor: a duplicate keeps it from
+        # the close to the rename, else another save's clean-up may take the closed temp
+        # file for a killed save's and delete it (Windows has neither flock nor a rename
+        # of an open file).
+        held = os.dup(fileobj.fileno()) if os.name != "nt" else None
+        try:
+            fileobj.close()
+            retired = _retire(target)
+            os.replace(temp, target)
+        finally:
+            if held is not None:
+                os.close(held)
     except BaseException as exc:
         cleanup_after(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
         if retired is not None:

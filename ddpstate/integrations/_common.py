@@ -36,15 +36,19 @@ def missing_framework(module: str, extra: str) -> ImportError:
 def numbered(
     folder: str, pattern: re.Pattern[str], storage_options: Optional[dict[str, Any]] = None
 ) -> list[tuple[int, str]]:
-    """``(number, path)`` of each entry of ``folder`` that ``pattern`` matches, oldest first.
+    """``(number, path)`` of each folder in ``folder`` whose name ``pattern`` matches, oldest first.
 
-    The number is what the pattern's group 1 matched; no folder means no entries.
+    The number is what the pattern's group 1 matched; no folder means no entries. Only
+    folders count, as the frameworks' own choosers take them (the Trainer's
+    ``get_last_checkpoint`` skips a file named ``checkpoint-9``; resuming from one fails).
     """
-    if not storage.isdir(folder, storage_options=storage_options):
+    opts = storage_options
+    if not storage.isdir(folder, storage_options=opts):
         return []
-    names = storage.listdir(folder, storage_options=storage_options)
+    names = storage.listdir(folder, storage_options=opts)
     found = sorted((int(m.group(1)), name) for name in names if (m := pattern.match(name)))
-    return [(n, storage.join(folder, name)) for n, name in found]
+    paths = [(n, storage.join(folder, name)) for n, name in found]
+    return [(n, path) for n, path in paths if storage.isdir(path, storage_options=opts)]
 
 
 def modified_time(path: str, storage_options: Optional[dict[str, Any]] = None) -> float:
@@ -145,6 +149,11 @@ def remove_checkpoint(path: str, *, storage_options: Optional[dict[str, Any]] = 
         False
     """
     opts = storage_options
+    if not _fs.is_remote(path) and os.path.islink(_fs.local_path(path)):
+        # A link to a checkpoint folder (made by hand) goes alone: its manifest is the folder's
+        # it names, which another name keeps (or rotation keeps) committed.
+        os.unlink(_fs.local_path(path))
+        return
     storage.remove(storage.join(path, MANIFEST_NAME), storage_options=opts, missing_ok=True)
     storage.remove(path, storage_options=opts, recursive=True, missing_ok=True)
 

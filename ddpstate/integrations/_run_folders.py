@@ -174,6 +174,7 @@ def verify_run_folder(
     resume, choice, known = _resume_choice(run, storage_options)
     notes.append(choice)
     notes += _framework_choice(run, resume if known else "", verdicts)
+    problems += _accelerate_takes_a_leftover(run)
     notes += [
         f"{n}: left by a killed save (ddpstate's temporary name; delete it when no save runs)"
         for n in run.leftovers
@@ -254,6 +255,32 @@ def _chooser(kind: str) -> Callable[..., Optional[str]]:
     from ddpstate.integrations import lightning
 
     return lightning.last_verified_checkpoint
+
+
+def _accelerate_takes_a_leftover(run: RunFolder) -> list[str]:
+    """A killed save's leftover that Accelerate's own ``load_state()`` would resume from.
+
+    With ``automatic_checkpoint_naming`` it takes, of every entry of ``checkpoints/``, the
+    one whose name's first number is highest (``Accelerator.load_state``): a killed save's
+    ``.checkpoint_2.ddpstate-tmp-...`` beats ``checkpoint_1``. On a tie the listing's order
+    decides, so a leftover tied with a checkpoint counts too.
+    """
+    if run.kind != ACCELERATE_DIR:
+        return []
+    first_numbers = [
+        (int(m.group()), name)
+        for name in (*run.leftovers, *map(_name, run.checkpoints))
+        if (m := re.search(r"[0-9]+", name))
+    ]
+    highest = max((n for n, _ in first_numbers), default=None)
+    return [
+        f"{name}: Accelerate's own load_state() (automatic_checkpoint_naming) takes this "
+        f"folder, which a killed save left behind (not a checkpoint); delete it (no save "
+        f"running) or "
+        f"resume with ddpstate.integrations.accelerate.load_state(accelerator)"
+        for n, name in first_numbers
+        if n == highest and name in run.leftovers
+    ]
 
 
 def _framework_choice(

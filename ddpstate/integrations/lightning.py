@@ -19,9 +19,10 @@ from typing import Any, Optional
 
 from ddpstate import storage
 from ddpstate._io.savecheck import check_saveable, safe_globals_named
+from ddpstate._warn import warn
 from ddpstate.checkpoint import load, save
 from ddpstate.dist import get_rank
-from ddpstate.errors import InvalidArgumentError, InvalidArgumentTypeError
+from ddpstate.errors import InvalidArgumentError, InvalidArgumentTypeError, UnsafeCheckpointError
 from ddpstate.integrations._common import missing_framework, modified_time, newest_verified
 
 try:
@@ -67,7 +68,9 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
     loaded) and, in ``on_fit_start`` (every rank, before the first training step), checks
     what the checkpoints will hold as far as it is known then (the model's state dict,
     the optimizers', the schedulers', ``hyper_parameters``, the callbacks' and a datamodule's), so
-    an unsafe type stops ``fit`` at once, not at the first checkpoint an epoch later.
+    an unsafe type stops ``fit`` at once, not at the first checkpoint an epoch later. A fit
+    that saves no checkpoint (``fast_dev_run``, ``enable_checkpointing=False`` and no
+    checkpoint callback) is only warned.
     Given only as ``plugins=[...]`` (or to Fabric) the same check runs at each save.
 
     Args:
@@ -80,8 +83,8 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
 
     Raises:
         UnsafeCheckpointError: (``fit``, before the first step) The state holds a type a
-            weights-only load refuses; the message names its path and
-            ``DDPStateCheckpointIO(safe_globals=[...])``.
+            weights-only load refuses and a checkpoint callback will save; the message
+            names its path and ``DDPStateCheckpointIO(safe_globals=[...])``.
         InvalidArgumentError: (``fit``) The Trainer has another ``CheckpointIO`` plugin.
 
     Example:
@@ -178,8 +181,14 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Check, before the first training step, that the checkpoints can be saved and loaded.
 
+        Refuses only a fit that will save checkpoints (a checkpoint callback such as
+        ``ModelCheckpoint``, no ``fast_dev_run``); a fit that saves none gets a warning
+        naming the type and the parameter, since only a later ``trainer.save_checkpoint``
+        would be refused.
+
         Raises:
-            UnsafeCheckpointError: The state holds a type a weights-only load refuses.
+            UnsafeCheckpointError: The state holds a type a weights-only load refuses,
+                and the fit will save checkpoints.
         """
         if not self.weights_only:
             return  # the user trusts their checkpoints: anything torch can pickle goes
@@ -194,12 +203,23 @@ class DDPStateCheckpointIO(CheckpointIO, Callback):
         if data is not None:  # saved under its class's name, its hyperparameters beside
             known[type(data).__qualname__] = data.state_dict()
             known["datamodule_hyper_parameters"] = dict(data.hparams)
-        with safe_globals_named(_ALLOW_AS):
-            check_saveable(
-                known,
-                what="checkpoint",
-                where="Lightning's checkpoints (checked before the first epoch)",
-                extra=self.safe_globals,
+        try:
+            with safe_globals_named(_ALLOW_AS):
+                check_saveable(
+                    known,
+                    what="checkpoint",
+                    where="Lightning's checkpoints (checked before the first epoch)",
+                    extra=self.safe_globals,
+                )
+        except UnsafeCheckpointError as exc:
+            # Lightning's ModelCheckpoint saves nothing under fast_dev_run.
+            if trainer.checkpoint_callbacks and not trainer.fast_dev_run:
+                raise
+            why = "fast_dev_run" if trainer.fast_dev_run else "no checkpoint callback"
+            warn(
+                f"{exc}. This fit saves no checkpoint ({why}), so it goes on; "
+                f"a trainer.save_checkpoint() call would be refused the same way",
+                rank=get_rank(),
             )
 
 

@@ -7,6 +7,7 @@ of giving them (options, ``DDPSTATE_STORAGE_OPTIONS``, the AWS variables) then w
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,3 +109,33 @@ def test_bad_storage_options_are_usage_errors(
     assert main(["verify", str(local), "-q"]) == 2
     err = capsys.readouterr().err
     assert f"${STORAGE_OPTIONS_ENV} must hold a JSON object" in err and "[1, 2]" in err
+
+
+@pytest.mark.slow
+def test_options_the_filesystem_refuses_and_an_unreachable_store_are_one_line_to_fix(
+    s3_server: S3Server,  # noqa: F811 - the fixture
+    url: str,
+    no_credentials: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An option s3fs does not take, a dict option given as text, a closed endpoint: each was
+    "unexpected TypeError/AttributeError/EndpointConnectionError ... please report it"."""
+    good = [f"endpoint_url={s3_server.endpoint_url}", "key=testing", "secret=testing"]
+    with socket.socket() as probe:  # a loopback port nothing listens on once it is closed
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    cases = {
+        "bogus=1": "its fsspec filesystem refused the storage options (",
+        "client_kwargs=not-a-dict": "its fsspec filesystem refused the storage options (",
+        f"endpoint_url=http://127.0.0.1:{closed}": "the store cannot be reached (",
+    }
+    for option, said in cases.items():
+        flags = [f"--storage-option={f}" for f in (*good, option)]
+        assert main(["verify", url, "-q", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddpstate: error: {url}: {said}"), err
+        assert "ddpstate: error: unexpected" not in err[0] and "please report" not in err[0]
+    monkeypatch.setenv(STORAGE_OPTIONS_ENV, '{"bogus": 1}')
+    assert main(["inspect", url, *(f"--storage-option={f}" for f in good)]) == 2
+    assert f"${STORAGE_OPTIONS_ENV} against" in capsys.readouterr().err

@@ -156,11 +156,12 @@ def test_leftovers_and_unsealed_checkpoints_are_notes(
     runs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     checkpoints = runs / "accelerate" / "checkpoints"
-    (checkpoints / LEFTOVER).mkdir()  # a killed save_state's staging folder
-    (checkpoints / LEFTOVER / "model.safetensors").write_bytes(b"partial")
+    older = LEFTOVER.replace("_2.", "_0.")  # a killed save_state's staging folder
+    (checkpoints / older).mkdir()
+    (checkpoints / older / "model.safetensors").write_bytes(b"partial")
     status, report, text = _verify(checkpoints, capsys)
     assert status == 0 and report["resume_from"] == "checkpoint_1", text
-    assert f"note: {LEFTOVER}: left by a killed save" in text
+    assert f"note: {older}: left by a killed save" in text
 
     # A Trainer folder the callback never sealed (killed first): whole, but not resumed from.
     (runs / "hf" / "checkpoint-2" / "manifest.json").unlink()
@@ -170,6 +171,21 @@ def test_leftovers_and_unsealed_checkpoints_are_notes(
         "note: checkpoint-2: no ddpstate manifest.json (a save killed before it was sealed" in text
     )
     assert "note: the Trainer's own resume_from_checkpoint=True takes checkpoint-2\n" in text
+
+
+def test_a_leftover_accelerates_own_load_state_would_take_fails_verify(
+    runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Accelerate's own load_state() takes the entry of checkpoints/ whose first number is
+    highest: a killed save's .checkpoint_2.ddpstate-tmp-... over checkpoint_1 (it then fails on
+    the partial file). verify exited 0, saying only that the leftover was there."""
+    checkpoints = runs / "accelerate" / "checkpoints"
+    (checkpoints / LEFTOVER).mkdir()
+    (checkpoints / LEFTOVER / "model.safetensors").write_bytes(b"partial")
+    status, report, text = _verify(checkpoints, capsys)
+    assert status == 1 and report["resume_from"] == "checkpoint_1", text
+    assert report["checkpoints"] == {"checkpoint_0": True, "checkpoint_1": True}
+    assert f"  - {LEFTOVER}: Accelerate's own load_state() (automatic_checkpoint_naming) " in text
 
 
 def test_inspect_shows_the_newest_checkpoint_of_each_folder(

@@ -356,3 +356,53 @@ def test_verify_checkpoint_on_a_manager_folder_does_not_import_torch(saved: Path
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_a_retired_copy_of_a_step_is_named_as_the_committed_step_not_a_temp_to_delete(
+    run_dir: Path,
+) -> None:
+    """Where the two names cannot be swapped in one step, a re-save of step 3 killed between
+    replace_folder's renames leaves step 3 only as .step_3.ddpstate-old-<hex>. verify called it
+    "a temporary file ... (the next save deletes it)": the next save puts it back as step 3, and
+    deleting it by hand, as the note invites, loses step 3."""
+    retired = run_dir / f".{_step(run_dir, 3).name}.ddpstate-old-0123456789abcdef"
+    _step(run_dir, 3).rename(retired)
+    notes = " | ".join(verify_checkpoint(run_dir).notes)
+    assert f"{retired.name} is the committed {_step(run_dir, 3).name}" in notes
+    assert "do not delete it" in notes and "the next save deletes it" not in notes
+    # As the note says: the next save puts it back, committed, bitwise as it was.
+    CheckpointManager(run_dir).save(4, {"w": torch.zeros(2)})
+    assert not retired.exists() and verify_checkpoint(_step(run_dir, 3)).ok
+
+
+def test_restore_after_a_re_save_killed_between_its_renames_takes_the_retired_step(
+    run_dir: Path,
+) -> None:
+    """Where the two names cannot be swapped in one step, a re-save of step 3 killed between
+    replace_folder's renames leaves the committed step 3 only as .step_3.ddpstate-old-<hex>.
+    restore() resumed from step 2 although latest named step 3; it reads the retired copy in
+    place (a reader renames and deletes nothing), as ddpstate verify's choice says."""
+    retired = run_dir / f".{_step(run_dir, 3).name}.ddpstate-old-0123456789abcdef"
+    _step(run_dir, 3).rename(retired)
+    before = sorted(p.name for p in run_dir.iterdir())
+    for step in (None, 3):
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state: dict[str, Any] = {"model": model, "optimizer": opt, "epoch": 0}
+        manager = CheckpointManager(run_dir)
+        with pytest.warns(UserWarning, match=f"reading step 3 from {retired}"):
+            assert manager.restore(state, step=step) == 3 and state["epoch"] == 3
+        assert manager.restored_from is not None and manager.restored_from.path == str(retired)
+        saved = torch.load(retired / "model.pt", weights_only=True)
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing renamed or deleted
+
+    # verify checks the retired copy as step 3 and names it what restore() takes.
+    whole = verify_checkpoint(run_dir)
+    assert whole.ok and whole.steps == STEPS, whole.problems
+    shown = run("verify", run_dir)
+    assert shown.returncode == 0, shown
+    assert "restore() takes step_0000000003" in shown.stdout
+    (retired / "model.pt").write_bytes(b"damaged")
+    damaged = verify_checkpoint(run_dir)
+    assert damaged.problems[0].startswith(f"step_0000000003: {retired.name}: model.pt")

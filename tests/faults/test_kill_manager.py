@@ -50,10 +50,13 @@ class Config:
     where: str  # "local" or "s3"
     mode: str  # "sync" or "async"
     save: str  # "new" (step 3 above steps 1 and 2) or "resave" (step 2 again)
+    # False: a filesystem without renameat2(RENAME_EXCHANGE), where a re-save's
+    # replace_folder renames the old step aside, then the new one into its name.
+    swap: bool = True
 
     @property
     def name(self) -> str:
-        return f"{self.where}-{self.mode}-{self.save}"
+        return f"{self.where}-{self.mode}-{self.save}" + ("" if self.swap else "-two-renames")
 
 
 CONFIGS = [
@@ -125,17 +128,27 @@ _BUCKETS: dict[str, str] = {}
 
 def _child_save(run: Run, kill_at: int, when: str, report: Optional[int]) -> None:
     counts: Counter[str] = Counter()
-    h._install_kill_hooks(kill_at, when, counts, object_store=run.config.where == "s3")
+    log: list[tuple[int, str, str]] = []
+    h._install_kill_hooks(kill_at, when, counts, log=log, object_store=run.config.where == "s3")
+    if not run.config.swap:  # this forked child only
+        storage._rename_exchange = lambda first, second: False  # type: ignore[attr-defined]
     step, state = run.the_save()
     manager = run.manager(async_save=run.config.mode == "async")
     manager.save(step, state)
     manager.close()
     if report is not None:
-        os.write(report, json.dumps(dict(counts)).encode())
+        # Only the renames' paths: the pipe is read once the child has exited.
+        renames = [entry for entry in log if entry[1] == "rename"]
+        os.write(report, json.dumps([dict(counts), renames]).encode())
 
 
 def count_calls(run: Run) -> Counter[str]:
     """The hooked calls an uninterrupted save makes (in a forked child, as the trials)."""
+    return Counter(_uninterrupted(run)[0])
+
+
+def _uninterrupted(run: Run) -> tuple[dict[str, int], list[tuple[int, str, str]]]:
+    """An uninterrupted save's hooked calls, counted, and its renames (number, name, path)."""
     read_fd, write_fd = os.pipe()
     pid = h._fork(lambda: _child_save(run, 0, "never", write_fd))
     os.close(write_fd)
@@ -144,7 +157,8 @@ def count_calls(run: Run) -> Counter[str]:
         text = pipe.read()
     if status is None or os.waitstatus_to_exitcode(status) != 0 or not text:
         raise RuntimeError(f"the uninterrupted {run.config.name} save failed ({status})")
-    return Counter(json.loads(text))
+    counts, renames = json.loads(text)
+    return counts, [tuple(r) for r in renames]
 
 
 @dataclasses.dataclass
@@ -263,3 +277,22 @@ def test_a_kill_at_every_call_loses_no_checkpoint(
     )
     assert not lost, lost[:5]
     assert set(restored) == {"old", "new"}, f"every kill landed on one side: {restored}"
+
+
+def test_a_re_save_killed_between_its_two_renames_restores_the_step_it_replaced(
+    tmp_path: Path,
+) -> None:
+    """Without RENAME_EXCHANGE, a re-save of step 2 renames the committed step 2 aside
+    (.step_2.ddpstate-old-<hex>) before the new copy takes its name. Killed between the two,
+    restore() took step 1 although step 2 was committed; it must take the retired step 2."""
+    config = Config("local", "sync", "resave", swap=False)
+    _, renames = _uninterrupted(_new_run(config, tmp_path, None, 0))
+    target = os.path.basename(CheckpointManager(tmp_path).checkpoint_path(2))
+    aside = [i for i, (_, _, path) in enumerate(renames) if os.path.basename(path) == target]
+    assert len(aside) == 1, renames  # the committed step 2 renamed aside, once
+    kill_at = renames[aside[0]][0]
+    # The rename right after it puts the new copy, still under its temporary name, in place.
+    assert renames[aside[0] + 1][0] == kill_at + 1, renames
+    assert storage.is_temp_name(renames[aside[0] + 1][2]), renames
+    outcome = kill_trial(_new_run(config, tmp_path, None, 1), kill_at, "after")
+    assert outcome.killed and outcome.restored == "old" and not outcome.lost, outcome

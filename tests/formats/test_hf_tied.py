@@ -100,6 +100,22 @@ def test_a_recorded_tie_the_shards_do_not_hold_is_refused(tmp_path: Path) -> Non
         ddpstate.load(out)
 
 
+def test_a_recorded_tie_to_another_key_than_the_shard_ties_is_refused(tmp_path: Path) -> None:
+    """The index tied head.weight to one key, the shard's header to another (both in that
+    shard): load gave the shard's tie and verify said ok, the index's claim unchecked."""
+    torch.manual_seed(0)
+    out = tmp_path / "out"
+    _save_sharded(TiedLM().state_dict(), out, 10**6)
+    index = json.loads((out / INDEX).read_text())
+    assert index["weight_map"]["blocks.0.weight"] == index["weight_map"]["embed.weight"]
+    index["metadata"]["ddpstate.aliases"] = {"head.weight": "blocks.0.weight"}
+    (out / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointCorruptError, match=r"tied key 'head\.weight'.*another tensor"):
+        ddpstate.load(out)
+    result = verify_file(out)
+    assert not result.ok and "'blocks.0.weight'" in " ".join(result.problems)
+
+
 def test_diff_counts_a_tied_key_the_other_side_leaves_out(tmp_path: Path) -> None:
     torch.manual_seed(0)
     sd = TiedLM().state_dict()

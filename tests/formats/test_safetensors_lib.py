@@ -228,3 +228,110 @@ def test_a_conjugate_view_is_not_taken_for_a_tie(tmp_path: Path) -> None:
         ddpstate.save(sd, path)
     back = ddpstate.load(path)
     assert torch.equal(back["z"], z) and torch.equal(back["z_conj"], z.conj().resolve_conj())
+
+
+def _crafted(header: dict[str, Any], data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+_F32 = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {**_F32, "shape": [True]},
+        {**_F32, "shape": [1.0]},
+        {**_F32, "shape": ["1"]},
+        {**_F32, "shape": [1.9]},
+        {**_F32, "data_offsets": [0.0, 4]},
+        {**_F32, "data_offsets": [False, "4"]},
+    ],
+    ids=["bool-dim", "float-dim", "text-dim", "fraction-dim", "float-offset", "odd-offsets"],
+)
+def test_a_stream_header_the_library_refuses_is_refused_by_ddpstate_too(
+    tmp_path: Path, entry: dict[str, Any]
+) -> None:
+    """Bytes and streams are read by ddpstate's own header parser, which took int(x) for an
+    integer: shapes and offsets the library's JSON types refuse (true, 1.0, "1") were read."""
+    raw = _crafted({"a": entry}, bytes(4))
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.torch.load(raw)
+    with pytest.raises(CheckpointCorruptError, match="'a'"):
+        read_safetensors(raw)
+    with pytest.raises(CheckpointCorruptError):
+        read_safetensors(io.BytesIO(raw))
+
+
+@pytest.mark.parametrize("metadata", [[], "", 0, False])
+def test_a_falsy_metadata_that_is_not_a_map_is_refused_as_the_library_refuses_it(
+    metadata: Any,
+) -> None:
+    raw = _crafted({"__metadata__": metadata, "a": _F32}, bytes(4))
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.torch.load(raw)
+    with pytest.raises(CheckpointCorruptError, match="__metadata__"):
+        read_safetensors(raw)
+
+
+@pytest.mark.parametrize(
+    "aliases",
+    ['{"head": "embed"}', '{"embed": "head", "head": "embed"}', '{"y": "embed", "x": "y"}'],
+    ids=["alias-of-a-stored-key", "cycle", "alias-of-an-alias"],
+)
+def test_aliases_that_would_replace_a_stored_tensor_are_damage_not_applied(
+    tmp_path: Path, aliases: str
+) -> None:
+    """A crafted ddpstate.aliases naming a key the file stores replaced that tensor with
+    another: ddpstate.load and verify gave what the library does not (head == embed)."""
+    path = tmp_path / "m.safetensors"
+    stored = {"embed": torch.zeros(2), "head": torch.ones(2)}
+    safetensors.torch.save_file(stored, path, metadata={ALIASES_KEY: aliases})
+    assert torch.equal(safetensors.torch.load_file(path)["head"], torch.ones(2))
+    for source in (path, path.read_bytes()):
+        with pytest.raises(CheckpointCorruptError, match=r"ddpstate\.aliases"):
+            read_safetensors(source)
+    result = ddpstate.convert.verify_file(path)
+    assert not result.ok and "ddpstate.aliases" in result.problems[0]
+
+
+_TWICE = '"dtype": "F32", "shape": [2], "data_offsets": [0, 8]'
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        '{"__metadata__": {"x": "1"}, "__metadata__": {"x": "2"}, "a": {' + _TWICE + "}}",
+        '{"a": {"dtype": "I32", ' + _TWICE + "}}",
+    ],
+    ids=["metadata-twice", "dtype-twice"],
+)
+def test_a_header_field_given_twice_is_refused_as_the_library_refuses_it(header: str) -> None:
+    """json.loads takes a duplicated name's last value; the library's header types refuse a
+    field given twice ("duplicate field"), so ddpstate read bytes and streams it refused."""
+    text = header.encode()
+    raw = struct.pack("<Q", len(text)) + text + bytes(8)
+    with pytest.raises(safetensors.SafetensorError, match="duplicate field"):
+        safetensors.torch.load(raw)
+    with pytest.raises(CheckpointCorruptError, match="twice"):
+        read_safetensors(raw)
+
+    # A tensor's name or a metadata key given twice counts at its last value, in both.
+    entry = "{" + _TWICE + "}"
+    text = f'{{"__metadata__": {{"k": "1", "k": "2"}}, "a": {entry}, "a": {entry}}}'.encode()
+    raw = struct.pack("<Q", len(text)) + text + bytes(range(8))
+    theirs = safetensors.torch.load(raw)
+    ours = read_safetensors(raw)
+    assert list(ours) == list(theirs) == ["a"] and torch.equal(ours["a"], theirs["a"])
+    assert read_safetensors_header(raw).metadata == {"k": "2"}
+
+
+def test_a_nan_in_a_header_is_refused_as_the_library_refuses_it() -> None:
+    """Python's json reads NaN and Infinity, which are not JSON; the library refuses them."""
+    raw = _crafted({"a": {**_F32, "note": float("nan")}}, bytes(4))
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.torch.load(raw)
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+        read_safetensors(raw)

@@ -91,3 +91,44 @@ def test_a_missing_framework_gives_both_install_lines(monkeypatch: pytest.Monkey
     assert "ddpstate.integrations.accelerate needs accelerate" in message
     assert 'from a checkout of ddpstate: pip install -e ".[accelerate]"' in message
     assert 'once ddpstate is on PyPI: pip install "ddpstate[accelerate]"' in message
+
+
+def test_a_file_named_like_a_checkpoint_folder_is_not_resumed_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file (or fifo) named checkpoint-9 in a Trainer output_dir was the checkpoint ddpstate
+    resumed from (a torch.save file verifies), though the Trainer needs a folder and its own
+    get_last_checkpoint skips anything else; the same for Accelerate's checkpoint_9."""
+    pytest.importorskip("transformers")
+    from ddpstate.integrations.transformers import last_verified_checkpoint
+
+    out = tmp_path / "output_dir"
+    seal_folder(_folder(out / "checkpoint-1", 1), format="test")
+    torch.save({"w": torch.ones(2)}, out / "checkpoint-9")
+    os.mkfifo(out / "checkpoint-8")
+    assert last_verified_checkpoint(out) == str(out / "checkpoint-1")
+    assert main(["verify", str(out), "--json", "-q"]) == 0
+    assert '"resume_from": "checkpoint-1"' in capsys.readouterr().out
+    checkpoints = tmp_path / "project" / "checkpoints"
+    seal_folder(_folder(checkpoints / "checkpoint_1", 1), format="test")
+    torch.save({"w": torch.ones(2)}, checkpoints / "checkpoint_9")
+    assert main(["verify", str(checkpoints.parent), "--json", "-q"]) == 0
+    assert '"checkpoints": {\n    "checkpoint_1": true\n  }' in capsys.readouterr().out
+
+
+def test_rotation_removing_a_linked_checkpoint_keeps_the_folder_it_names_committed(
+    tmp_path: Path,
+) -> None:
+    """remove_checkpoint on a link checkpoint-0 -> checkpoint-1 deleted checkpoint-1's manifest
+    through the link (then failed on rmtree of a link): the Trainer's rotation, which keeps
+    checkpoint-1, left it uncommitted, never resumed from."""
+    pytest.importorskip("transformers")
+    from ddpstate.integrations.transformers import _rotate
+
+    out = tmp_path / "output_dir"
+    for step in (1, 2):
+        seal_folder(_folder(out / f"checkpoint-{step}", step), format="test")
+    (out / "checkpoint-0").symlink_to(out / "checkpoint-1", target_is_directory=True)
+    _rotate(str(out / "checkpoint-2"), 2, None)
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2"]
+    assert verify_checkpoint(out / "checkpoint-1").ok and verify_checkpoint(out / "checkpoint-2").ok

@@ -202,8 +202,12 @@ class RunInfo:
     name: str = "tiny"
 
 
-def _fit_with_run_info(root: Path, **trainer_kw: Any) -> tuple[int, Any]:
-    """Fit a model whose state dict holds a RunInfo (8 steps a epoch, 2 epochs): (steps, model)."""
+def _fit_with_run_info(
+    root: Path, *, checkpoint: bool = True, **trainer_kw: Any
+) -> tuple[int, Any]:
+    """Fit a model whose state dict holds a RunInfo (8 steps a epoch, 2 epochs): (steps, model).
+
+    ``checkpoint``: with a ModelCheckpoint into ``root/ckpt``."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
@@ -233,10 +237,11 @@ def _fit_with_run_info(root: Path, **trainer_kw: Any) -> tuple[int, Any]:
             self.count += 1
 
     steps, callbacks = Steps(), trainer_kw.pop("callbacks", [])
+    if checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root,
-        callbacks=[*callbacks, steps, ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1)],
+        enable_model_summary=False, default_root_dir=root, callbacks=[*callbacks, steps],
         **trainer_kw,
     )  # fmt: skip
     model = WithInfo()
@@ -280,6 +285,24 @@ def test_an_unsafe_type_stops_fit_before_the_first_step_naming_the_plugin_parame
         _fit_with_run_info(
             tmp_path / "d", callbacks=[lt.DDPStateCheckpointIO()], plugins=[AsyncCheckpointIO()]
         )
+
+
+def test_a_fit_that_saves_no_checkpoint_runs_with_an_unsafe_type_and_is_warned(
+    lt: ModuleType, tmp_path: Path
+) -> None:
+    """The early check refused fast_dev_run=True and enable_checkpointing=False fits, which
+    never save: they run, warned with the type's path and the parameter to pass."""
+    for name, kw in {
+        "fast_dev_run": {"fast_dev_run": True},
+        "no checkpoint callback": {"enable_checkpointing": False, "checkpoint": False},
+    }.items():
+        root = tmp_path / name.replace(" ", "_")
+        with pytest.warns(UserWarning, match=rf"is a RunInfo.*\({name}\)") as caught:
+            steps, model = _fit_with_run_info(root, callbacks=[lt.DDPStateCheckpointIO()], **kw)
+        assert steps == (1 if name == "fast_dev_run" else 16), (name, model)
+        assert model.info == RunInfo() and not (root / "ckpt").exists()
+        ours = [str(w.message) for w in caught if "RunInfo" in str(w.message)]
+        assert "DDPStateCheckpointIO(safe_globals=[RunInfo])" in ours[0], ours
 
 
 def _fit_shuffled(root: Path, io: str, ckpt_path: Optional[str] = None) -> str:

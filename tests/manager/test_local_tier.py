@@ -68,6 +68,29 @@ def test_restore_takes_the_newest_tier_and_reports_it(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "step_0000000012" / MANIFEST_NAME).exists()
 
 
+def test_a_newer_durable_step_only_a_retired_copy_holds_beats_an_older_local_step(
+    tmp_path: Path,
+) -> None:
+    """A re-save of durable step 7 killed between its two renames leaves step 7 only as
+    .step_7.ddpstate-old-<hex>: the local tier's step 5 was taken as the newest step."""
+    local, model = tmp_path / "shm", nn.Linear(4, 4)
+    with CheckpointManager(tmp_path / "run", local=NodeLocal(local, every=5)) as m:
+        for s in (5, 7):
+            with torch.no_grad():
+                model.weight.fill_(float(s))
+            m.save_local(s, {"model": model})
+            m.save(s, {"model": model})
+        folder = Path(m.checkpoint_path(7))
+        retired = folder.with_name(f".{folder.name}.ddpstate-old-0123456789abcdef")
+        folder.rename(retired)
+        fresh = nn.Linear(4, 4)
+        with pytest.warns(UserWarning, match="reading step 7 from"):
+            assert m.restore({"model": fresh}) == 7
+        assert m.restored_from is not None and m.restored_from.tier == "durable"
+        assert m.restored_from.path == str(retired)
+        assert torch.equal(fresh.weight, torch.full((4, 4), 7.0))
+
+
 def test_save_local_needs_a_local_dir_and_valid_settings(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path) as m, pytest.raises(InvalidArgumentError, match="local_dir"):
         m.save_local(1, {"w": torch.ones(1)})

@@ -378,3 +378,33 @@ def test_readers_of_one_memory_file_keep_their_own_positions() -> None:
     first.seek(150)
     assert second.read(10) == bytes(range(10))
     assert first.read() == bytes(range(150, 200))
+
+
+_SAVE_IN_A_LOOP = textwrap.dedent(
+    """
+    import os, sys
+    from ddpstate import storage
+    target, times = sys.argv[1], int(sys.argv[2])
+    for _ in range(times):
+        with storage.atomic_write(target, fsync=False) as f:
+            f.write(b"x" * 100)
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_processes_saving_other_files_in_one_folder_never_delete_each_others_temp(
+    tmp_path: Path,
+) -> None:
+    """A save's clean-up took another live save's temp file for a killed one's: the writer
+    closed it (dropping its lock) before the rename, and its rename then failed."""
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SAVE_IN_A_LOOP, str(tmp_path / name), "3000"],
+            stderr=subprocess.PIPE,
+        )
+        for name in ("a.bin", "b.bin")
+    ]
+    errors = [w.communicate(timeout=120)[1].decode() for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], errors
+    assert sorted(os.listdir(tmp_path)) == ["a.bin", "b.bin"]
