@@ -19,8 +19,9 @@ CRC-32 implementation the run used (``ddpstate._crc.crc32``).
   runs only these); the same save with ``_extensions=[ZStandard()]`` on both sides
   (target <= 1.05x);
 * FSDP2 (two or more ranks): ``CheckpointManager.save`` vs ``dcp.save`` of the
-  sharded state dict, and ``CheckpointManager.restore`` (its DCP shards checked as
-  they load, the other files' CRC-32 first) vs ``dcp.load`` + ``set_model_state_dict``
+  sharded state dict, and ``CheckpointManager.restore`` (every file's CRC-32, split
+  across the ranks, then ``dcp.load`` into the live state) vs ``dcp.load`` +
+  ``set_model_state_dict``
   (target <= 1.10x). And the time ``save`` blocks training with ``async_save=True``
   (the CPU snapshot; the write is waited for untimed) vs the synchronous ``save``;
 * with ``--ddp``: ``CheckpointManager(writers="rank0").save`` (rank 0 writes it all),

@@ -392,69 +392,37 @@ class FolderCheck:
     bytes_read: int = 0
 
 
-def checked_files(manifest: Mapping[str, Any], *, defer: bool = False) -> dict[str, dict[str, Any]]:
+def checked_files(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The manifest's listed files that a check reads, in manifest order.
 
     The rest (a name that is not a file here, an entry that is not a dict) are
-    manifest problems (:func:`manifest_problems`). ``defer`` leaves out the
-    :func:`read_checked` shards, whose bytes restore checks as it loads them.
+    manifest problems (:func:`manifest_problems`).
     """
     files: dict[str, Any] = manifest["files"]
-    later = read_checked(manifest) if defer else {}
-    return {
-        n: e for n, e in files.items() if is_listed(n) and isinstance(e, dict) and n not in later
-    }
+    return {n: e for n, e in files.items() if is_listed(n) and isinstance(e, dict)}
 
 
-def read_checked(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """A step's DCP shards that ``ddpstate.dcp.VerifiedReader`` checks range by range as it reads.
+def dcp_manifest_problems(
+    folder: str, manifest: Mapping[str, Any], opts: Optional[dict[str, Any]]
+) -> list[str]:
+    """``dcp/manifest.json`` missing from a step whose DCP shards ``DurableWriter`` wrote.
 
-    ``DurableWriter`` records each shard's items as ``chunks`` (offset, length,
-    CRC-32) in the step's manifest and in ``dcp/manifest.json``; restore then
-    needs no pass of its own over these bytes, only their sizes
-    (:func:`deferred_problems`). Shards of older steps (no ``chunks``) are read
-    for their CRC-32 before loading, as before.
+    The step's manifest lists the shards (their CRC-32s are checked with every
+    file), with ``chunks`` when ``DurableWriter`` wrote them; its own
+    ``dcp/manifest.json`` is what makes ``dcp/`` a committed folder that
+    ``VerifiedReader`` and ``ddpstate verify`` read checked. Without it the step
+    is not whole as committed.
     """
     files: dict[str, Any] = manifest["files"]
     prefix = DCP_SUBDIR + "/"
-    return {
-        n: e
+    written = any(
+        isinstance(n, str) and n.startswith(prefix) and isinstance(e, dict) and "chunks" in e
         for n, e in files.items()
-        if isinstance(n, str) and n.startswith(prefix) and isinstance(e, dict) and "chunks" in e
-    }
-
-
-def deferred_problems(
-    folder: str, manifest: Mapping[str, Any], opts: Optional[dict[str, Any]]
-) -> list[str]:
-    """What a stat finds wrong with the :func:`read_checked` shards: missing, or the wrong size.
-
-    The reader that checks their bytes needs ``dcp/manifest.json`` too, so its
-    absence is a problem here rather than a surprise in the middle of a load.
-    """
-    later = read_checked(manifest)
-    if not later:
-        return []
-    problems = []
+    )
     inner = f"{DCP_SUBDIR}/{MANIFEST_NAME}"
-    if not storage.exists(storage.join(folder, inner), storage_options=opts):
-        problems.append(f"{inner} is missing (the shards' checksums)")
-    for name, entry in later.items():
-        try:
-            path = _fs.confined_file(folder, name, checkpoint=folder, entry=f"its {MANIFEST_NAME}")
-            with storage.open_read(path, storage_options=opts) as f:
-                size = f.seek(0, os.SEEK_END)
-        except CheckpointNotFoundError:
-            problems.append(f"{name} is missing")
-            continue
-        except (OSError, DDPStateError) as exc:
-            problems.append(f"{name} cannot be read ({error_text(exc)})")
-            continue
-        want = entry.get("size")
-        if size != want:
-            how = "truncated" if isinstance(want, int) and size < want else "the wrong size"
-            problems.append(f"{name} is {how}: {size} bytes, the manifest says {want}")
-    return problems
+    if written and not storage.exists(storage.join(folder, inner), storage_options=opts):
+        return [f"{inner} is missing (the shards' checksums)"]
+    return []
 
 
 def check_folder(
@@ -462,20 +430,17 @@ def check_folder(
     step: Optional[int],
     opts: Optional[dict[str, Any]],
     workers: Optional[int] = None,
-    *,
-    defer: bool = False,
 ) -> FolderCheck:
     """Check one step folder against its manifest, collecting every problem.
 
     ``workers`` threads share the checksum pass (None: ``_checksum.check_files``
-    picks from the CPU count and the bytes). ``defer`` (restore): the
-    :func:`read_checked` shards are only stat'ed; their bytes are checked as they load.
+    picks from the CPU count and the bytes).
     """
     folder = storage.committed_folder(folder, storage_options=opts)  # a URL's version folder
     manifest, problem = read_manifest(folder, opts)
     if manifest is None:
         return FolderCheck(None, [str(problem)], [])
-    return _check_files(folder, manifest, step, opts, workers, defer=defer)
+    return _check_files(folder, manifest, step, opts, workers)
 
 
 def _check_files(
@@ -484,16 +449,13 @@ def _check_files(
     step: Optional[int],
     opts: Optional[dict[str, Any]],
     workers: Optional[int] = None,
-    *,
-    defer: bool = False,
 ) -> FolderCheck:
     check = FolderCheck(manifest, manifest_problems(manifest, step), [])
     found, check.files, check.bytes_read = _checksum.check_files(
-        folder, checked_files(manifest, defer=defer), opts, workers
+        folder, checked_files(manifest), opts, workers
     )
     check.problems.extend(found)
-    if defer:
-        check.problems.extend(deferred_problems(folder, manifest, opts))
+    check.problems.extend(dcp_manifest_problems(folder, manifest, opts))
     problems, check.notes = check_listing(folder, manifest["files"], opts)
     check.problems.extend(problems)
     if check.problems:

@@ -89,8 +89,11 @@ def verify_file(
     unsafe = not old_arguments("verify_file", legacy, weights_only=weights_only)[0]
     text = os.fspath(src)
     if storage.isdir(text, storage_options=storage_options):
+        # On a URL, a folder saved over a committed one (DurableWriter, ddpstate.save) is the
+        # version folder its manifest points to; a manager folder follows its own pointers.
+        committed = storage.committed_folder(text, storage_options=storage_options)
         try:
-            kind = formats.detect_format(text, storage_options=storage_options)
+            kind = formats.detect_format(committed, storage_options=storage_options)
         except CheckpointFormatError:
             find_index(text, storage_options)  # raises for two indexes, naming them
             kind = formats.MANAGER  # verify_checkpoint says what a manager folder lacks
@@ -98,7 +101,7 @@ def verify_file(
             # DCP needs torch: imported only for a folder, so files stay torch-free.
             from ddpstate._convert.dcp import verify_dcp
 
-            return verify_dcp(text, storage_options=storage_options)
+            return verify_dcp(committed, storage_options=storage_options)
         if kind in (formats.ACCELERATE, formats.HF_TRAINER):
 
             def verify_one(path: str, weights_only: bool) -> VerifyResult:
@@ -109,7 +112,7 @@ def verify_file(
                     storage_options=storage_options,
                 )  # fmt: skip
 
-            return verify_training_folder(text, kind, verify_one, storage_options)
+            return verify_training_folder(committed, kind, verify_one, storage_options)
         if kind == formats.MANAGER:
             return _verify_folder(text, storage_options)
     index_path = find_index(text, storage_options)

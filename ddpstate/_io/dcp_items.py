@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from ddpstate import _fs
@@ -26,7 +27,7 @@ try:  # the public module (newer torch); torch 2.13 has only the private one
 except ImportError:
     from torch.distributed.checkpoint import _fsspec_filesystem as fsspec_dcp
 
-__all__ = ["check_item_files", "fsspec_dcp", "plain_reader"]
+__all__ = ["PlanOnce", "check_item_files", "fsspec_dcp", "plain_reader"]
 
 
 def check_item_files(
@@ -111,3 +112,24 @@ def plain_reader(path: str, storage_options: Optional[dict[str, Any]]) -> Any:
     if _fs.is_remote(path):
         return _ConfinedFsspecReader(path, **(storage_options or {}))
     return _ConfinedReader(_fs.local_path(path))
+
+
+class PlanOnce(DefaultLoadPlanner):
+    """DCP's default load planner, keeping the local plan it made first.
+
+    ``CheckpointManager.restore`` plans (and so checks every key and shape)
+    before anything loads, then hands this planner to ``dcp.load`` for the
+    same state dicts: planning is not cheap (a ``DTensor``'s chunk takes a pass
+    over its global size), so the second ask gets the first plan.
+
+    Example:
+        >>> planner = PlanOnce()  # then set_up_planner, create_local_plan, dcp.load(planner=)
+    """
+
+    _plan: Any = None
+
+    def create_local_plan(self) -> Any:
+        """The local plan: made on the first call, the same object on every later one."""
+        if self._plan is None:
+            self._plan = super().create_local_plan()
+        return self._plan

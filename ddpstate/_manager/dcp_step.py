@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -135,26 +135,35 @@ def state_dicts(state: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str,
     return out
 
 
-def stage_entries(
+class PlannedLoad(NamedTuple):
+    """A step's DCP entries checked by :func:`plan_load`, for :func:`load_entries` to read."""
+
+    folder: str
+    state_dicts: dict[str, Any]
+    reader: Any
+    planner: Any
+
+
+def plan_load(
     state: Mapping[str, Any],
     kinds: Mapping[str, str],
     step_folder: str,
     ignore_mismatched: bool,
     storage_options: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
-    """Read a step's DCP entries ``kinds`` into CPU copies of the live state dicts.
+) -> PlannedLoad:
+    """Refuse a step's DCP entries ``kinds`` that cannot load into the live state; read no shard.
 
-    A collective where a process group exists (DCP's reader): the live objects'
-    own layout (sharded or not, any world size) decides what each rank reads.
-    The live objects are not written: a shard found damaged halfway leaves them
-    as they were, and :func:`apply_entries` loads the copies once every entry
-    of the step has read and verified. The copies cost this rank's share of the
-    entries in host memory (what an async save's snapshot holds), none on a GPU.
+    Restore's first phase (nothing loaded yet): the live objects are of the
+    saved kinds, and DCP's own load planner, run on this rank against the
+    step's ``.metadata``, finds every live key saved with the live shape. Its
+    plan is kept for :func:`load_entries`, which is left reading bytes restore
+    already checked.
 
     Raises:
         InvalidArgumentError: ``ignore_mismatched`` was asked for (DCP entries must
             fit), or a live entry is not the kind of object that was saved.
-        CheckpointCorruptError: A shard failed its check as it was read.
+        CheckpointCorruptError: The metadata cannot be read, or a live key or
+            shape is not in it (DCP's planner names the key).
     """
     where = storage.join(step_folder, DCP_SUBDIR)
     if ignore_mismatched:
@@ -177,34 +186,54 @@ def stage_entries(
                 f"torch.distributed.checkpoint, keyed by its model's parameter names; put its "
                 f"model in the state passed to restore"
             )
-    # With cpu_offload=False the state dicts hold the live tensors themselves (DCP would
-    # read into the model): the copies keep their layout (a DTensor stays a DTensor).
-    staged: dict[str, Any] = snapshot(state_dicts(state, kinds))
-    from torch.distributed.checkpoint.state_dict_loader import load
+    # With cpu_offload=False the state dicts hold the live tensors: DCP reads into them,
+    # as a plain dcp.load does, with no copy of the step in host memory.
+    dicts = state_dicts(state, kinds)
+    # Torch's own reader, not VerifiedReader: restore's verify pass CRC'd every byte of the
+    # step a moment ago, and committed files are never rewritten in place (a re-saved step
+    # is staged beside them and swapped in whole), so a second check would catch only
+    # another job writing into the same directory at the same moment, which is not
+    # supported; a file it deletes fails the read, which restore reports as partly loaded.
+    from ddpstate._io import dcp_items  # imports DCP (seconds): restores with DCP entries only
 
-    # A step DurableWriter wrote is checked range by range as it loads (VerifiedReader;
-    # restore only stat'ed its shards); an older step's shards were CRC'd before this.
+    reader = dcp_items.plain_reader(where, storage_options)
+    planner = dcp_items.PlanOnce()
     with _torch_io.dcp_read_errors(where, advice="restore another step"):
-        load(staged, storage_reader=_torch_io.dcp_reader(where, storage_options))
-    return staged
+        planner.set_up_planner(dicts, reader.read_metadata(), is_coordinator=False)
+        planner.create_local_plan()  # raises on a key or shape the step lacks
+    return PlannedLoad(where, dicts, reader, planner)
 
 
-def apply_entries(
-    state: MutableMapping[str, Any], kinds: Mapping[str, str], staged: Mapping[str, Any]
+def load_entries(
+    state: MutableMapping[str, Any], kinds: Mapping[str, str], planned: PlannedLoad
 ) -> None:
-    """Load the copies :func:`stage_entries` read into the live models and optimizers."""
+    """Read a step's DCP entries ``kinds`` straight into the live models and optimizers.
+
+    A collective where a process group exists (DCP's reader): the live objects'
+    own layout (sharded or not, any world size) decided what each rank reads.
+    Restore's second phase: every byte was CRC'd and :func:`plan_load` passed
+    on every rank first, so what can fail here is I/O, midway, with the live
+    objects partly loaded (restore says so).
+
+    Raises:
+        CheckpointCorruptError: A shard could not be read.
+    """
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
     )
+    from torch.distributed.checkpoint.state_dict_loader import load
 
+    loaded = planned.state_dicts
+    with _torch_io.dcp_read_errors(planned.folder, advice="restore another step"):
+        load(loaded, storage_reader=planned.reader, planner=planned.planner)
     models = _models(state)
     for name, kind in kinds.items():
         if kind == KIND_MODULE:
-            set_model_state_dict(state[name], staged[name], options=_options())
+            set_model_state_dict(state[name], loaded[name], options=_options())
         else:
             owner = models[str(_owner(state[name], models))]
-            set_optimizer_state_dict(owner, state[name], staged[name], options=_options())
+            set_optimizer_state_dict(owner, state[name], loaded[name], options=_options())
 
 
 # ------------------------------------------------------------------------- CheckpointManager

@@ -99,7 +99,7 @@ def check_share_of_step(
         if index == 0:
             found["head"] = _manifest.manifest_problems(manifest, step)
             found["tail"], _ = _manifest.check_listing(folder, manifest["files"], None)
-            found["expected"] = _manifest.checked_files(manifest, defer=True)
+            found["expected"] = _manifest.checked_files(manifest)
     except Exception as exc:  # still join the round: the others would wait for this rank
         text = f"it cannot be checked ({_checksum.error_text(exc)})"
         found["files"] = [*found["files"], ("", _checksum.PieceRead(0, 0, 0, text))]

@@ -3,9 +3,9 @@
 Rank 0 verifies the candidates newest first (with every rank's help, see
 ``verify_split.py``) and broadcasts its choice, unless the node-local tier
 (``local_tier.py``) answers first; every rank then loads the chosen step's
-entries into the live objects and restores its own RNG states. A step's DCP
-shards are checked as they load (``VerifiedReader``), not before; one found
-damaged there sends ``restore(step=None)`` back to choosing among older steps.
+entries into the live objects and restores its own RNG states. Every byte of
+the step, its DCP shards included, is CRC'd before anything is loaded, so a
+damaged step leaves the live state as it was.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _verify(
     opts = writer.config.storage_options
     if split:
         return _verify_split.verify(folder, step, opts, writer.config.timeout)
-    check = check_folder(folder, step, opts, defer=True)
+    check = check_folder(folder, step, opts)
     if check.manifest is None:
         return None, "; ".join(check.problems)
     return check.manifest, None
@@ -405,9 +405,11 @@ def _choose_durable(
         try:
             choice = choose(writer, step, split, below)
         except Exception as exc:
+            choose_error = _untouched(exc)  # chosen before anything loads
             if not is_distributed():
-                raise
-            choose_error = exc
+                if choose_error is exc:
+                    raise
+                raise choose_error from exc
         finally:
             if split:
                 _verify_split.finish(timeout)
@@ -471,11 +473,11 @@ def restore(
                 manifest = choice.manifest
             else:
                 source, manifest = found
+            # Unpickling and loading make objects per tensor, none in a cycle: with
+            # 25,000 tensors the collector's passes were a fifth of a restore (issue 42).
             try:
-                # Unpickling and loading make objects per tensor, none in a cycle: with
-                # 25,000 tensors the collector's passes were a fifth of a restore (issue 42).
                 with gc_paused():
-                    _load(
+                    staged = _stage_step(
                         writer,
                         state,
                         source,
@@ -488,7 +490,7 @@ def restore(
                         mapped=found is not None,
                     )
             except CheckpointCorruptError as exc:
-                # Bytes checked as they loaded (a step's DCP shards) failed, on every rank
+                # A file refused as it was read (nothing loaded yet), on every rank
                 # alike: the next older step that verifies, as if this one had failed its check.
                 if step is not None or found is not None:
                     raise
@@ -499,6 +501,8 @@ def restore(
                 )
                 failed, below = exc, source.step
                 continue
+            with gc_paused():
+                _apply(state, source, manifest, staged, writer.config.timeout)
             return source
 
 
@@ -516,7 +520,7 @@ def _untouched(error: Exception) -> Exception:
     return error
 
 
-def _load(
+def _stage_step(
     writer: StepWriter,
     state: MutableMapping[str, Any],
     source: RestoreSource,
@@ -528,25 +532,25 @@ def _load(
     ignore_mismatched: bool,
     allow_dtype_change: bool,
     mapped: bool,
-) -> None:
-    """Every rank: load ``source``'s entries and RNG states; any rank's failure is raised on all.
+) -> _Staged:
+    """Every rank: restore's first phase; any rank's failure is raised on all, state untouched.
 
     Two phases, so damage found anywhere leaves every rank's live state as it was:
-    every rank reads and checks the whole step first (DCP shards into CPU copies,
-    files into memory, refusals such as a dtype change) and the ranks agree it
-    succeeded; only then is it loaded into the live objects.
+    the step's bytes were all CRC'd when it was chosen (its DCP shards with them,
+    split across the ranks); here every rank reads its file entries into memory,
+    checks its DCP entries against the step's metadata (keys, shapes) and refuses
+    what cannot load (a dtype change...), and the ranks agree it succeeded. Only
+    then does :func:`_apply` load into the live objects.
     ``mapped``: the local tier is node-local memory, so its files are mapped, not copied.
     """
     # On a URL, a step saved over another lives in the version folder its manifest names.
     opts = writer.config.storage_options
     folder = storage.committed_folder(str(source.path), storage_options=opts)
-    saved_entries = manifest["entries"]
-    timeout = writer.config.timeout
     error: Optional[Exception] = None
     staged: Optional[_Staged] = None
     try:
         if strict:
-            _check_entries(names, saved_entries, folder)
+            _check_entries(names, manifest["entries"], folder)
         policy: model_state.DTypePolicy = "allow" if allow_dtype_change else "refuse"
         staged = _stage(
             writer, state, folder, manifest, map_location, ignore_mismatched, policy, mapped
@@ -557,31 +561,55 @@ def _load(
             if error is exc:
                 raise
             raise error from exc
-    share_restore_outcome(source.step, error, timeout)
+    share_restore_outcome(source.step, error, writer.config.timeout)
     assert staged is not None  # every rank staged (an error was raised on all above)
+    return staged
+
+
+#: Said by a restore that failed while it loaded into the live objects.
+PARTLY = "the live state may be partly loaded from this step; call restore again"
+
+
+def _apply(
+    state: MutableMapping[str, Any],
+    source: RestoreSource,
+    manifest: dict[str, Any],
+    staged: _Staged,
+    timeout: Timeout,
+) -> None:
+    """Every rank: restore's second phase, loading ``staged`` (and the DCP shards) into ``state``.
+
+    What fails here fails after every check passed (an I/O error midway through
+    the shards): it is raised on every rank saying the state may be partly
+    loaded, never that it is untouched, and no older step is tried instead.
+    """
+    error: Optional[Exception] = None
     try:
-        if staged.dcp_kinds:
-            _dcp.apply_entries(state, staged.dcp_kinds, staged.dcp)
+        if staged.dcp is not None:
+            _dcp.load_entries(state, staged.dcp_kinds, staged.dcp)
         _load_ready(
-            state, staged.ready, staged.files, ignore_mismatched, staged.policy, staged.live
+            state, staged.ready, staged.files, staged.ignore_mismatched, staged.policy, staged.live
         )
         restore_rng(staged.rng, manifest)
     except Exception as exc:
+        error = with_message(exc, f"{exc}; {PARTLY}") if isinstance(exc, DDPStateError) else exc
         if not is_distributed():
-            raise
-        error = exc
+            if error is exc:
+                raise
+            raise error from exc
     share_restore_outcome(source.step, error, timeout)
 
 
 class _Staged(NamedTuple):
-    """A step read and checked on this rank, not yet loaded into the live objects."""
+    """A step checked on this rank (its file entries read), not yet loaded into the live objects."""
 
     dcp_kinds: dict[str, str]
-    dcp: dict[str, Any]
+    dcp: Optional[_dcp.PlannedLoad]
     ready: dict[str, Any]
     files: dict[str, str]
     rng: Any
     policy: model_state.DTypePolicy
+    ignore_mismatched: bool
     live: _Live
 
 
@@ -597,13 +625,13 @@ def _stage(
 ) -> _Staged:
     """Read every entry and the RNG states of the step in ``folder``; refuse, never load."""
     saved_entries, opts = manifest["entries"], writer.config.storage_options
-    # DCP entries read on every rank together (a collective), into copies.
+    # DCP entries: checked against the step's metadata here, read into the live objects later.
     dcp_kinds = {
         n: saved_entries[n]["kind"]
         for n in state
         if n in saved_entries and saved_entries[n].get("kind") in _dcp.KINDS
     }
-    dcp = _dcp.stage_entries(state, dcp_kinds, folder, ignore_mismatched, opts) if dcp_kinds else {}
+    dcp = _dcp.plan_load(state, dcp_kinds, folder, ignore_mismatched, opts) if dcp_kinds else None
     files = {
         name: storage.join(folder, saved_entries[name]["file"])
         for name in state
@@ -628,4 +656,4 @@ def _stage(
         name: _prepare(name, value, state, files[name], policy, live)
         for name, value in loaded.items()
     }
-    return _Staged(dcp_kinds, dcp, ready, files, rng, policy, live)
+    return _Staged(dcp_kinds, dcp, ready, files, rng, policy, ignore_mismatched, live)

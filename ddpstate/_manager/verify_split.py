@@ -30,10 +30,10 @@ def check_share(
 ) -> list[_checksum.Finding]:
     """Checksum share ``index`` of ``count`` of ``manifest``'s listed files (see ``_checksum``).
 
-    The shards a ``VerifiedReader`` checks as restore loads them are left out
-    (``_manifest.read_checked``); rank 0 stats them instead.
+    DCP shards included: restore loads them straight into the live state, so
+    their bytes are checked here, before anything is loaded.
     """
-    files = _manifest.checked_files(manifest, defer=True)
+    files = _manifest.checked_files(manifest)
     return _checksum.check_share(folder, files, opts, index, count)
 
 
@@ -82,9 +82,9 @@ def verify(
     if not_shared is not None:
         raise not_shared
     # Back in manifest order, so the text is what one rank checking the whole folder reports.
-    found = _checksum.file_problems(_manifest.checked_files(manifest, defer=True), shares)
-    deferred = _manifest.deferred_problems(folder, manifest, opts)
-    problems = [*head, *found, *deferred, *listing]
+    found = _checksum.file_problems(_manifest.checked_files(manifest), shares)
+    inner = _manifest.dcp_manifest_problems(folder, manifest, opts)
+    problems = [*head, *found, *inner, *listing]
     return (None, "; ".join(problems)) if problems else (manifest, None)
 
 

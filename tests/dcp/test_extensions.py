@@ -202,7 +202,18 @@ def test_a_compressed_folder_on_s3_round_trips_and_verifies(s3_server: S3Server)
     assert _same(_load(VerifiedReader(url, storage_options=opts)), _state())
     version = storage.committed_folder(url, storage_options=opts)
     assert version != url  # the second save's version folder
-    assert verify_file(version, storage_options=opts).ok  # `ddpstate verify`: the stored bytes
+    # `ddpstate verify <url>`: the pointer is followed to the stored bytes (regression: the
+    # URL itself was refused with CheckpointNotFoundError).
+    result = verify_file(url, storage_options=opts)
+    assert result.ok and result.format == "dcp", result.problems
+    # ...and they are checked: a flipped byte in the version folder's shard is found.
+    shard = storage.join(version, "__0_0.distcp")
+    fs = s3_server.filesystem()
+    data = bytearray(fs.cat_file(shard.removeprefix("s3://")))
+    data[len(data) // 2] ^= 0x80
+    fs.pipe_file(shard.removeprefix("s3://"), bytes(data))
+    damaged = verify_file(url, storage_options=opts)
+    assert not damaged.ok and any("__0_0.distcp" in p for p in damaged.problems), damaged.problems
 
 
 def test_ddpstate_verify_checks_a_compressed_folder_as_stored(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """A restore that finds damage leaves the live state as it was, or restores an older step whole.
 
-Every rank reads and checks the whole step (DCP shards into copies, entry files,
-RNG states) before anything is loaded into the live model and optimizer.
+Every rank checks the whole step (every byte's CRC-32, DCP shards included; entry files
+and RNG states read; DCP's load plan against the live keys and shapes) before anything
+is loaded into the live model and optimizer.
 """
 
 from __future__ import annotations
@@ -134,6 +135,32 @@ def test_an_entry_file_refused_after_the_dcp_entries_read_leaves_them_untouched(
         manager.restore({"model": model, "optimizer": opt, "marker": None})
     assert _same(_live(model, opt), before)
     assert "marker.pt" in str(caught.value) and _UNTOUCHED in str(caught.value)
+
+
+def test_a_read_failing_after_every_check_passed_says_the_state_may_be_partly_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step passed its checks, then a shard vanished before it was read (an I/O failure
+    midway): the error must not claim the state is untouched, and no older step is tried."""
+    from ddpstate._manager import restore as restore_module
+
+    model, opt = _saved_run(tmp_path, (1, 2))
+    staged = restore_module._stage_step
+
+    def vanish_after_checks(*args: Any, **kwargs: Any) -> Any:
+        out = staged(*args, **kwargs)
+        (tmp_path / "step_0000000002" / DCP_SUBDIR / "__0_0.distcp").unlink()
+        return out
+
+    monkeypatch.setattr(restore_module, "_stage_step", vanish_after_checks)
+    with (
+        ddpstate.CheckpointManager(tmp_path, writers="all") as manager,
+        pytest.raises(ddpstate.CheckpointCorruptError) as caught,
+    ):
+        manager.restore({"model": model, "optimizer": opt})
+    text = str(caught.value)
+    assert "step_0000000002" in text and restore_module.PARTLY in text, text
+    assert _UNTOUCHED not in text
 
 
 # --------------------------------------------------------------------------- DTensors
