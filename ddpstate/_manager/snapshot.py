@@ -36,6 +36,8 @@ from ddpstate._manager.entries import (
 
 #: The tensor types a state holds as plain data (``keep_vars=True`` yields the Parameters).
 _PLAIN = (torch.Tensor, nn.Parameter)
+#: Each read of a Parameter's attributes costs about 0.2 µs: a CPU tensor's device is not read.
+_CPU = torch.device("cpu")
 
 
 class Snapshot:
@@ -142,9 +144,10 @@ class _Copies:
         copy with its own offset, shape and stride. The writer then sees the ties
         the synchronous save sees, and writes files of the same size and aliases.
         """
+        on_cuda = not t.is_cpu
         if (
             type(t) not in _PLAIN
-            or not (t.is_cpu or t.is_cuda)
+            or (on_cuda and not t.is_cuda)
             or t.layout != torch.strided
             or t.is_quantized
         ):
@@ -152,7 +155,7 @@ class _Copies:
         if t.is_conj() or t.is_neg():
             # Lazy conjugate/negative bits are not in the storage's bytes: materialise them.
             t = t.resolve_conj().resolve_neg()
-        source, device = t.untyped_storage(), t.device
+        source, device = t.untyped_storage(), t.device if on_cuda else _CPU
         nbytes = source.nbytes()
         # A live storage owns its address, so (device, address) names it while the
         # state holds it; empty storages all sit at address 0 and share nothing.
@@ -162,13 +165,13 @@ class _Copies:
             if t.storage_offset() == 0 and t.nbytes == nbytes and t.is_contiguous():
                 # The common case (most tensors own their storage): the buffer, shaped like
                 # the tensor, is the copy itself; no view to build per key.
-                copied = self._queue(t, device, path)
+                copied = self._queue(t, device, on_cuda, path)
                 if key is not None:
                     self.memo[key] = copied
                 return copied
             # Another view of the storage: the whole storage is copied, in bytes.
             raw = torch.empty(0, dtype=torch.uint8, device=device).set_(source)
-            copied = self._queue(raw, device, path)
+            copied = self._queue(raw, device, on_cuda, path)
             if key is not None:
                 self.memo[key] = copied
         view = torch.empty(0, dtype=t.dtype)
@@ -188,10 +191,10 @@ class _Copies:
         return self.memo[id(tensor)]  # type: ignore[no-any-return]
 
     def _queue(
-        self, source: torch.Tensor, device: torch.device, path: tuple[Any, ...]
+        self, source: torch.Tensor, device: torch.device, on_cuda: bool, path: tuple[Any, ...]
     ) -> torch.Tensor:
         """Queue the copy of ``source`` (a whole storage) into the buffer kept for ``path``."""
-        shape, dtype, on_cuda = source.shape, source.dtype, device.type == "cuda"
+        shape, dtype = source.shape, source.dtype
         buffer = self.kept.get(path)
         if (
             buffer is None
