@@ -132,7 +132,7 @@ def wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
         model = inner
 
 
-def unwrapped_state_dict(model: nn.Module) -> dict[str, Any]:
+def unwrapped_state_dict(model: nn.Module, *, keep_vars: bool = False) -> dict[str, Any]:
     """The plain model's state dict: exactly the segments of the wrappers ``model`` holds removed.
 
     The outer wrappers (DataParallel, DDP, ``torch.compile`` in any nesting) are
@@ -143,6 +143,7 @@ def unwrapped_state_dict(model: nn.Module) -> dict[str, Any]:
 
     Args:
         model: A plain or wrapped module; not changed.
+        keep_vars: Passed to ``state_dict``: the live parameters and buffers, not detached ones.
 
     Returns:
         The state dict (with ``_metadata``, its module paths renamed alike).
@@ -156,7 +157,7 @@ def unwrapped_state_dict(model: nn.Module) -> dict[str, Any]:
         ['n_averaged', 'module.weight', 'module.bias']
     """
     *_, plain = wrapper_chain(model)
-    state = plain.state_dict()
+    state = plain.state_dict(keep_vars=keep_vars)
     compiled = optimized_module_type()
     inner = (
         set()

@@ -215,3 +215,45 @@ def test_sync_save_and_restore_hold_the_garbage_collector_off(
         assert written and not any(written) and gc.isenabled()
         assert manager.restore({"probe": probe}) == 1
     assert probe.seen == [False] and gc.isenabled()
+
+
+def test_the_snapshot_copies_every_tensor_in_one_batched_call_per_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (issue 42): the snapshot made one copy_ call per tensor from Python (25,640
+    for the MoE-shaped state). It now queues the copies and runs them in one
+    torch._foreach_copy_ per source device, whatever their dtypes; the copies equal the state."""
+    from ddpstate._manager.snapshot import Snapshot
+
+    calls: list[int] = []
+    foreach_copy = torch._foreach_copy_
+
+    def counting(buffers: list[torch.Tensor], sources: list[torch.Tensor], **kwargs: Any) -> None:
+        calls.append(len(sources))
+        foreach_copy(buffers, sources, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counting)
+    torch.manual_seed(0)
+    model = _Experts()
+    snapshot = Snapshot()
+    for _ in range(2):  # the second save reuses the first one's buffers
+        entries, events = snapshot.collect({"model": model}, snapshot=True)
+        copied = entries["model"].value
+        for key, value in model.state_dict().items():
+            assert torch.equal(copied[key], value.resolve_conj()), key
+            assert not copied[key].requires_grad, key
+    assert events == [] and len(calls) == 2 and calls[0] == calls[1] >= 9_990
+
+
+def test_an_async_save_refuses_meta_tensors_naming_them(tmp_path: Path) -> None:
+    """Regression: an async save's snapshot tried to copy a meta tensor and raised torch's
+    NotImplementedError ("Cannot copy out of meta tensor"); it now refuses it as the sync
+    save does, naming the key, and writes nothing."""
+    with torch.device("meta"):
+        model = nn.Linear(3, 2)
+    with ddpstate.CheckpointManager(tmp_path, async_save=True) as manager:
+        with pytest.raises(ddpstate.DDPStateError, match=r"state\['model'\]\['weight'\].*meta"):
+            manager.save(1, {"model": model})
+        with pytest.raises(ddpstate.DDPStateError, match=r"state\['extra'\]\[0\].*meta device"):
+            manager.save(1, {"extra": [torch.empty(2, device="meta")]})
+        assert manager.steps() == []
