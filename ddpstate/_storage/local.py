@@ -195,10 +195,13 @@ def create_locked_temp(
 ) -> tuple[str, int]:
     """Create a fresh temp file (or folder) for ``base`` and hold its ``flock``; (name, fd).
 
+    The fd holding the lock is read-only (a file's writer opens its own): the lock then
+    outlives the writer's close until the rename, and the kernel sees the file closed
+    after writing before it gets its final name.
     ``folder_mode``: a staging folder that becomes the checkpoint takes 0o777 (the umask
     decides, as for any new folder); a private scratch folder keeps 0o700.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     while True:
         temp = os.path.join(folder, temp_name_for(base))
         try:
@@ -220,6 +223,12 @@ def create_locked_temp(
             return temp, fd
         # Another process's save took the new file for a dead writer's in the moment
         # before the lock and deleted it: start again under a new name.
+        os.close(fd)
+
+
+def _close_open(fd: int) -> None:
+    """Close ``fd`` if it was opened (not -1)."""
+    if fd >= 0:
         os.close(fd)
 
 
@@ -255,8 +264,12 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
             f"{path} is a folder; save needs a file path such as {os.path.join(path, 'model.pt')}"
         )
     folder = os.path.dirname(target)
-    temp, fd = create_locked_temp(folder, os.path.basename(target), path)
+    temp, lock = create_locked_temp(folder, os.path.basename(target), path)
+    fd = -1
     try:
+        # The file is ours (created under O_EXCL and locked since): nobody renames or
+        # deletes a locked temp file, so its name still leads to it.
+        fd = os.open(temp, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
         if hasattr(os, "fchmod"):  # not on Windows before Python 3.13
             with contextlib.suppress(FileNotFoundError):
                 # Keep a restrictive mode the user gave the previous checkpoint.
@@ -266,30 +279,32 @@ def atomic_write_local(path: str, fsync: bool) -> Iterator[IO[bytes]]:
         # messages find the temp file by it.
         setattr(getattr(fileobj, "raw", fileobj), "name", temp)  # noqa: B010
     except BaseException as exc:
-        cleanup_after(exc, temp, lambda: os.close(fd), lambda: _unlink_missing_ok(temp))
+        os.close(lock)  # first: Windows deletes no file that is open
+        cleanup_after(exc, temp, lambda: _close_open(fd), lambda: _unlink_missing_ok(temp))
         raise
     try:
         yield fileobj
     except BaseException as exc:
+        os.close(lock)
         cleanup_after(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
         raise
     retired: Optional[str] = None
     try:
-        fileobj.flush()
-        if fsync:
-            os.fsync(fileobj.fileno())
-        # The lock belongs to the open file, not to a descriptor: a duplicate keeps it from
-        # the close to the rename, else another save's clean-up may take the closed temp
-        # file for a killed save's and delete it (Windows has neither flock nor a rename
-        # of an open file).
-        held = os.dup(fileobj.fileno()) if os.name != "nt" else None
+        # The read-only lock fd stays open from the writer's close to the rename, else
+        # another save's clean-up may take the closed temp file for a killed save's and
+        # delete it. (Windows has neither flock nor a rename of an open file.)
         try:
+            fileobj.flush()
+            if fsync:
+                os.fsync(fileobj.fileno())
             fileobj.close()
+            if os.name == "nt":
+                os.close(lock)
+                lock = -1
             retired = _retire(target)
             os.replace(temp, target)
         finally:
-            if held is not None:
-                os.close(held)
+            _close_open(lock)
     except BaseException as exc:
         cleanup_after(exc, temp, fileobj.close, lambda: _unlink_missing_ok(temp))
         if retired is not None:

@@ -258,7 +258,8 @@ def _assert_one_writer(
         if rank != writer:
             assert result["writes"] == [], f"rank {rank} opened files for writing"
     writes = results[writer]["writes"]
-    opened = [name for kind, name in writes if kind == "open"]
+    # One temp file per save (created, then opened by its writer: one name).
+    opened = list(dict.fromkeys(name for kind, name in writes if kind == "open"))
     renamed = [name for kind, name in writes if kind == "rename"]
     assert renamed == targets
     assert len(opened) == len(targets)
