@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -89,12 +88,6 @@ def _worker(rank: int, size_mib: int, repeats: int, folder: Path, out: Path) -> 
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(results: Results, settings: Settings) -> None:
     """Start two ranks, collect their times, record save and load comparisons."""
     folder = settings.work / "dist"
@@ -103,7 +96,7 @@ def run(results: Results, settings: Settings) -> None:
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(harness.free_port()),
         "WORLD_SIZE": str(WORLD),
     }
     args = [str(settings.dist_size_mib), str(settings.repeats), str(folder), str(out)]

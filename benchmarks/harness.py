@@ -27,6 +27,7 @@ import gc
 import json
 import mmap
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -160,6 +161,13 @@ class Results:
 
 
 # ------------------------------------------------------------------------------- timing
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a benchmark's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def crc32_in_use() -> str:

@@ -44,7 +44,6 @@ import json
 import os
 import pickle
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -56,6 +55,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from benchmarks import harness
 
 TIMEOUT = 300.0
 
@@ -241,12 +242,6 @@ def _simulated(n: int, rounds: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- real processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _stop_worker(
     rank: int, world: int, port: int, calls: int, blocks: int, folder: str, out: str
 ) -> None:
@@ -292,7 +287,7 @@ def _real(world: int, calls: int, blocks: int) -> dict[str, float]:
         out = os.path.join(folder, "result.json")
         tmp.spawn(
             _stop_worker,
-            args=(world, _free_port(), calls, blocks, folder, out),
+            args=(world, harness.free_port(), calls, blocks, folder, out),
             nprocs=world,
             join=True,
         )

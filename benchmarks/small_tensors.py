@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -142,17 +141,11 @@ def _worker(rank: int, repeats: int, folder: Path, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(repeats: int, folder: Path) -> dict[str, list[float]]:
     """Run the two ranks; return each measurement's per-repeat times (max over ranks)."""
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "times.json"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(harness.free_port()),
            "WORLD_SIZE": str(WORLD)}  # fmt: skip
     procs = [
         subprocess.Popen(
